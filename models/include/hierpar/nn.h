@@ -1,0 +1,7 @@
+// hierpar's drop-in layers: the same options types, parameter and buffer names as torch::nn, so a stock
+// layer is swapped for one line and state dicts interchange.
+#pragma once
+
+#include "hierpar/nn/batch_norm.h"
+#include "hierpar/nn/conv_transpose.h"
+#include "hierpar/nn/max_pool.h"

@@ -1,0 +1,37 @@
+#include "common.h"
+
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/env.h>
+
+#include <limits>
+
+namespace hierpar::detail {
+
+bool poison_outputs() {
+  static const bool on = c10::utils::check_env("HIERPAR_POISON_OUTPUTS") == true;
+  return on;
+}
+
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c10::MemoryFormat memory_format) {
+  at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
+  if (poison_outputs() && out.numel() > 0) {
+    if (at::isFloatingType(out.scalar_type())) {
+      out.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else if (out.scalar_type() == at::kByte) {
+      out.fill_(255);
+    } else if (out.scalar_type() != at::kBool) {
+      out.fill_(-1);
+    }
+  }
+  return out;
+}
+
+c10::MemoryFormat layout_of(const at::Tensor& t) {
+  if (t.dim() == 4 && t.suggest_memory_format() == c10::MemoryFormat::ChannelsLast) {
+    return c10::MemoryFormat::ChannelsLast;
+  }
+  return c10::MemoryFormat::Contiguous;
+}
+
+}  // namespace hierpar::detail

@@ -1,0 +1,56 @@
+// hierpar's operators, callable from C++. Each forwards to the dispatcher op of the same name
+// (torch.ops.hierpar.<name> in Python), so autograd, CPU/CUDA/Meta kernels and TorchScript all apply.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace hierpar::ops {
+
+// Max pooling with at::max_pool2d's semantics. Returns (output, indices): indices hold, per output
+// element, the row-major offset of the chosen element inside its window, as uint8 (kernels up to 16x16).
+std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size,
+                                              at::IntArrayRef stride = {}, at::IntArrayRef padding = {0, 0},
+                                              at::IntArrayRef dilation = {1, 1}, bool ceil_mode = false);
+
+// Gather backward of max_pool2d: every input element sums the gradients of the windows that chose it.
+at::Tensor max_pool2d_backward(const at::Tensor& grad_output, const at::Tensor& indices,
+                               at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                               at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode);
+
+// BatchNorm2d fused with an activation: "identity", "relu" or "leaky_relu" (negative slope `slope`).
+// Training mode normalises with the batch statistics and updates running_mean/running_var in place
+// (when given) with `momentum`; eval mode uses the running statistics.
+// Returns (output, save_mean, save_invstd); the statistics used, in fp32, for the backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps, c10::string_view activation = "identity", double slope = 0.01);
+
+// Backward of batch_norm_act from its saved output (the pre-activation is recovered by inverting the
+// activation); `input` is needed only for "relu", which loses the negative half. Returns
+// (grad_input, grad_weight, grad_bias), each computed only where output_mask says so.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward(
+    const at::Tensor& grad_output, const at::Tensor& output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
+    std::array<bool, 3> output_mask);
+
+// Transposed convolution with at::conv_transpose2d's semantics and weight layout [C_in, C_out/groups, kH, kW].
+at::Tensor conv_transpose2d(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias = std::nullopt, at::IntArrayRef stride = {1, 1},
+                            at::IntArrayRef padding = {0, 0}, at::IntArrayRef output_padding = {0, 0},
+                            int64_t groups = 1, at::IntArrayRef dilation = {1, 1});
+
+// Returns (grad_input, grad_weight, grad_bias), each computed only where output_mask says so.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    std::array<bool, 3> output_mask);
+
+}  // namespace hierpar::ops

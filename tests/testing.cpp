@@ -1,0 +1,104 @@
+#include "testing.h"
+
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+
+namespace hierpar::testing {
+
+uint64_t run_seed() {
+  static const uint64_t seed = [] {
+    const char* env = std::getenv("HIERPAR_TEST_SEED");
+    return env ? std::strtoull(env, nullptr, 10) : std::random_device{}();
+  }();
+  return seed;
+}
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 gen;
+  static std::string seeded_for;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "";
+  if (name != seeded_for) {
+    seeded_for = name;
+    uint64_t s = run_seed() ^ std::hash<std::string>{}(name);
+    gen.seed(s);
+    torch::manual_seed(s);
+  }
+  return gen;
+}
+
+int64_t rand_int(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng()); }
+bool coin() { return rand_int(0, 1) == 1; }
+
+Tolerance tolerance_for(c10::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kDouble: return {1e-10, 1e-12};
+    case torch::kFloat: return {1e-5, 1e-6};
+    case torch::kBFloat16: return {2e-2, 2e-2};
+    case torch::kHalf: return {4e-3, 4e-3};
+    default: return {0, 0};
+  }
+}
+
+void expect_close(const torch::Tensor& actual, const torch::Tensor& expected, Tolerance tol,
+                  const std::string& what) {
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what << ": shapes differ";
+  auto a = actual.detach().to(torch::kCPU, torch::kDouble);
+  auto e = expected.detach().to(torch::kCPU, torch::kDouble);
+  auto nan_a = a.isnan(), nan_e = e.isnan();
+  ASSERT_TRUE(nan_a.equal(nan_e)) << what << ": NaN positions differ (" << nan_a.sum().item<int64_t>()
+                                  << " NaN in result, " << nan_e.sum().item<int64_t>() << " expected)";
+  auto finite = ~nan_e;
+  auto diff = (a - e).abs().masked_fill(~finite, 0).nan_to_num(0.0, 0.0, 0.0);
+  auto inf_mismatch = (a.isinf() | e.isinf()) & (a != e);
+  ASSERT_FALSE(inf_mismatch.any().item<bool>()) << what << ": infinities differ";
+  auto limit = tol.atol + tol.rtol * e.abs().masked_fill(~finite, 0).nan_to_num(0.0, 0.0, 0.0);
+  auto bad = diff > limit;
+  if (bad.any().item<bool>()) {
+    auto idx = (diff - limit).flatten().argmax().item<int64_t>();
+    ADD_FAILURE() << what << ": " << bad.sum().item<int64_t>() << " of " << e.numel()
+                  << " elements off; worst at flat index " << idx << ": got " << a.flatten()[idx].item<double>()
+                  << ", expected " << e.flatten()[idx].item<double>() << " (rtol " << tol.rtol << ", atol "
+                  << tol.atol << ", seed " << run_seed() << ")";
+  }
+}
+
+torch::Tensor random_tensor(at::IntArrayRef sizes, const torch::TensorOptions& options, Layout layout) {
+  rng();  // seeds torch for this test
+  auto make = [&](at::IntArrayRef s) {
+    return torch::rand(s, torch::TensorOptions().dtype(torch::kDouble)).mul_(2).sub_(1).to(options);
+  };
+  switch (layout) {
+    case Layout::contiguous: return make(sizes);
+    case Layout::channels_last:
+      return sizes.size() == 4 ? make(sizes).contiguous(torch::MemoryFormat::ChannelsLast) : make(sizes);
+    case Layout::strided: {
+      std::vector<int64_t> wide(sizes.begin(), sizes.end());
+      wide.back() *= 2;
+      return make(wide).slice(-1, 0, wide.back(), 2);
+    }
+  }
+  return make(sizes);
+}
+
+const char* to_string(Layout layout) {
+  switch (layout) {
+    case Layout::contiguous: return "contiguous";
+    case Layout::channels_last: return "channels_last";
+    case Layout::strided: return "strided";
+  }
+  return "?";
+}
+
+bool cuda_available() { return torch::cuda::is_available(); }
+
+}  // namespace hierpar::testing
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  setenv("HIERPAR_POISON_OUTPUTS", "1", 0);  // kernels fill outputs with NaN first: unwritten elements show
+  std::cout << "hierpar tests: HIERPAR_TEST_SEED=" << hierpar::testing::run_seed()
+            << (hierpar::testing::cuda_available() ? " (CUDA available)" : " (no CUDA device)") << std::endl;
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,67 @@
+// Shared test helpers: a printed per-run seed, dtype tolerances, comparison with context, CUDA skips.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace hierpar::testing {
+
+// The seed of this run: HIERPAR_TEST_SEED if set, else drawn fresh; printed once at start-up.
+uint64_t run_seed();
+
+// A generator for shapes and parameters, seeded from the run seed and the current test's name, so
+// one failing test reproduces alone with HIERPAR_TEST_SEED=<printed seed>. Also seeds torch.
+std::mt19937_64& rng();
+int64_t rand_int(int64_t lo, int64_t hi);  // inclusive
+bool coin();
+
+// Relative and absolute tolerances for comparing a result in `dtype` with a float64 reference:
+// float64 1e-10, float32 1e-5 (summation order only), tf32 matmul 2e-3, bf16 2e-2, fp16 4e-3 (relative
+// to the reference's scale). Each is a few units of the dtype's rounding error.
+struct Tolerance {
+  double rtol, atol;
+};
+Tolerance tolerance_for(c10::ScalarType dtype);
+
+// Expects `actual` to match `expected` elementwise (NaNs in the same places, infinities equal),
+// reporting the worst element. Both are compared in float64 on the CPU.
+void expect_close(const torch::Tensor& actual, const torch::Tensor& expected, Tolerance tol,
+                  const std::string& what);
+inline void expect_close(const torch::Tensor& actual, const torch::Tensor& expected, const std::string& what) {
+  expect_close(actual, expected, tolerance_for(actual.scalar_type()), what);
+}
+
+// Random data in [-1, 1) (never zeros), in `dtype` on `device`, optionally channels_last or as a
+// non-contiguous view (every other element of a wider tensor).
+enum class Layout { contiguous, channels_last, strided };
+torch::Tensor random_tensor(at::IntArrayRef sizes, const torch::TensorOptions& options,
+                            Layout layout = Layout::contiguous);
+const char* to_string(Layout layout);
+
+bool cuda_available();
+
+}  // namespace hierpar::testing
+
+// Skips a CUDA test on a machine without a GPU, saying why; a skip is reported as a skip, not a pass.
+#define HIERPAR_REQUIRE_CUDA()                                                        \
+  do {                                                                                \
+    if (!::hierpar::testing::cuda_available())                                        \
+      GTEST_SKIP() << "no CUDA device on this machine: this test runs on the GPU check"; \
+  } while (0)
+
+// Expects `statement` to throw a c10::Error whose message contains `substring`.
+#define HIERPAR_EXPECT_THROW_MSG(statement, substring)                                            \
+  do {                                                                                            \
+    try {                                                                                         \
+      statement;                                                                                  \
+      ADD_FAILURE() << "expected an error containing \"" << (substring) << "\", got none";        \
+    } catch (const c10::Error& e) {                                                               \
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(substring), std::string::npos)       \
+          << "error message was: " << e.what_without_backtrace();                                 \
+    }                                                                                             \
+  } while (0)
