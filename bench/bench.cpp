@@ -1,0 +1,181 @@
+#include "bench.h"
+
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cmath>
+#include <ctime>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace hierpar::bench {
+namespace {
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os << std::setprecision(6) << v;
+  return os.str();
+}
+
+std::string gpu_name() {
+  if (!at::cuda::is_available()) return "none";
+  return at::cuda::getCurrentDeviceProperties()->name;
+}
+
+std::string today() {
+  std::time_t now = std::time(nullptr);
+  char buf[16];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+}  // namespace
+
+Config& Config::set_raw(const std::string& key, std::string json) {
+  for (auto& [k, v] : entries_) {
+    if (k == key) {
+      v = std::move(json);
+      return *this;
+    }
+  }
+  entries_.emplace_back(key, std::move(json));
+  return *this;
+}
+Config& Config::set(const std::string& key, const std::string& value) { return set_raw(key, json_string(value)); }
+Config& Config::set(const std::string& key, double value) { return set_raw(key, json_number(value)); }
+Config& Config::set(const std::string& key, int64_t value) { return set_raw(key, std::to_string(value)); }
+Config& Config::set(const std::string& key, bool value) { return set_raw(key, value ? "true" : "false"); }
+Config& Config::set(const std::string& key, const std::vector<int64_t>& value) {
+  std::string s = "[";
+  for (size_t i = 0; i < value.size(); ++i) s += (i ? "," : "") + std::to_string(value[i]);
+  return set_raw(key, s + "]");
+}
+
+std::string Config::to_json() const {
+  std::string s = "{";
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    s += (i ? ", " : "") + json_string(entries_[i].first) + ": " + entries_[i].second;
+  }
+  return s + "}";
+}
+
+std::string Config::to_text() const {
+  std::string s;
+  for (const auto& [k, v] : entries_) {
+    std::string value = v;
+    value.erase(std::remove(value.begin(), value.end(), '"'), value.end());
+    s += (s.empty() ? "" : " ") + k + "=" + value;
+  }
+  return s;
+}
+
+Timing time_cuda(const std::function<void()>& fn, int warmup, int repeats) {
+  if (!at::cuda::is_available()) throw std::runtime_error("time_cuda: no CUDA device");
+  for (int i = 0; i < warmup; ++i) fn();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  std::vector<at::cuda::CUDAEvent> starts(repeats), ends(repeats);
+  for (auto& e : starts) e = at::cuda::CUDAEvent(cudaEventDefault);
+  for (auto& e : ends) e = at::cuda::CUDAEvent(cudaEventDefault);
+  for (int i = 0; i < repeats; ++i) {
+    starts[i].record(stream);
+    fn();
+    ends[i].record(stream);
+  }
+  stream.synchronize();
+  std::vector<double> us(repeats);
+  for (int i = 0; i < repeats; ++i) us[i] = 1000.0 * starts[i].elapsed_time(ends[i]);
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.repeats = repeats;
+  t.min_us = us.front();
+  t.median_us = repeats % 2 ? us[repeats / 2] : 0.5 * (us[repeats / 2 - 1] + us[repeats / 2]);
+  return t;
+}
+
+void Report::add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,
+                 const Config& extra) {
+  records_.push_back({bench, impl, config, t, extra});
+}
+
+void Report::print_table(std::ostream& os) const {
+  // Group by (bench, config) in first-seen order; columns: stock, hierpar, ratio.
+  std::vector<std::string> order;
+  std::map<std::string, std::map<std::string, double>> rows;
+  std::map<std::string, std::string> labels;
+  for (const auto& r : records_) {
+    std::string key = r.bench + " " + r.config.to_json();
+    if (!rows.count(key)) {
+      order.push_back(key);
+      labels[key] = r.bench + "  " + r.config.to_text();
+    }
+    rows[key][r.impl] = r.timing.median_us;
+  }
+  size_t width = 10;
+  for (const auto& [k, label] : labels) width = std::max(width, label.size());
+  os << std::left << std::setw(static_cast<int>(width)) << "benchmark" << std::right << std::setw(14)
+     << "stock us" << std::setw(14) << "hierpar us" << std::setw(16) << "stock/hierpar" << "\n";
+  os << std::string(width + 44, '-') << "\n";
+  for (const auto& key : order) {
+    const auto& impls = rows[key];
+    auto get = [&](const char* impl) { return impls.count(impl) ? impls.at(impl) : NAN; };
+    double stock = get("stock"), ours = get("hierpar");
+    os << std::left << std::setw(static_cast<int>(width)) << labels[key] << std::right << std::fixed
+       << std::setprecision(1) << std::setw(14) << stock << std::setw(14) << ours << std::setprecision(2)
+       << std::setw(15) << stock / ours << "x\n";
+    os.unsetf(std::ios::fixed);
+  }
+}
+
+void Report::write_json(const std::string& path) const {
+  std::ofstream out(path + ".tmp");
+  if (!out) throw std::runtime_error("cannot write " + path);
+  const char* commit = std::getenv("HIERPAR_COMMIT");
+  out << "{\n  \"gpu\": " << json_string(gpu_name()) << ", \"gpus\": " << (at::cuda::is_available() ? at::cuda::device_count() : 0)
+      << ", \"torch\": " << json_string(TORCH_VERSION) << ", \"cuda\": "
+      << json_string(at::cuda::is_available() ? std::to_string(CUDA_VERSION / 1000) + "." + std::to_string(CUDA_VERSION % 1000 / 10) : "none")
+      << ", \"commit\": " << json_string(commit ? commit : "unknown") << ",\n  \"date\": " << json_string(today())
+      << ",\n  \"records\": [\n";
+  for (size_t i = 0; i < records_.size(); ++i) {
+    const auto& r = records_[i];
+    out << "    {\"bench\": " << json_string(r.bench) << ", \"impl\": " << json_string(r.impl)
+        << ", \"config\": " << r.config.to_json() << ", \"median_us\": " << json_number(r.timing.median_us)
+        << ", \"min_us\": " << json_number(r.timing.min_us) << ", \"repeats\": " << r.timing.repeats;
+    for (const auto& [k, v] : r.extra.entries()) out << ", " << json_string(k) << ": " << v;
+    out << "}" << (i + 1 < records_.size() ? "," : "") << "\n";
+  }
+  out << "  ]\n}\n";
+  out.close();
+  if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename to " + path);
+}
+
+namespace {
+std::vector<std::pair<std::string, Suite>>& registry() {
+  static std::vector<std::pair<std::string, Suite>> all;
+  return all;
+}
+}  // namespace
+
+bool register_suite(const std::string& name, Suite suite) {
+  registry().emplace_back(name, std::move(suite));
+  return true;
+}
+
+const std::vector<std::pair<std::string, Suite>>& suites() { return registry(); }
+
+}  // namespace hierpar::bench

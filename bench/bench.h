@@ -1,0 +1,79 @@
+// hierpar's benchmark harness: CUDA-event timing with warm-up and medians, records in the shared JSON format
+// (shared/BENCH_FORMAT.md), and a table with stock/hierpar ratios. A suite is a function that fills a Report;
+// HIERPAR_BENCH_SUITE registers it under a name that `hierpar-bench <name>` runs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace hierpar::bench {
+
+// An ordered set of key -> JSON value, for a record's "config" and its extra fields.
+class Config {
+ public:
+  Config& set(const std::string& key, const std::string& value);
+  Config& set(const std::string& key, const char* value) { return set(key, std::string(value)); }
+  Config& set(const std::string& key, double value);
+  Config& set(const std::string& key, int64_t value);
+  Config& set(const std::string& key, int value) { return set(key, static_cast<int64_t>(value)); }
+  Config& set(const std::string& key, bool value);
+  Config& set(const std::string& key, const std::vector<int64_t>& value);
+
+  std::string to_json() const;  // {"key": value, ...} in insertion order
+  std::string to_text() const;  // key=value key=value, for the table
+  bool empty() const { return entries_.empty(); }
+  const std::vector<std::pair<std::string, std::string>>& entries() const { return entries_; }
+
+ private:
+  Config& set_raw(const std::string& key, std::string json);
+  std::vector<std::pair<std::string, std::string>> entries_;  // key, JSON text
+};
+
+struct Timing {
+  double median_us = 0, min_us = 0;
+  int repeats = 0;
+};
+
+// Times fn on the current CUDA stream: `warmup` untimed calls, then `repeats` calls each between two CUDA
+// events; returns the median and minimum. fn must only enqueue work (no host synchronisation).
+Timing time_cuda(const std::function<void()>& fn, int warmup = 20, int repeats = 100);
+
+struct Record {
+  std::string bench, impl;
+  Config config;
+  Timing timing;
+  Config extra;
+};
+
+class Report {
+ public:
+  void add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,
+           const Config& extra = {});
+  const std::vector<Record>& records() const { return records_; }
+  // One row per (bench, config): stock and hierpar medians and stock/hierpar (> 1: hierpar faster).
+  void print_table(std::ostream& os) const;
+  // The shared format: gpu, gpus, torch, cuda, commit, date, records.
+  void write_json(const std::string& path) const;
+
+ private:
+  std::vector<Record> records_;
+};
+
+struct Options {
+  bool quick = false;  // fewer repeats and shapes, for a smoke run
+};
+
+using Suite = std::function<void(Report&, const Options&)>;
+bool register_suite(const std::string& name, Suite suite);
+const std::vector<std::pair<std::string, Suite>>& suites();
+
+}  // namespace hierpar::bench
+
+#define HIERPAR_BENCH_CONCAT_(a, b) a##b
+#define HIERPAR_BENCH_CONCAT(a, b) HIERPAR_BENCH_CONCAT_(a, b)
+#define HIERPAR_BENCH_SUITE(name, fn) \
+  static const bool HIERPAR_BENCH_CONCAT(hierpar_bench_suite_, __LINE__) = ::hierpar::bench::register_suite(name, fn)

@@ -1,0 +1,87 @@
+// hierpar-bench: runs benchmark suites on the GPU, prints a table per suite and writes
+// <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
+//   hierpar-bench [all | SUITE...] [--quick] [--out DIR] [--list]
+#include "bench.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string slug(std::string s) {
+  for (auto& c : s) c = std::isalnum(static_cast<unsigned char>(c)) ? std::tolower(c) : '-';
+  auto pos = s.find("nvidia-");
+  if (pos == 0) s = s.substr(7);
+  return s;
+}
+
+int usage(const std::string& error) {
+  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--out DIR] [--list]\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace hierpar::bench;
+  Options options;
+  std::string out_dir = "bench/results";
+  std::vector<std::string> wanted;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--quick") {
+      options.quick = true;
+    } else if (arg == "--out") {
+      if (++i == argc) return usage("--out needs a directory");
+      out_dir = argv[i];
+    } else if (arg == "--list") {
+      for (const auto& [name, suite] : suites()) std::cout << name << "\n";
+      return 0;
+    } else if (!arg.empty() && arg[0] == '-') {
+      return usage("unknown flag " + arg);
+    } else {
+      wanted.push_back(arg);
+    }
+  }
+  if (wanted.empty() || std::find(wanted.begin(), wanted.end(), "all") != wanted.end()) {
+    wanted.clear();
+    for (const auto& [name, suite] : suites()) wanted.push_back(name);
+  }
+  for (const auto& name : wanted) {
+    bool known = std::any_of(suites().begin(), suites().end(), [&](const auto& s) { return s.first == name; });
+    if (!known) return usage("no suite named '" + name + "' (--list shows them)");
+  }
+  if (!at::cuda::is_available()) {
+    std::cerr << "hierpar-bench: no CUDA device; the benchmarks compare GPU kernels and need one\n";
+    return 2;
+  }
+  at::globalContext().setBenchmarkCuDNN(true);  // stock at its strongest
+  std::filesystem::create_directories(out_dir);
+  const std::string gpu = slug(at::cuda::getCurrentDeviceProperties()->name);
+  int failed = 0;
+  for (const auto& [name, suite] : suites()) {
+    if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
+    std::cout << "== " << name << (options.quick ? " (quick)" : "") << " on " << gpu << std::endl;
+    Report report;
+    try {
+      suite(report, options);
+    } catch (const c10::Error& e) {
+      std::cerr << "suite " << name << " failed: " << e.what_without_backtrace() << "\n";
+      ++failed;
+      continue;
+    }
+    report.print_table(std::cout);
+    const std::string path = out_dir + "/" + gpu + "-" + name + ".json";
+    report.write_json(path);
+    std::cout << "wrote " << path << "\n" << std::endl;
+  }
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,25 @@
+# Sourced by the scripts: set-up, then configure and build in $HIERPAR_BUILD_DIR (default build/).
+HIERPAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+HIERPAR_BUILD_DIR=${HIERPAR_BUILD_DIR:-$HIERPAR_ROOT/build}
+HIERPAR_JOBS=${HIERPAR_JOBS:-$(nproc)}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+
+hierpar_setup() {  # installs what is missing; sets HIERPAR_PYTHON and puts its cmake first on PATH
+  HIERPAR_PYTHON=$(bash "$HIERPAR_ROOT/scripts/setup") || { echo "set-up failed (see above)" >&2; exit 1; }
+  export HIERPAR_PYTHON
+  export PATH="$(dirname "$HIERPAR_PYTHON"):$PATH"
+}
+
+hierpar_build() {  # configure (once) and build the given targets (all when none)
+  local generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  if [ ! -f "$HIERPAR_BUILD_DIR/CMakeCache.txt" ]; then
+    echo "[build] configuring $HIERPAR_BUILD_DIR" >&2
+    cmake -S "$HIERPAR_ROOT" -B "$HIERPAR_BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+      -DHIERPAR_PYTHON="$HIERPAR_PYTHON" -DTORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" "${HIERPAR_CMAKE_ARGS[@]}" >&2
+  fi
+  echo "[build] building ${*:-everything} with $HIERPAR_JOBS jobs (first build: ~10 min on 2 cores)" >&2
+  local targets=()
+  for t in "$@"; do targets+=(--target "$t"); done
+  cmake --build "$HIERPAR_BUILD_DIR" -j "$HIERPAR_JOBS" "${targets[@]}" >&2
+}
