@@ -1,0 +1,208 @@
+// CPU kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its backward, a gather: every
+// grad_input element sums, over the windows that contain it, the gradients of those that chose it, and is
+// written exactly once (no zero fill, no scatter). NCHW and channels_last, each in its own layout.
+#include "common.h"
+#include "max_pool_shape.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace hierpar::detail {
+namespace {
+
+// Work items per parallel_for task, in elements touched: small planes are grouped, large ones split.
+constexpr int64_t kGrainElements = 32768;
+
+int64_t grain_for(int64_t elements_per_item) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_item));
+}
+
+template <typename scalar_t>
+void forward_nchw(const scalar_t* in, scalar_t* out, uint8_t* idx, const MaxPool2dGeometry& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = g.batch * g.channels * g.out_h;
+  at::parallel_for(0, rows, grain_for(g.out_w * g.kernel_h * g.kernel_w), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t plane = row / g.out_h, oh = row % g.out_h;
+      const scalar_t* src = in + plane * g.in_h * g.in_w;
+      const int64_t h0 = oh * g.stride_h - g.pad_h;
+      const auto th = valid_taps(h0, g.in_h, g.kernel_h, g.dilation_h);
+      for (int64_t ow = 0; ow < g.out_w; ++ow) {
+        const int64_t w0 = ow * g.stride_w - g.pad_w;
+        const auto tw = valid_taps(w0, g.in_w, g.kernel_w, g.dilation_w);
+        acc_t best = -std::numeric_limits<acc_t>::infinity();
+        uint8_t best_tap = first_tap(th, tw, g.kernel_w);
+        for (int64_t kh = th.begin; kh < th.end; ++kh) {
+          const scalar_t* src_row = src + (h0 + kh * g.dilation_h) * g.in_w + w0;
+          for (int64_t kw = tw.begin; kw < tw.end; ++kw) {
+            const acc_t v = static_cast<acc_t>(src_row[kw * g.dilation_w]);
+            // at::max_pool2d's rule: a NaN always wins (so the last NaN is kept); ties keep the first.
+            if (v > best || std::isnan(v)) {
+              best = v;
+              best_tap = static_cast<uint8_t>(kh * g.kernel_w + kw);
+            }
+          }
+        }
+        out[row * g.out_w + ow] = static_cast<scalar_t>(best);
+        idx[row * g.out_w + ow] = best_tap;
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void forward_channels_last(const scalar_t* in, scalar_t* out, uint8_t* idx, const MaxPool2dGeometry& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = g.channels;
+  const int64_t positions = g.batch * g.out_h * g.out_w;
+  at::parallel_for(0, positions, grain_for(C * g.kernel_h * g.kernel_w), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> best(C);
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const int64_t ow = pos % g.out_w, oh = (pos / g.out_w) % g.out_h, n = pos / (g.out_w * g.out_h);
+      const int64_t h0 = oh * g.stride_h - g.pad_h, w0 = ow * g.stride_w - g.pad_w;
+      const auto th = valid_taps(h0, g.in_h, g.kernel_h, g.dilation_h);
+      const auto tw = valid_taps(w0, g.in_w, g.kernel_w, g.dilation_w);
+      uint8_t* best_tap = idx + pos * C;
+      std::fill(best.begin(), best.end(), -std::numeric_limits<acc_t>::infinity());
+      std::fill(best_tap, best_tap + C, first_tap(th, tw, g.kernel_w));
+      for (int64_t kh = th.begin; kh < th.end; ++kh) {
+        for (int64_t kw = tw.begin; kw < tw.end; ++kw) {
+          const scalar_t* src =
+              in + ((n * g.in_h + h0 + kh * g.dilation_h) * g.in_w + w0 + kw * g.dilation_w) * C;
+          const auto tap = static_cast<uint8_t>(kh * g.kernel_w + kw);
+          for (int64_t c = 0; c < C; ++c) {
+            const acc_t v = static_cast<acc_t>(src[c]);
+            if (v > best[c] || std::isnan(v)) {
+              best[c] = v;
+              best_tap[c] = tap;
+            }
+          }
+        }
+      }
+      scalar_t* dst = out + pos * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<scalar_t>(best[c]);
+    }
+  });
+}
+
+template <typename scalar_t>
+void backward_nchw(const scalar_t* grad_out, const uint8_t* idx, scalar_t* grad_in, const MaxPool2dGeometry& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = g.batch * g.channels * g.in_h;
+  at::parallel_for(0, rows, grain_for(g.in_w * 4), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t plane = row / g.in_h, ih = row % g.in_h;
+      const scalar_t* go = grad_out + plane * g.out_h * g.out_w;
+      const uint8_t* ix = idx + plane * g.out_h * g.out_w;
+      const auto wh = covering_windows(ih, g.out_h, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
+      for (int64_t iw = 0; iw < g.in_w; ++iw) {
+        const auto ww = covering_windows(iw, g.out_w, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+        acc_t sum = 0;
+        for (int64_t oh = wh.begin; oh < wh.end; ++oh) {
+          const int64_t kh = tap_at(ih, oh, g.stride_h, g.pad_h, g.dilation_h);
+          if (kh < 0) continue;
+          for (int64_t ow = ww.begin; ow < ww.end; ++ow) {
+            const int64_t kw = tap_at(iw, ow, g.stride_w, g.pad_w, g.dilation_w);
+            if (kw >= 0 && ix[oh * g.out_w + ow] == kh * g.kernel_w + kw) {
+              sum += static_cast<acc_t>(go[oh * g.out_w + ow]);
+            }
+          }
+        }
+        grad_in[row * g.in_w + iw] = static_cast<scalar_t>(sum);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void backward_channels_last(const scalar_t* grad_out, const uint8_t* idx, scalar_t* grad_in,
+                            const MaxPool2dGeometry& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = g.channels;
+  const int64_t positions = g.batch * g.in_h * g.in_w;
+  at::parallel_for(0, positions, grain_for(C * 4), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sum(C);
+    for (int64_t pos = begin; pos < end; ++pos) {
+      const int64_t iw = pos % g.in_w, ih = (pos / g.in_w) % g.in_h, n = pos / (g.in_w * g.in_h);
+      const auto wh = covering_windows(ih, g.out_h, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
+      const auto ww = covering_windows(iw, g.out_w, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+      std::fill(sum.begin(), sum.end(), acc_t(0));
+      for (int64_t oh = wh.begin; oh < wh.end; ++oh) {
+        const int64_t kh = tap_at(ih, oh, g.stride_h, g.pad_h, g.dilation_h);
+        if (kh < 0) continue;
+        for (int64_t ow = ww.begin; ow < ww.end; ++ow) {
+          const int64_t kw = tap_at(iw, ow, g.stride_w, g.pad_w, g.dilation_w);
+          if (kw < 0) continue;
+          const int64_t window = (n * g.out_h + oh) * g.out_w + ow;
+          const scalar_t* go = grad_out + window * C;
+          const uint8_t* ix = idx + window * C;
+          const int64_t tap = kh * g.kernel_w + kw;
+          for (int64_t c = 0; c < C; ++c) {
+            if (ix[c] == tap) sum[c] += static_cast<acc_t>(go[c]);
+          }
+        }
+      }
+      scalar_t* dst = grad_in + pos * C;
+      for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<scalar_t>(sum[c]);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const at::Tensor& input, at::IntArrayRef kernel_size,
+                                                  at::IntArrayRef stride, at::IntArrayRef padding,
+                                                  at::IntArrayRef dilation, bool ceil_mode) {
+  const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
+  const auto layout = layout_of(input);
+  const at::Tensor x = input.contiguous(layout);
+  at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
+  at::Tensor indices = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
+  if (output.numel() == 0) return {output, indices};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hierpar::max_pool2d (CPU)", [&] {
+    if (layout == c10::MemoryFormat::ChannelsLast) {
+      forward_channels_last(x.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(),
+                            indices.mutable_data_ptr<uint8_t>(), g);
+    } else {
+      forward_nchw(x.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(),
+                   indices.mutable_data_ptr<uint8_t>(), g);
+    }
+  });
+  return {output, indices};
+}
+
+at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tensor& indices,
+                                   at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                   at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+  const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
+                                              dilation, ceil_mode);
+  // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
+  const auto layout = layout_of(indices);
+  const at::Tensor go = grad_output.contiguous(layout);
+  const at::Tensor ix = indices.contiguous(layout);
+  at::Tensor grad_input = new_output(input_size, grad_output.options(), layout);
+  if (grad_input.numel() == 0) return grad_input;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(), "hierpar::max_pool2d_backward (CPU)",
+                                  [&] {
+    if (layout == c10::MemoryFormat::ChannelsLast) {
+      backward_channels_last(go.const_data_ptr<scalar_t>(), ix.const_data_ptr<uint8_t>(),
+                             grad_input.mutable_data_ptr<scalar_t>(), g);
+    } else {
+      backward_nchw(go.const_data_ptr<scalar_t>(), ix.const_data_ptr<uint8_t>(),
+                    grad_input.mutable_data_ptr<scalar_t>(), g);
+    }
+  });
+  return grad_input;
+}
+
+}  // namespace
+}  // namespace hierpar::detail
+
+TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
+  m.impl("max_pool2d", &hierpar::detail::max_pool2d_cpu);
+  m.impl("max_pool2d_backward", &hierpar::detail::max_pool2d_backward_cpu);
+}

@@ -1,0 +1,419 @@
+// CUDA kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its gather backward, NCHW and
+// channels_last natively (no layout conversions).
+//
+// General path, any parameters: one thread per output element (forward) or per input element (backward, a
+// gather over the windows containing it, written once). Fast path for 2x2 stride-2 windows tiling the input
+// (the common CNN pool): the windows are disjoint, so the backward writes the 4 inputs of each window directly
+// (the chosen one gets the gradient, the others 0), and each thread moves 16-byte vectors:
+//   NCHW: 4 adjacent windows of one output row per thread (two 8-element input row segments);
+//   channels_last: 16 bytes of channels of one window per thread (4 vectors, one per tap).
+#include "common.h"
+#include "max_pool_shape.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace hierpar::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t(1) << 24;  // general kernels loop over the rest (grid-stride)
+
+unsigned blocks_for(int64_t work, int64_t cap) {
+  return static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, cap));
+}
+
+// 32-bit offsets suffice when both tensors have at most 2^30 elements: then the grid (at most one thread per
+// element, rounded up to a block) stepping past the end stays below 2^31 too.
+bool fits_int32(int64_t numel_a, int64_t numel_b) {
+  constexpr int64_t limit = int64_t(1) << 30;
+  return numel_a <= limit && numel_b <= limit;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// at::max_pool2d's selection rule: a NaN always wins (so the last NaN is kept); ties keep the first maximum.
+template <typename acc_t>
+__device__ __forceinline__ bool takes_over(acc_t v, acc_t best) {
+  return v > best || isnan(v);
+}
+
+// ---- general path --------------------------------------------------------------------------------------------
+
+// The geometry in the kernels' index type.
+template <typename index_t>
+struct KernelGeometry {
+  index_t channels, in_h, in_w, out_h, out_w;
+  index_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
+  explicit KernelGeometry(const MaxPool2dGeometry& g)
+      : channels(g.channels), in_h(g.in_h), in_w(g.in_w), out_h(g.out_h), out_w(g.out_w), kernel_h(g.kernel_h),
+        kernel_w(g.kernel_w), stride_h(g.stride_h), stride_w(g.stride_w), pad_h(g.pad_h), pad_w(g.pad_w),
+        dilation_h(g.dilation_h), dilation_w(g.dilation_w) {}
+};
+
+template <typename scalar_t, typename index_t, bool channels_last>
+__global__ void forward_general(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
+                                uint8_t* __restrict__ idx, KernelGeometry<index_t> g, index_t total) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(gridDim.x) * blockDim.x) {
+    index_t n, c, oh, ow;
+    if (channels_last) {
+      c = i % g.channels;
+      ow = (i / g.channels) % g.out_w;
+      oh = (i / (g.channels * g.out_w)) % g.out_h;
+      n = i / (g.channels * g.out_w * g.out_h);
+    } else {
+      ow = i % g.out_w;
+      oh = (i / g.out_w) % g.out_h;
+      c = (i / (g.out_w * g.out_h)) % g.channels;
+      n = i / (g.out_w * g.out_h * g.channels);
+    }
+    const index_t h0 = oh * g.stride_h - g.pad_h, w0 = ow * g.stride_w - g.pad_w;
+    const auto th = valid_taps(h0, g.in_h, g.kernel_h, g.dilation_h);
+    const auto tw = valid_taps(w0, g.in_w, g.kernel_w, g.dilation_w);
+    acc_t best = -std::numeric_limits<acc_t>::infinity();
+    uint8_t best_tap = first_tap(th, tw, g.kernel_w);
+    for (index_t kh = th.begin; kh < th.end; ++kh) {
+      const index_t ih = h0 + kh * g.dilation_h;
+      for (index_t kw = tw.begin; kw < tw.end; ++kw) {
+        const index_t iw = w0 + kw * g.dilation_w;
+        const index_t element = channels_last ? ((n * g.in_h + ih) * g.in_w + iw) * g.channels + c
+                                              : ((n * g.channels + c) * g.in_h + ih) * g.in_w + iw;
+        const acc_t v = static_cast<acc_t>(in[element]);
+        if (takes_over(v, best)) {
+          best = v;
+          best_tap = static_cast<uint8_t>(kh * g.kernel_w + kw);
+        }
+      }
+    }
+    out[i] = static_cast<scalar_t>(best);
+    idx[i] = best_tap;
+  }
+}
+
+template <typename scalar_t, typename index_t, bool channels_last>
+__global__ void backward_general(const scalar_t* __restrict__ grad_out, const uint8_t* __restrict__ idx,
+                                 scalar_t* __restrict__ grad_in, KernelGeometry<index_t> g, index_t total) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(gridDim.x) * blockDim.x) {
+    index_t n, c, ih, iw;
+    if (channels_last) {
+      c = i % g.channels;
+      iw = (i / g.channels) % g.in_w;
+      ih = (i / (g.channels * g.in_w)) % g.in_h;
+      n = i / (g.channels * g.in_w * g.in_h);
+    } else {
+      iw = i % g.in_w;
+      ih = (i / g.in_w) % g.in_h;
+      c = (i / (g.in_w * g.in_h)) % g.channels;
+      n = i / (g.in_w * g.in_h * g.channels);
+    }
+    const auto wh = covering_windows(ih, g.out_h, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
+    const auto ww = covering_windows(iw, g.out_w, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+    acc_t sum = 0;
+    for (index_t oh = wh.begin; oh < wh.end; ++oh) {
+      const index_t kh = tap_at(ih, oh, g.stride_h, g.pad_h, g.dilation_h);
+      if (kh < 0) continue;
+      for (index_t ow = ww.begin; ow < ww.end; ++ow) {
+        const index_t kw = tap_at(iw, ow, g.stride_w, g.pad_w, g.dilation_w);
+        if (kw < 0) continue;
+        const index_t element = channels_last ? ((n * g.out_h + oh) * g.out_w + ow) * g.channels + c
+                                              : ((n * g.channels + c) * g.out_h + oh) * g.out_w + ow;
+        if (idx[element] == kh * g.kernel_w + kw) sum += static_cast<acc_t>(grad_out[element]);
+      }
+    }
+    grad_in[i] = static_cast<scalar_t>(sum);
+  }
+}
+
+// Launches the general kernels with 32-bit indexing when every offset fits (the common case), else 64-bit.
+template <typename scalar_t>
+void launch_forward_general(const scalar_t* in, scalar_t* out, uint8_t* idx, const MaxPool2dGeometry& g,
+                            int64_t input_numel, int64_t total, bool channels_last, cudaStream_t stream) {
+  auto launch = [&](auto index_zero) {
+    using index_t = decltype(index_zero);
+    const KernelGeometry<index_t> kg(g);
+    const unsigned blocks = blocks_for(total, kMaxBlocks);
+    if (channels_last) {
+      forward_general<scalar_t, index_t, true><<<blocks, kThreads, 0, stream>>>(in, out, idx, kg, index_t(total));
+    } else {
+      forward_general<scalar_t, index_t, false><<<blocks, kThreads, 0, stream>>>(in, out, idx, kg, index_t(total));
+    }
+  };
+  if (fits_int32(input_numel, total)) launch(int32_t(0)); else launch(int64_t(0));
+}
+
+template <typename scalar_t>
+void launch_backward_general(const scalar_t* grad_out, const uint8_t* idx, scalar_t* grad_in,
+                             const MaxPool2dGeometry& g, int64_t output_numel, int64_t total, bool channels_last,
+                             cudaStream_t stream) {
+  auto launch = [&](auto index_zero) {
+    using index_t = decltype(index_zero);
+    const KernelGeometry<index_t> kg(g);
+    const unsigned blocks = blocks_for(total, kMaxBlocks);
+    if (channels_last) {
+      backward_general<scalar_t, index_t, true><<<blocks, kThreads, 0, stream>>>(grad_out, idx, grad_in, kg,
+                                                                                index_t(total));
+    } else {
+      backward_general<scalar_t, index_t, false><<<blocks, kThreads, 0, stream>>>(grad_out, idx, grad_in, kg,
+                                                                                 index_t(total));
+    }
+  };
+  if (fits_int32(output_numel, total)) launch(int32_t(0)); else launch(int64_t(0));
+}
+
+// ---- 2x2 stride-2 tiling fast path ------------------------------------------------------------------------------
+
+// Picks the max of one 2x2 window given in tap order (top-left, top-right, bottom-left, bottom-right).
+template <typename scalar_t>
+__device__ __forceinline__ void pick_2x2(scalar_t a, scalar_t b, scalar_t c, scalar_t d, scalar_t& out,
+                                         uint8_t& tap) {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t best = static_cast<acc_t>(a);
+  uint8_t t = 0;
+  const acc_t vb = static_cast<acc_t>(b), vc = static_cast<acc_t>(c), vd = static_cast<acc_t>(d);
+  // Starting from the first element equals starting from -inf: it takes over -inf unless it is -inf itself.
+  if (takes_over(vb, best)) { best = vb; t = 1; }
+  if (takes_over(vc, best)) { best = vc; t = 2; }
+  if (takes_over(vd, best)) { best = vd; t = 3; }
+  out = static_cast<scalar_t>(best);
+  tap = t;
+}
+
+// NCHW: thread t covers windows [W j, W j + W) of output row r (= plane * out_h + oh), i.e. input rows 2r and
+// 2r + 1. W = 4 when the output width allows (4-byte index stores, two 32-byte fp32 loads per row),
+// else W = 1 (one 2-element load per row).
+template <typename scalar_t, int kNchwWindows>
+__global__ void forward_2x2_nchw(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
+                                 uint8_t* __restrict__ idx, int rows, int groups_per_row, int in_w) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= rows * groups_per_row) return;
+  const int r = t / groups_per_row, j = t % groups_per_row;
+  using InVec = Vec<scalar_t, 2 * kNchwWindows>;
+  const InVec top = *reinterpret_cast<const InVec*>(in + (2 * int64_t(r)) * in_w + j * 2 * kNchwWindows);
+  const InVec bottom = *reinterpret_cast<const InVec*>(in + (2 * int64_t(r) + 1) * in_w + j * 2 * kNchwWindows);
+  Vec<scalar_t, kNchwWindows> o;
+  Vec<uint8_t, kNchwWindows> k;
+#pragma unroll
+  for (int w = 0; w < kNchwWindows; ++w) {
+    pick_2x2(top.v[2 * w], top.v[2 * w + 1], bottom.v[2 * w], bottom.v[2 * w + 1], o.v[w], k.v[w]);
+  }
+  const int64_t element = int64_t(r) * (in_w / 2) + j * kNchwWindows;
+  *reinterpret_cast<Vec<scalar_t, kNchwWindows>*>(out + element) = o;
+  *reinterpret_cast<Vec<uint8_t, kNchwWindows>*>(idx + element) = k;
+}
+
+template <typename scalar_t, int kNchwWindows>
+__global__ void backward_2x2_nchw(const scalar_t* __restrict__ grad_out, const uint8_t* __restrict__ idx,
+                                  scalar_t* __restrict__ grad_in, int rows, int groups_per_row, int in_w) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= rows * groups_per_row) return;
+  const int r = t / groups_per_row, j = t % groups_per_row;
+  const int64_t element = int64_t(r) * (in_w / 2) + j * kNchwWindows;
+  const auto go = *reinterpret_cast<const Vec<scalar_t, kNchwWindows>*>(grad_out + element);
+  const auto k = *reinterpret_cast<const Vec<uint8_t, kNchwWindows>*>(idx + element);
+  const scalar_t zero = static_cast<scalar_t>(0);
+  Vec<scalar_t, 2 * kNchwWindows> top, bottom;
+#pragma unroll
+  for (int w = 0; w < kNchwWindows; ++w) {
+    top.v[2 * w] = k.v[w] == 0 ? go.v[w] : zero;
+    top.v[2 * w + 1] = k.v[w] == 1 ? go.v[w] : zero;
+    bottom.v[2 * w] = k.v[w] == 2 ? go.v[w] : zero;
+    bottom.v[2 * w + 1] = k.v[w] == 3 ? go.v[w] : zero;
+  }
+  using InVec = Vec<scalar_t, 2 * kNchwWindows>;
+  *reinterpret_cast<InVec*>(grad_in + (2 * int64_t(r)) * in_w + j * 2 * kNchwWindows) = top;
+  *reinterpret_cast<InVec*>(grad_in + (2 * int64_t(r) + 1) * in_w + j * 2 * kNchwWindows) = bottom;
+}
+
+// channels_last: thread t covers channels [V j, V j + V) of window p (= (n * out_h + oh) * out_w + ow), whose
+// top-left input element is at row 2 * (n * out_h + oh), column 2 * ow of the (N * H, W, C) view.
+template <typename scalar_t>
+constexpr int channels_per_thread() {
+  return 16 / sizeof(scalar_t);
+}
+
+template <typename scalar_t>
+__global__ void forward_2x2_channels_last(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
+                                          uint8_t* __restrict__ idx, int windows, int out_w, int channels) {
+  constexpr int V = channels_per_thread<scalar_t>();
+  const int groups = channels / V;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= windows * groups) return;
+  const int p = t / groups, j = t % groups;
+  const int r = p / out_w, ow = p % out_w;
+  const int64_t row_stride = int64_t(2 * out_w) * channels;
+  const scalar_t* src = in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
+  using CVec = Vec<scalar_t, V>;
+  const CVec a = *reinterpret_cast<const CVec*>(src);
+  const CVec b = *reinterpret_cast<const CVec*>(src + channels);
+  const CVec c = *reinterpret_cast<const CVec*>(src + row_stride);
+  const CVec d = *reinterpret_cast<const CVec*>(src + row_stride + channels);
+  CVec o;
+  Vec<uint8_t, V> k;
+#pragma unroll
+  for (int v = 0; v < V; ++v) pick_2x2(a.v[v], b.v[v], c.v[v], d.v[v], o.v[v], k.v[v]);
+  const int64_t element = int64_t(p) * channels + j * V;
+  *reinterpret_cast<CVec*>(out + element) = o;
+  *reinterpret_cast<Vec<uint8_t, V>*>(idx + element) = k;
+}
+
+template <typename scalar_t>
+__global__ void backward_2x2_channels_last(const scalar_t* __restrict__ grad_out, const uint8_t* __restrict__ idx,
+                                           scalar_t* __restrict__ grad_in, int windows, int out_w, int channels) {
+  constexpr int V = channels_per_thread<scalar_t>();
+  const int groups = channels / V;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= windows * groups) return;
+  const int p = t / groups, j = t % groups;
+  const int r = p / out_w, ow = p % out_w;
+  using CVec = Vec<scalar_t, V>;
+  const int64_t element = int64_t(p) * channels + j * V;
+  const CVec go = *reinterpret_cast<const CVec*>(grad_out + element);
+  const auto k = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + element);
+  const scalar_t zero = static_cast<scalar_t>(0);
+  CVec a, b, c, d;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    a.v[v] = k.v[v] == 0 ? go.v[v] : zero;
+    b.v[v] = k.v[v] == 1 ? go.v[v] : zero;
+    c.v[v] = k.v[v] == 2 ? go.v[v] : zero;
+    d.v[v] = k.v[v] == 3 ? go.v[v] : zero;
+  }
+  const int64_t row_stride = int64_t(2 * out_w) * channels;
+  scalar_t* dst = grad_in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
+  *reinterpret_cast<CVec*>(dst) = a;
+  *reinterpret_cast<CVec*>(dst + channels) = b;
+  *reinterpret_cast<CVec*>(dst + row_stride) = c;
+  *reinterpret_cast<CVec*>(dst + row_stride + channels) = d;
+}
+
+// ---- host side --------------------------------------------------------------------------------------------------
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Which fast-path kernel, if any, fits: the tiling, vector widths dividing the row or channels, aligned
+// pointers (`big`: the input-sized tensor, `small`: the output-sized one), and 32-bit indexing.
+enum class FastPath { none, nchw4, nchw1, channels_last };
+
+FastPath fast_path_for(const MaxPool2dGeometry& g, c10::MemoryFormat layout, int64_t element_size,
+                       const void* big, const void* small, const void* indices) {
+  if (!g.tiles_2x2() || !fits_int32(g.batch * g.channels * g.in_h * g.in_w, 0)) return FastPath::none;
+  if (layout == c10::MemoryFormat::ChannelsLast) {
+    const int64_t v = 16 / element_size;
+    if (g.channels % v == 0 && aligned(big, 16) && aligned(small, 16) && aligned(indices, v)) {
+      return FastPath::channels_last;
+    }
+    return FastPath::none;
+  }
+  if (g.out_w % 4 == 0 && aligned(big, 8 * element_size) && aligned(small, 4 * element_size) && aligned(indices, 4)) {
+    return FastPath::nchw4;
+  }
+  return aligned(big, 2 * element_size) ? FastPath::nchw1 : FastPath::none;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::IntArrayRef kernel_size,
+                                                   at::IntArrayRef stride, at::IntArrayRef padding,
+                                                   at::IntArrayRef dilation, bool ceil_mode) {
+  const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto layout = layout_of(input);
+  const at::Tensor x = input.contiguous(layout);
+  at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
+  at::Tensor indices = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
+  const int64_t total = output.numel();
+  if (total == 0) return {output, indices};
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hierpar::max_pool2d (CUDA)", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    scalar_t* out = output.mutable_data_ptr<scalar_t>();
+    uint8_t* idx = indices.mutable_data_ptr<uint8_t>();
+    const int rows = g.batch * g.channels * g.out_h;
+    switch (fast_path_for(g, layout, sizeof(scalar_t), in, out, idx)) {
+      case FastPath::nchw4:
+        forward_2x2_nchw<scalar_t, 4><<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0, stream>>>(
+            in, out, idx, rows, g.out_w / 4, g.in_w);
+        break;
+      case FastPath::nchw1:
+        forward_2x2_nchw<scalar_t, 1><<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
+            in, out, idx, rows, g.out_w, g.in_w);
+        break;
+      case FastPath::channels_last: {
+        const int windows = g.batch * g.out_h * g.out_w;
+        const int work = windows * (g.channels / channels_per_thread<scalar_t>());
+        forward_2x2_channels_last<scalar_t><<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
+            in, out, idx, windows, g.out_w, g.channels);
+        break;
+      }
+      case FastPath::none:
+        launch_forward_general(in, out, idx, g, x.numel(), total, layout == c10::MemoryFormat::ChannelsLast, stream);
+        break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {output, indices};
+}
+
+at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Tensor& indices,
+                                    at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+  const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
+                                              dilation, ceil_mode);
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
+  const auto layout = layout_of(indices);
+  const at::Tensor go = grad_output.contiguous(layout);
+  const at::Tensor ix = indices.contiguous(layout);
+  at::Tensor grad_input = new_output(input_size, grad_output.options(), layout);
+  const int64_t total = grad_input.numel();
+  if (total == 0) return grad_input;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(), "hierpar::max_pool2d_backward (CUDA)",
+                                  [&] {
+    const scalar_t* gout = go.const_data_ptr<scalar_t>();
+    const uint8_t* idx = ix.const_data_ptr<uint8_t>();
+    scalar_t* gin = grad_input.mutable_data_ptr<scalar_t>();
+    const int rows = g.batch * g.channels * g.out_h;
+    switch (fast_path_for(g, layout, sizeof(scalar_t), gin, gout, idx)) {
+      case FastPath::nchw4:
+        backward_2x2_nchw<scalar_t, 4><<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0, stream>>>(
+            gout, idx, gin, rows, g.out_w / 4, g.in_w);
+        break;
+      case FastPath::nchw1:
+        backward_2x2_nchw<scalar_t, 1><<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
+            gout, idx, gin, rows, g.out_w, g.in_w);
+        break;
+      case FastPath::channels_last: {
+        const int windows = g.batch * g.out_h * g.out_w;
+        const int work = windows * (g.channels / channels_per_thread<scalar_t>());
+        backward_2x2_channels_last<scalar_t><<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
+            gout, idx, gin, windows, g.out_w, g.channels);
+        break;
+      }
+      case FastPath::none:
+        launch_backward_general(gout, idx, gin, g, go.numel(), total, layout == c10::MemoryFormat::ChannelsLast,
+                                stream);
+        break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return grad_input;
+}
+
+}  // namespace
+}  // namespace hierpar::detail
+
+TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
+  m.impl("max_pool2d", &hierpar::detail::max_pool2d_cuda);
+  m.impl("max_pool2d_backward", &hierpar::detail::max_pool2d_backward_cuda);
+}
