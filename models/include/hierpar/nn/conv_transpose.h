@@ -1,8 +1,11 @@
-// hierpar::nn::ConvTranspose2d: torch::nn::ConvTranspose2d's options, parameters and initialisation on
-// hierpar::conv_transpose2d.
+// hierpar::nn::ConvTranspose2d: torch::nn::ConvTranspose2d's options, parameters ("weight"
+// [in, out/groups, kH, kW] and "bias" [out]) and initialisation on hierpar::conv_transpose2d, so state dicts
+// interchange with torch::nn::ConvTranspose2d. Only padding_mode zeros is supported (as in torch).
 #pragma once
 
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/options/conv.h>
 #include <torch/nn/pimpl.h>
 
@@ -20,11 +23,19 @@ class ConvTranspose2dImpl : public torch::nn::Cloneable<ConvTranspose2dImpl> {
   void reset() override;
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
-  // output_size picks among the output sizes a stride > 1 allows, like torch::nn::ConvTranspose2d.
+  // output_size ([H, W] or [N, C, H, W]) picks among the output sizes a stride > 1 allows, like
+  // torch::nn::ConvTranspose2d; it overrides options.output_padding.
   torch::Tensor forward(const torch::Tensor& input, const std::optional<at::IntArrayRef>& output_size = std::nullopt);
+
+  // The output_padding that forward(input, output_size) uses.
+  std::vector<int64_t> output_padding_for(const torch::Tensor& input,
+                                          const std::optional<at::IntArrayRef>& output_size) const;
 
   torch::nn::ConvTranspose2dOptions options;
   torch::Tensor weight, bias;
+
+ protected:
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(std::optional<at::IntArrayRef>())})
 };
 TORCH_MODULE(ConvTranspose2d);
 

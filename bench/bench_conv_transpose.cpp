@@ -1,0 +1,115 @@
+// Suite "conv_transpose": hierpar::conv_transpose2d forward + backward against stock ATen/cuDNN
+// (at::conv_transpose2d + at::convolution_backward, cudnn.benchmark on, TF32 allowed for convolutions) on
+// the DCGAN generator's five layers, at batch 64 fp32 NCHW and batch 1024 bf16 channels_last. Both sides
+// call the ops directly (no autograd), with the same gradient mask: the first layer's input (the noise)
+// needs no gradient. Also a row timing the five layers back to back, and achieved TFLOP/s.
+#include "bench.h"
+
+#include "hierpar/ops.h"
+
+#include <ATen/Context.h>
+#include <ATen/ops/conv_transpose2d.h>
+#include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/rand.h>
+#include <ATen/TensorOperators.h>
+
+#include <vector>
+
+namespace {
+
+using namespace hierpar::bench;
+
+struct Layer {
+  int64_t cin, cout, hw, stride, padding;
+};
+// The seed's DCGAN generator: 100 -> 256 at 1x1 -> 4x4, then kernel 4 stride 2 padding 1 doublings.
+const std::vector<Layer> kGenerator{
+    {100, 256, 1, 1, 0}, {256, 128, 4, 2, 1}, {128, 64, 8, 2, 1}, {64, 32, 16, 2, 1}, {32, 3, 32, 2, 1}};
+
+struct Operands {
+  at::Tensor x, w, go;
+  Layer layer;
+  bool needs_input_grad;
+};
+
+Operands make(const Layer& l, int64_t batch, at::ScalarType dtype, bool channels_last, bool first) {
+  const auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  auto opts = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+  const int64_t out_hw = (l.hw - 1) * l.stride - 2 * l.padding + 4;
+  Operands o;
+  o.x = (at::rand({batch, l.cin, l.hw, l.hw}, opts) * 2 - 1).contiguous(fmt);
+  o.w = ((at::rand({l.cin, l.cout, 4, 4}, opts) * 2 - 1) * 0.05).contiguous(fmt);
+  o.go = (at::rand({batch, l.cout, out_hw, out_hw}, opts) * 2 - 1).contiguous(fmt);
+  o.layer = l;
+  o.needs_input_grad = !first;
+  return o;
+}
+
+void stock_step(const Operands& o) {
+  const auto& l = o.layer;
+  auto y = at::conv_transpose2d(o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding});
+  at::convolution_backward(o.go, o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding}, {1, 1},
+                           /*transposed=*/true, {0, 0}, 1, {o.needs_input_grad, true, false});
+}
+
+void hierpar_step(const Operands& o) {
+  const auto& l = o.layer;
+  auto y = hierpar::ops::conv_transpose2d(o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding});
+  hierpar::ops::conv_transpose2d_backward(o.go, o.x, o.w, {l.stride, l.stride}, {l.padding, l.padding}, {0, 0}, 1,
+                                          {1, 1}, {o.needs_input_grad, true, false});
+}
+
+// Multiply-adds x 2 of forward, grad_weight and (when needed) grad_input: each is one N*H*W*Cin*Cout*16 GEMM.
+double flops(const Operands& o) {
+  const double one = 2.0 * o.x.size(0) * o.layer.hw * o.layer.hw * o.layer.cin * o.layer.cout * 16;
+  return one * (o.needs_input_grad ? 3 : 2);
+}
+
+void run_suite(Report& report, const Options& options) {
+  at::globalContext().setBenchmarkCuDNN(true);
+  at::globalContext().setAllowTF32CuDNN(true);
+  const int warmup = options.quick ? 3 : 20, repeats = options.quick ? 10 : 100;
+  struct Setting {
+    int64_t batch;
+    at::ScalarType dtype;
+    bool channels_last;
+  };
+  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{1024, at::kBFloat16, true}}) {
+    std::vector<Operands> layers;
+    for (size_t i = 0; i < kGenerator.size(); ++i)
+      layers.push_back(make(kGenerator[i], s.batch, s.dtype, s.channels_last, i == 0));
+    const char* dtype = s.dtype == at::kFloat ? "float32" : "bfloat16";
+    const char* layout = s.channels_last ? "channels_last" : "nchw";
+    double total_flops = 0;
+    for (const auto& o : layers) {
+      Config config;
+      config.set("shape", std::vector<int64_t>{s.batch, o.layer.cin, o.layer.hw, o.layer.hw})
+          .set("out_channels", o.layer.cout)
+          .set("kernel", int64_t(4))
+          .set("stride", o.layer.stride)
+          .set("padding", o.layer.padding)
+          .set("dtype", dtype)
+          .set("layout", layout)
+          .set("grad_input", o.needs_input_grad);
+      total_flops += flops(o);
+      const Timing stock = time_cuda([&] { stock_step(o); }, warmup, repeats);
+      const Timing ours = time_cuda([&] { hierpar_step(o); }, warmup, repeats);
+      report.add("conv_transpose2d_fwd_bwd", "stock", config, stock,
+                 Config().set("tflops", flops(o) / stock.median_us * 1e-6));
+      report.add("conv_transpose2d_fwd_bwd", "hierpar", config, ours,
+                 Config().set("tflops", flops(o) / ours.median_us * 1e-6));
+    }
+    Config config;
+    config.set("batch", s.batch).set("dtype", dtype).set("layout", layout).set("layers", int64_t(layers.size()));
+    const Timing stock = time_cuda([&] { for (const auto& o : layers) stock_step(o); }, warmup, repeats);
+    const Timing ours = time_cuda([&] { for (const auto& o : layers) hierpar_step(o); }, warmup, repeats);
+    report.add("conv_transpose2d_generator_fwd_bwd", "stock", config, stock,
+               Config().set("tflops", total_flops / stock.median_us * 1e-6));
+    report.add("conv_transpose2d_generator_fwd_bwd", "hierpar", config, ours,
+               Config().set("tflops", total_flops / ours.median_us * 1e-6));
+  }
+}
+
+HIERPAR_BENCH_SUITE("conv_transpose", run_suite);
+
+}  // namespace

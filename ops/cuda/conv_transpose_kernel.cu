@@ -1,0 +1,328 @@
+// CUDA kernels of hierpar::conv_transpose2d and its backward: cuBLAS GEMMs on the tensor cores plus
+// hierpar's own col2im gather (forward, no atomics) and im2col (backward) kernels. No cuDNN, no
+// at::convolution.
+//
+// Layouts, natively (no NCHW<->NHWC conversion of activations):
+//  - channels_last (and any input whose [N*H*W, C_in] row view is dense, e.g. 1x1 spatial): the input IS a
+//    row-major [N*H*W, C_in] matrix, so each GEMM is one strided-batched call over the groups;
+//  - NCHW: one strided-batched call over the batch per group, with the input read as [C_in/G, H*W]^T.
+//    grad_weight of an NCHW input contracts over (n, h, w), which has no single stride in NCHW: that one
+//    GEMM reads a [C_in, N*H*W] copy of the input (the input is the smallest operand of these layers).
+// The column buffer is [N*H*W, G * kH*kW * C_out/G] (see conv_transpose_shape.h).
+//
+// Direct 1x1 path: with a 1x1 input, no padding, dilation 1, output_padding 0, groups 1 and no bias, the
+// output [N, C_out, kH, kW] is exactly the GEMM's [N, kH*kW*C_out] (channels_last) or [N, C_out*kH*kW]
+// (NCHW) result, so the GEMM writes the output (and backward reads grad_output as its column buffer).
+//
+// Precision: fp32 GEMMs use TF32 tensor cores when at::globalContext().allowTF32CuDNN(CONV) is on (stock
+// PyTorch's default for convolutions, which is what this op replaces); fp64 is exact-fp64; bf16/fp16
+// multiply on the tensor cores with fp32 accumulation. col2im sums in fp32 (fp64 for double).
+#include "common.h"
+#include "conv_transpose_shape.h"
+
+#include <ATen/Context.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sum.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublas_v2.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <type_traits>
+
+namespace hierpar::detail {
+namespace {
+
+constexpr int kThreads = 256;
+
+int64_t blocks_for(int64_t total) {
+  const int64_t max_blocks = int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+  return std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, max_blocks));
+}
+
+// Row-major C[m, n] = op(A)[m, k] x op(B)[k, n], `batch` times at the given element strides. A row-major
+// matrix is cuBLAS's column-major transpose, so this calls cuBLAS for C^T = op(B)^T op(A)^T.
+template <typename scalar_t>
+void gemm_rows(int64_t m, int64_t n, int64_t k, const scalar_t* a, int64_t lda, int64_t stride_a, bool trans_a,
+               const scalar_t* b, int64_t ldb, int64_t stride_b, bool trans_b, scalar_t* c, int64_t ldc,
+               int64_t stride_c, int64_t batch) {
+  TORCH_CHECK(m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX &&
+                  batch <= INT_MAX,
+              "conv_transpose2d (CUDA): a GEMM dimension exceeds cuBLAS's 32-bit limit");
+  cudaDataType_t type;
+  cublasComputeType_t compute;
+  const float alpha_f = 1.f, beta_f = 0.f;
+  const double alpha_d = 1.0, beta_d = 0.0;
+  const void* alpha = &alpha_f;
+  const void* beta = &beta_f;
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    type = CUDA_R_64F;
+    compute = CUBLAS_COMPUTE_64F;
+    alpha = &alpha_d;
+    beta = &beta_d;
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    type = CUDA_R_32F;
+    compute = at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                      : CUBLAS_COMPUTE_32F;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    type = CUDA_R_16BF;
+    compute = CUBLAS_COMPUTE_32F;
+  } else {
+    type = CUDA_R_16F;
+    compute = CUBLAS_COMPUTE_32F;
+  }
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+      handle, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), alpha,
+      b, type, int(ldb), stride_b, a, type, int(lda), stride_a, beta, c, type, int(ldc), stride_c, int(batch), compute,
+      CUBLAS_GEMM_DEFAULT));
+}
+
+// True when t [N, C, H, W] is, in memory, a dense row-major [N*H*W, C] matrix (channels_last, or any
+// layout when H = W = 1); strides of size-1 dims do not matter.
+bool is_row_matrix(const at::Tensor& t) {
+  const int64_t expected[4] = {t.size(1) * t.size(2) * t.size(3), 1, t.size(3) * t.size(1), t.size(1)};
+  for (int d = 0; d < 4; ++d) {
+    if (t.size(d) > 1 && t.stride(d) != expected[d]) return false;
+  }
+  return true;
+}
+
+// Leaves room for the grid-stride loop's last step (at most one grid of threads past the end).
+bool fits_int32(int64_t n) { return n < int64_t(INT_MAX) / 2; }
+
+struct Strides4 {
+  int64_t s[4];
+};
+
+template <typename scalar_t, typename index_t, bool channels_last>
+__global__ void col2im_kernel(ConvTranspose2dGeometry g, ColsStrides cs, const scalar_t* __restrict__ cols,
+                              const scalar_t* __restrict__ bias, scalar_t* __restrict__ out, index_t total) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const index_t out_c = index_t(g.out_channels), out_h = index_t(g.out_h), out_w = index_t(g.out_w);
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(blockDim.x) * gridDim.x) {
+    index_t n, co, oy, ox, t;
+    // i runs in the output's memory order, so writes are coalesced.
+    if constexpr (channels_last) {
+      co = i % out_c;
+      t = i / out_c;
+      ox = t % out_w;
+      t /= out_w;
+      oy = t % out_h;
+      n = t / out_h;
+    } else {
+      ox = i % out_w;
+      t = i / out_w;
+      oy = t % out_h;
+      t /= out_h;
+      co = t % out_c;
+      n = t / out_c;
+    }
+    acc_t acc = bias ? static_cast<acc_t>(bias[co]) : acc_t(0);
+    acc += col2im_gather<acc_t, index_t>(g, cs, cols, n, co, oy, ox);
+    out[i] = static_cast<scalar_t>(acc);
+  }
+}
+
+// cols[(n, iy, ix), g, tap, co_g] = grad_output at the output pixel that tap of that input pixel hit, or 0.
+template <typename scalar_t, typename index_t>
+__global__ void im2col_kernel(ConvTranspose2dGeometry g, const scalar_t* __restrict__ grad_output, Strides4 go,
+                              scalar_t* __restrict__ cols, index_t total) {
+  const index_t cout_g = index_t(g.cout_g()), taps = index_t(g.taps()), groups = index_t(g.groups),
+                in_w = index_t(g.in_w), in_h = index_t(g.in_h), kw = index_t(g.kernel_w);
+  for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(blockDim.x) * gridDim.x) {
+    const index_t co_g = i % cout_g;
+    index_t t = i / cout_g;
+    const index_t tap = t % taps;
+    t /= taps;
+    const index_t grp = t % groups;
+    t /= groups;
+    const index_t ix = t % in_w;
+    t /= in_w;
+    const index_t iy = t % in_h;
+    const index_t n = t / in_h;
+    const scalar_t* src =
+        im2col_source<scalar_t, index_t>(g, grad_output, go.s, n, iy, ix, tap / kw, tap % kw, grp * cout_g + co_g);
+    cols[i] = src ? *src : scalar_t(0);
+  }
+}
+
+// The direct 1x1 case (see the file comment). `out_layout`: the memory format of the output / grad_output.
+bool is_direct_1x1(const ConvTranspose2dGeometry& g, bool has_bias) {
+  return g.in_h == 1 && g.in_w == 1 && g.pad_h == 0 && g.pad_w == 0 && g.dilation_h == 1 && g.dilation_w == 1 &&
+         g.out_h == g.kernel_h && g.out_w == g.kernel_w && g.groups == 1 && !has_bias;
+}
+
+// The weight as GEMM matrices [G, C_in/G, J_g]: tap-major columns (kH, kW, C_out/G), the order of the
+// cols buffer and of a channels_last output, or channel-major (C_out/G, kH, kW), the order of an NCHW one.
+at::Tensor weight_matrix(const at::Tensor& weight, bool tap_major) {
+  return tap_major ? weight.permute({0, 2, 3, 1}).contiguous() : weight.contiguous();
+}
+
+at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                                 at::IntArrayRef dilation) {
+  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  TORCH_CHECK(input.is_cuda(), "conv_transpose2d (CUDA kernel): input must be a CUDA tensor");
+  c10::cuda::CUDAGuard device_guard(input.device());
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  const auto layout = layout_of(input4);
+  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(), layout);
+  if (out.numel() == 0) return unbatched ? out.squeeze(0) : out;
+
+  const at::Tensor x = input4.contiguous(layout);  // a no-op unless input is a non-dense view
+  const bool has_bias = bias.has_value() && bias->defined();
+  const bool out_cl = layout == c10::MemoryFormat::ChannelsLast;
+  const bool direct = is_direct_1x1(g, has_bias) && is_row_matrix(x);
+  const at::Tensor w = weight_matrix(weight, /*tap_major=*/!direct || out_cl);
+  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
+  const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_cuda", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w.const_data_ptr<scalar_t>();
+    if (direct) {
+      gemm_rows<scalar_t>(g.batch, jg, cin_g, xp, g.in_channels, 0, false, wp, jg, 0, false,
+                          out.mutable_data_ptr<scalar_t>(), jg, 0, 1);
+      return;
+    }
+    at::Tensor cols = at::empty({g.in_pixels(), j}, input.options());
+    scalar_t* cp = cols.mutable_data_ptr<scalar_t>();
+    if (is_row_matrix(x)) {
+      gemm_rows<scalar_t>(g.in_pixels(), jg, cin_g, xp, g.in_channels, cin_g, false, wp, jg, cin_g * jg, false, cp,
+                          j, jg, g.groups);
+    } else {
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        gemm_rows<scalar_t>(hw, jg, cin_g, xp + grp * cin_g * hw, hw, g.in_channels * hw, true, wp + grp * cin_g * jg,
+                            jg, 0, false, cp + grp * jg, j, hw * j, g.batch);
+      }
+    }
+    const ColsStrides cs{j, jg};
+    const scalar_t* bp = has_bias ? b.const_data_ptr<scalar_t>() : nullptr;
+    const int64_t total = out.numel();
+    auto stream = at::cuda::getCurrentCUDAStream();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    // 32-bit indexing when every output and cols index fits (the grid-stride step stays below 2^31 too).
+    const bool small = fits_int32(total) && fits_int32(cols.numel());
+    if (out_cl && small) {
+      col2im_kernel<scalar_t, int32_t, true><<<blocks_for(total), kThreads, 0, stream>>>(g, cs, cp, bp, op, int32_t(total));
+    } else if (out_cl) {
+      col2im_kernel<scalar_t, int64_t, true><<<blocks_for(total), kThreads, 0, stream>>>(g, cs, cp, bp, op, total);
+    } else if (small) {
+      col2im_kernel<scalar_t, int32_t, false><<<blocks_for(total), kThreads, 0, stream>>>(g, cs, cp, bp, op, int32_t(total));
+    } else {
+      col2im_kernel<scalar_t, int64_t, false><<<blocks_for(total), kThreads, 0, stream>>>(g, cs, cp, bp, op, total);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return unbatched ? out.squeeze(0) : out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    std::array<bool, 3> output_mask) {
+  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
+                                        dilation);
+  check_conv_transpose2d_grad_output(grad_output, input, g);
+  TORCH_CHECK(input.is_cuda(), "conv_transpose2d_backward (CUDA kernel): input must be a CUDA tensor");
+  c10::cuda::CUDAGuard device_guard(input.device());
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  const at::Tensor go = unbatched ? grad_output.unsqueeze(0) : grad_output;
+  const auto layout = layout_of(input4);
+
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout);
+  if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
+  if (output_mask[2]) {
+    grad_bias = new_output({g.out_channels}, input.options());
+    at::sum_out(grad_bias, go, {0, 2, 3});
+  }
+  if (output_mask[0] || output_mask[1]) {
+    if (g.in_pixels() == 0 || g.out_channels == 0) {
+      if (output_mask[0]) grad_input.zero_();
+      if (output_mask[1]) grad_weight.zero_();
+    } else {
+      const at::Tensor x = input4.contiguous(layout);
+      const bool x_rows = is_row_matrix(x);
+      // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
+      const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
+      const bool direct = is_direct_1x1(g, false) && x_rows && (go_cl || go.is_contiguous());
+      const bool tap_major = !direct || go_cl;
+      const at::Tensor w = weight_matrix(weight, tap_major);
+      const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
+
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_backward_cuda", [&] {
+        at::Tensor cols;
+        if (direct) {
+          cols = go;
+        } else {
+          cols = at::empty({g.in_pixels(), j}, input.options());
+          const int64_t total = cols.numel();
+          const Strides4 gs{{go.stride(0), go.stride(1), go.stride(2), go.stride(3)}};
+          auto stream = at::cuda::getCurrentCUDAStream();
+          if (fits_int32(total)) {
+            im2col_kernel<scalar_t, int32_t><<<blocks_for(total), kThreads, 0, stream>>>(
+                g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), int32_t(total));
+          } else {
+            im2col_kernel<scalar_t, int64_t><<<blocks_for(total), kThreads, 0, stream>>>(
+                g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), total);
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        const scalar_t* cp = cols.const_data_ptr<scalar_t>();
+        if (output_mask[0]) {
+          const scalar_t* wp = w.const_data_ptr<scalar_t>();
+          scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+          if (x_rows) {  // grad_input has x's layout, so it is a row matrix too
+            gemm_rows<scalar_t>(g.in_pixels(), cin_g, jg, cp, j, jg, false, wp, jg, cin_g * jg, true, gip,
+                                g.in_channels, cin_g, g.groups);
+          } else {
+            for (int64_t grp = 0; grp < g.groups; ++grp) {
+              gemm_rows<scalar_t>(cin_g, hw, jg, wp + grp * cin_g * jg, jg, 0, false, cp + grp * jg, j, hw * j, true,
+                                  gip + grp * cin_g * hw, hw, g.in_channels * hw, g.batch);
+            }
+          }
+        }
+        if (output_mask[1]) {
+          // The GEMM writes [C_in, J_g] in the column order `tap_major` says; straight into grad_weight
+          // when that is its memory order, else into a scratch matrix copied over (weights are small).
+          const bool weight_cl = layout_of(weight) == c10::MemoryFormat::ChannelsLast;
+          const bool in_place = tap_major == weight_cl || (g.kernel_h == 1 && g.kernel_w == 1);
+          at::Tensor gw = in_place ? grad_weight
+                                   : at::empty(tap_major ? at::IntArrayRef{g.in_channels, g.kernel_h, g.kernel_w,
+                                                                           g.cout_g()}
+                                                         : weight.sizes(),
+                                               weight.options());
+          scalar_t* gwp = gw.mutable_data_ptr<scalar_t>();
+          if (x_rows) {
+            gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
+                                cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
+          } else {
+            const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
+            gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
+                                cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
+          }
+          if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
+        }
+      });
+    }
+  }
+  if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace hierpar::detail
+
+TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
+  m.impl("conv_transpose2d", TORCH_FN(hierpar::detail::conv_transpose2d_cuda));
+  m.impl("conv_transpose2d_backward", TORCH_FN(hierpar::detail::conv_transpose2d_backward_cuda));
+}

@@ -1,0 +1,48 @@
+// Meta kernels of hierpar::conv_transpose2d and its backward: the same checks and output shapes/layouts as
+// the CPU and CUDA kernels, no data.
+#include "common.h"
+#include "conv_transpose_shape.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace hierpar::detail {
+namespace {
+
+at::Tensor conv_transpose2d_meta(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                                 at::IntArrayRef dilation) {
+  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  const bool unbatched = input.dim() == 3;
+  const auto layout = layout_of(unbatched ? input.unsqueeze(0) : input);
+  at::Tensor out = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options().memory_format(layout));
+  return unbatched ? out.squeeze(0) : out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_meta(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    std::array<bool, 3> output_mask) {
+  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
+                                        dilation);
+  check_conv_transpose2d_grad_output(grad_output, input, g);
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+    const bool unbatched = input.dim() == 3;
+    const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+    grad_input = at::empty(input4.sizes(), input.options().memory_format(layout_of(input4)));
+    if (unbatched) grad_input = grad_input.squeeze(0);
+  }
+  if (output_mask[1]) grad_weight = at::empty(weight.sizes(), weight.options().memory_format(layout_of(weight)));
+  if (output_mask[2]) grad_bias = at::empty({g.out_channels}, input.options());
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+}  // namespace hierpar::detail
+
+TORCH_LIBRARY_IMPL(hierpar, Meta, m) {
+  m.impl("conv_transpose2d", TORCH_FN(hierpar::detail::conv_transpose2d_meta));
+  m.impl("conv_transpose2d_backward", TORCH_FN(hierpar::detail::conv_transpose2d_backward_meta));
+}

@@ -1,0 +1,453 @@
+// hierpar::conv_transpose2d, its backward and hierpar::nn::ConvTranspose2d against ATen / torch::nn.
+//
+// Tolerances (compared with at::conv_transpose2d in float64 on the same, already rounded, inputs; the
+// absolute part is relative to the reference's largest magnitude, "the output scale", because every
+// output is a sum of many products and cancellation makes elementwise-relative error meaningless near 0):
+//  - float64: 1e-10 (summation order only).
+//  - float32 on the CPU: 1e-5 (fp32 arithmetic, summation order).
+//  - float32 on CUDA: 2e-3. TF32 tensor cores (stock's default for convolutions) round both GEMM operands to
+//    a 10-bit mantissa (relative error <= 2^-11 each), so a product is off by ~1e-3 and a sum of K random-sign
+//    products by ~1e-3 * sqrt(K) * |term|, i.e. ~1e-3 of the output scale; 2e-3 leaves room for the tail.
+//  - bfloat16: 1e-2. The result is rounded to bf16 (2^-9 = 2e-3 relative), and on CUDA the GEMM result
+//    (the column buffer) is rounded once more before the col2im sum: a few units of 2e-3.
+//  - float16: 2e-3. The same two roundings at 2^-12 = 2.4e-4 each, plus fp16 output rounding.
+#include "testing.h"
+
+#include "hierpar/nn/conv_transpose.h"
+#include "hierpar/ops.h"
+
+#include <sstream>
+
+namespace {
+
+using hierpar::testing::coin;
+using hierpar::testing::expect_close;
+using hierpar::testing::Layout;
+using hierpar::testing::rand_int;
+using hierpar::testing::random_tensor;
+using hierpar::testing::Tolerance;
+
+struct Case {
+  int64_t batch, cin, cout, h, w, groups;
+  std::vector<int64_t> kernel, stride, padding, output_padding, dilation;
+  bool bias;
+  Layout layout;
+  bool weight_channels_last;
+  bool unbatched;
+
+  std::vector<int64_t> out_hw() const {
+    std::vector<int64_t> r(2);
+    const int64_t in[2] = {h, w};
+    for (int i = 0; i < 2; ++i)
+      r[i] = (in[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + output_padding[i] + 1;
+    return r;
+  }
+  std::string describe() const {
+    std::ostringstream os;
+    os << "N=" << batch << " Cin=" << cin << " Cout=" << cout << " HxW=" << h << "x" << w << " groups=" << groups
+       << " k=" << at::IntArrayRef(kernel) << " s=" << at::IntArrayRef(stride) << " p=" << at::IntArrayRef(padding)
+       << " op=" << at::IntArrayRef(output_padding) << " d=" << at::IntArrayRef(dilation) << " bias=" << bias
+       << " layout=" << hierpar::testing::to_string(layout) << " weight_cl=" << weight_channels_last
+       << " unbatched=" << unbatched;
+    return os.str();
+  }
+};
+
+// A random valid case: groups, dilation, output_padding, odd sizes, batch 1, one channel, all layouts.
+Case random_case() {
+  Case c;
+  for (;;) {
+    c.groups = rand_int(1, 3);
+    c.cin = c.groups * rand_int(1, 3);
+    c.cout = c.groups * rand_int(1, 3);
+    c.batch = rand_int(1, 3);
+    c.h = rand_int(1, 7);
+    c.w = rand_int(1, 7);
+    c.kernel = {rand_int(1, 4), rand_int(1, 4)};
+    c.stride = {rand_int(1, 3), rand_int(1, 3)};
+    c.dilation = {rand_int(1, 2), rand_int(1, 2)};
+    c.padding = {rand_int(0, 2), rand_int(0, 2)};
+    c.output_padding = {rand_int(0, std::max(c.stride[0], c.dilation[0]) - 1),
+                        rand_int(0, std::max(c.stride[1], c.dilation[1]) - 1)};
+    const auto o = c.out_hw();
+    if (o[0] > 0 && o[1] > 0) break;
+  }
+  c.bias = coin();
+  c.layout = static_cast<Layout>(rand_int(0, 2));
+  c.weight_channels_last = coin();
+  c.unbatched = rand_int(0, 5) == 0;
+  return c;
+}
+
+Tolerance scaled(double rel, const torch::Tensor& reference) {
+  const double scale = reference.defined() && reference.numel() > 0 ? reference.abs().max().item<double>() : 1.0;
+  return {rel, rel * std::max(scale, 1e-30)};
+}
+
+double rel_tolerance(c10::ScalarType dtype, bool cuda) {
+  switch (dtype) {
+    case torch::kDouble: return 1e-10;
+    case torch::kFloat: return cuda ? 2e-3 : 1e-5;
+    case torch::kBFloat16: return 1e-2;
+    case torch::kHalf: return 2e-3;
+    default: return 0;
+  }
+}
+
+struct Tensors {
+  torch::Tensor input, weight, bias, grad_output;
+};
+
+Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
+  Tensors t;
+  std::vector<int64_t> in_sizes{c.batch, c.cin, c.h, c.w};
+  if (c.unbatched) in_sizes.erase(in_sizes.begin());
+  t.input = random_tensor(in_sizes, options, c.layout);
+  t.weight = random_tensor({c.cin, c.cout / c.groups, c.kernel[0], c.kernel[1]}, options,
+                           c.weight_channels_last ? Layout::channels_last : Layout::contiguous);
+  if (c.bias) t.bias = random_tensor({c.cout}, options);
+  const auto o = c.out_hw();
+  std::vector<int64_t> out_sizes{c.batch, c.cout, o[0], o[1]};
+  if (c.unbatched) out_sizes.erase(out_sizes.begin());
+  t.grad_output = random_tensor(out_sizes, options, c.layout);
+  return t;
+}
+
+struct Results {
+  torch::Tensor output, grad_input, grad_weight, grad_bias;
+};
+
+std::optional<torch::Tensor> opt(const torch::Tensor& t) {
+  return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
+}
+
+// Forward + backward through autograd, with hierpar's op or ATen's.
+Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dtype> as = std::nullopt) {
+  auto leaf = [&](const torch::Tensor& x) {
+    if (!x.defined()) return x;
+    // hierpar gets the tensor as made (a strided view stays one); ATen a float64 copy.
+    return (as ? x.detach().to(*as) : x.detach()).requires_grad_();
+  };
+  auto x = leaf(t.input), w = leaf(t.weight), b = leaf(t.bias);
+  auto y = aten ? at::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups, c.dilation)
+                : hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
+                                                 c.dilation);
+  y.backward(as ? t.grad_output.to(*as) : t.grad_output);
+  return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
+}
+
+void compare(const Results& got, const Results& ref, double rel, const std::string& what) {
+  expect_close(got.output, ref.output, scaled(rel, ref.output), what + " output");
+  expect_close(got.grad_input, ref.grad_input, scaled(rel, ref.grad_input), what + " grad_input");
+  expect_close(got.grad_weight, ref.grad_weight, scaled(rel, ref.grad_weight), what + " grad_weight");
+  if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
+}
+
+void check_random_cases(const torch::Device& device, int trials) {
+  const bool cuda = device.is_cuda();
+  for (int trial = 0; trial < trials; ++trial) {
+    const Case c = random_case();
+    for (auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(device));
+      const auto got = run(c, t, /*aten=*/false);
+      const auto ref = run(c, t, /*aten=*/true, torch::kDouble);
+      const std::string what = std::string(cuda ? "CUDA " : "CPU ") + c10::toString(dtype) + " " + c.describe();
+      compare(got, ref, rel_tolerance(dtype, cuda), what);
+      EXPECT_EQ(got.output.device().type(), device.type()) << what;
+      EXPECT_EQ(got.output.scalar_type(), dtype) << what;
+      // Inputs whose channels_last strides are also contiguous ones (one channel, 1x1) are taken as NCHW.
+      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
+        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
+        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
+      }
+      if (cuda) {
+        // The same op on the CPU, same dtype: the two backends agree within both tolerances.
+        Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
+        const auto cpu = run(c, on_cpu, /*aten=*/false);
+        compare(got, cpu, rel_tolerance(dtype, true) + rel_tolerance(dtype, false), what + " vs CPU");
+      }
+    }
+  }
+}
+
+TEST(ConvTransposeCpu, MatchesAtenOnRandomCasesEveryDtype) { check_random_cases(torch::kCPU, 12); }
+
+TEST(ConvTransposeCpu, DcganLayersMatchAten) {
+  // The generator's shapes (smaller batch): 1x1 -> 4x4 (k4 s1 p0) and k4 s2 p1 doublings.
+  for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+    for (auto [cin, cout, hw, s, p] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>{
+             {10, 16, 1, 1, 0}, {16, 8, 4, 2, 1}, {8, 3, 8, 2, 1}}) {
+      Case c{2, cin, cout, hw, hw, 1, {4, 4}, {s, s}, {p, p}, {0, 0}, {1, 1}, false, layout, false, false};
+      const auto t = make_tensors(c, torch::kFloat);
+      compare(run(c, t, false), run(c, t, true, torch::kDouble), 1e-5, "CPU " + c.describe());
+    }
+  }
+}
+
+TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
+  for (int trial = 0; trial < 3; ++trial) {
+    Case c = random_case();
+    c.bias = true;
+    const auto t = make_tensors(c, torch::kDouble);
+    // loss = sum(output * R): its gradient is the backward of grad_output = R.
+    const auto got = run(c, t, false);
+    auto loss = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+      return (hierpar::ops::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation) *
+              t.grad_output)
+          .sum()
+          .item<double>();
+    };
+    const double eps = 1e-6;
+    struct Wrt {
+      const char* name;
+      torch::Tensor value, grad;
+      int index;
+    };
+    for (Wrt wrt : {Wrt{"input", t.input, got.grad_input, 0}, Wrt{"weight", t.weight, got.grad_weight, 1},
+                    Wrt{"bias", t.bias, got.grad_bias, 2}}) {
+      for (int probe = 0; probe < 6; ++probe) {
+        const int64_t i = rand_int(0, wrt.value.numel() - 1);
+        torch::Tensor plus = wrt.value.contiguous().clone(), minus = wrt.value.contiguous().clone();
+        plus.view(-1)[i] += eps;
+        minus.view(-1)[i] -= eps;
+        auto args = [&](const torch::Tensor& v) {
+          return std::array<torch::Tensor, 3>{wrt.index == 0 ? v : t.input, wrt.index == 1 ? v : t.weight,
+                                              wrt.index == 2 ? v : t.bias};
+        };
+        const auto ap = args(plus), am = args(minus);
+        const double numeric = (loss(ap[0], ap[1], ap[2]) - loss(am[0], am[1], am[2])) / (2 * eps);
+        const double analytic = wrt.grad.contiguous().view(-1)[i].item<double>();
+        EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric)))
+            << wrt.name << " element " << i << " " << c.describe();
+      }
+    }
+  }
+}
+
+TEST(ConvTransposeCpu, OutputMaskComputesOnlyWhatIsAsked) {
+  const Case c = random_case();
+  const auto t = make_tensors(c, torch::kDouble);
+  const auto all = hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
+                                                           c.output_padding, c.groups, c.dilation, {true, true, true});
+  for (int mask = 0; mask < 8; ++mask) {
+    std::array<bool, 3> m{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
+    const auto r = hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
+                                                           c.output_padding, c.groups, c.dilation, m);
+    const torch::Tensor got[3] = {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    const torch::Tensor want[3] = {std::get<0>(all), std::get<1>(all), std::get<2>(all)};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(got[i].defined(), m[i]) << "mask " << mask << " output " << i;
+      if (m[i]) EXPECT_TRUE(got[i].equal(want[i])) << "mask " << mask << " output " << i;
+    }
+  }
+  // Through autograd: a weight that does not require grad gets none computed, and the input's grad is right.
+  auto x = t.input.detach().requires_grad_();
+  auto y = hierpar::ops::conv_transpose2d(x, t.weight, std::nullopt, c.stride, c.padding, c.output_padding, c.groups,
+                                          c.dilation);
+  y.backward(t.grad_output);
+  expect_close(x.grad(), std::get<0>(all), "grad_input with a frozen weight");
+}
+
+TEST(ConvTransposeAutograd, DoubleBackwardIsAClearError) {
+  Case c = random_case();
+  const auto t = make_tensors(c, torch::kDouble);
+  auto w = t.weight.detach().requires_grad_();
+  auto y = hierpar::ops::conv_transpose2d(t.input, w, std::nullopt, c.stride, c.padding, c.output_padding, c.groups,
+                                          c.dilation);
+  HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({y.sum()}, {w}, {}, /*retain_graph=*/true, /*create_graph=*/true),
+                           "double backward is not supported");
+}
+
+TEST(ConvTransposeMeta, ShapesAndLayoutsMatchTheCpuKernel) {
+  for (int trial = 0; trial < 10; ++trial) {
+    const Case c = random_case();
+    const auto t = make_tensors(c, torch::kFloat);
+    auto meta = [](const torch::Tensor& x) { return x.defined() ? x.to(torch::kMeta) : x; };
+    const auto y = hierpar::ops::conv_transpose2d(t.input, t.weight, opt(t.bias), c.stride, c.padding,
+                                                  c.output_padding, c.groups, c.dilation);
+    const auto ym = hierpar::ops::conv_transpose2d(meta(t.input), meta(t.weight), opt(meta(t.bias)), c.stride,
+                                                   c.padding, c.output_padding, c.groups, c.dilation);
+    EXPECT_TRUE(ym.is_meta());
+    EXPECT_EQ(ym.sizes(), y.sizes()) << c.describe();
+    EXPECT_EQ(ym.strides(), y.strides()) << c.describe();
+    const auto g = hierpar::ops::conv_transpose2d_backward(meta(t.grad_output), meta(t.input), meta(t.weight),
+                                                           c.stride, c.padding, c.output_padding, c.groups,
+                                                           c.dilation, {true, true, false});
+    EXPECT_EQ(std::get<0>(g).sizes(), t.input.sizes());
+    EXPECT_EQ(std::get<1>(g).sizes(), t.weight.sizes());
+    EXPECT_FALSE(std::get<2>(g).defined());
+  }
+}
+
+TEST(ConvTransposeErrors, EveryBadArgumentIsNamed) {
+  const auto x = random_tensor({2, 4, 5, 5}, torch::kFloat);
+  const auto w = random_tensor({4, 3, 3, 3}, torch::kFloat);
+  auto call = [&](const torch::Tensor& input, const torch::Tensor& weight, std::optional<torch::Tensor> bias,
+                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                  at::IntArrayRef dilation) {
+    return hierpar::ops::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  };
+  HIERPAR_EXPECT_THROW_MSG(call(x.flatten(), w, {}, {1}, {0}, {0}, 1, {1}), "input must be 3-d (unbatched) or 4-d");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w[0], {}, {1}, {0}, {0}, 1, {1}), "weight must be 4-d");
+  HIERPAR_EXPECT_THROW_MSG(call(x.to(torch::kInt), w.to(torch::kInt), {}, {1}, {0}, {0}, 1, {1}),
+                           "input must be float32, float64, bfloat16 or float16");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w.to(torch::kDouble), {}, {1}, {0}, {0}, 1, {1}), "weight's dtype");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {1, 1, 1}, {0}, {0}, 1, {1}), "stride must have 1 or 2 elements");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {0, 1}, {0}, {0}, 1, {1}), "stride must be positive");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {1}, {0}, {0}, 1, {1, 0}), "dilation must be positive");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {1}, {-1}, {0}, 1, {1}), "padding must be non-negative");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {2}, {0}, {-1}, 1, {1}), "output_padding must be non-negative");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {2}, {0}, {2, 0}, 1, {1}),
+                           "output_padding (2) must be smaller than either stride (2) or dilation (1)");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {1}, {0}, {0}, 0, {1}), "groups must be positive");
+  HIERPAR_EXPECT_THROW_MSG(call(x, random_tensor({4, 1, 3, 3}, torch::kFloat), {}, {1}, {0}, {0}, 3, {1}),
+                           "groups (3) must divide the input channels (4)");
+  HIERPAR_EXPECT_THROW_MSG(call(x, random_tensor({5, 3, 3, 3}, torch::kFloat), {}, {1}, {0}, {0}, 1, {1}),
+                           "weight.size(0) (5) must equal the input channels (4)");
+  HIERPAR_EXPECT_THROW_MSG(call(x, torch::empty({4, 3, 0, 3}), {}, {1}, {0}, {0}, 1, {1}),
+                           "weight's kernel size must be positive");
+  HIERPAR_EXPECT_THROW_MSG(call(torch::empty({2, 4, 0, 5}), w, {}, {1}, {0}, {0}, 1, {1}),
+                           "input must have non-zero channels, height and width");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, {}, {1}, {4}, {0}, 1, {1}), "the output size [-1, -1] is not positive");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, random_tensor({4}, torch::kFloat), {1}, {0}, {0}, 1, {1}),
+                           "bias must be 1-d with out_channels = weight.size(1) * groups = 3");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, random_tensor({3}, torch::kDouble), {1}, {0}, {0}, 1, {1}), "bias's dtype");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w, torch::empty({3}, torch::kMeta), {1}, {0}, {0}, 1, {1}), "bias is on meta");
+  HIERPAR_EXPECT_THROW_MSG(call(x, w.to(torch::kMeta), {}, {1}, {0}, {0}, 1, {1}), "weight is on meta");
+  // Backward: grad_output must have the forward output's shape, dtype and device.
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::conv_transpose2d_backward(random_tensor({2, 3, 6, 6}, torch::kFloat), x, w,
+                                                                   {1}, {0}, {0}, 1, {1}, {true, true, true}),
+                           "grad_output must have the forward output's shape [2, 3, 7, 7]");
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::conv_transpose2d_backward(random_tensor({2, 3, 7, 7}, torch::kDouble), x, w,
+                                                                   {1}, {0}, {0}, 1, {1}, {true, true, true}),
+                           "grad_output's dtype");
+  if (hierpar::testing::cuda_available()) {
+    HIERPAR_EXPECT_THROW_MSG(call(x, w.cuda(), {}, {1}, {0}, {0}, 1, {1}), "weight is on cuda:0 but input is on cpu");
+    HIERPAR_EXPECT_THROW_MSG(call(x.cuda(), w.cuda(), random_tensor({3}, torch::kFloat), {1}, {0}, {0}, 1, {1}),
+                             "bias is on cpu but input is on cuda:0");
+  }
+}
+
+TEST(ConvTransposeCuda, MatchesAtenAndCpuOnRandomCasesEveryDtype) {
+  HIERPAR_REQUIRE_CUDA();
+  check_random_cases(torch::kCUDA, 16);
+}
+
+TEST(ConvTransposeCuda, DcganLayersEveryLayoutAndDtype) {
+  HIERPAR_REQUIRE_CUDA();
+  // Includes the direct 1x1 path (1x1 input, k4 s1 p0, no bias) and the k4 s2 p1 layers, weights in both
+  // layouts, a bias on some, and a larger batch so the GEMMs take their tensor-core paths.
+  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+      for (auto [cin, cout, hw, s, p, bias] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>>{
+               {100, 256, 1, 1, 0, false}, {100, 64, 1, 1, 0, true}, {256, 128, 4, 2, 1, false},
+               {64, 32, 16, 2, 1, true}, {32, 3, 32, 2, 1, false}}) {
+        Case c{8, cin, cout, hw, hw, 1, {4, 4}, {s, s}, {p, p}, {0, 0}, {1, 1}, bias, layout, coin(), false};
+        const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+        compare(run(c, t, false), run(c, t, true, torch::kDouble), rel_tolerance(dtype, true),
+                std::string("CUDA ") + c10::toString(dtype) + " " + c.describe());
+      }
+    }
+  }
+}
+
+TEST(ConvTransposeCuda, Fp32FollowsTheConvolutionTf32Flag) {
+  HIERPAR_REQUIRE_CUDA();
+  // With TF32 off for convolutions, fp32 is full fp32: the CPU's tolerance holds.
+  const bool before = at::globalContext().allowTF32CuDNN();
+  at::globalContext().setAllowTF32CuDNN(false);
+  Case c{4, 64, 32, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last, false, false};
+  const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  compare(run(c, t, false), run(c, t, true, torch::kDouble), 1e-5, "CUDA fp32 without TF32 " + c.describe());
+  at::globalContext().setAllowTF32CuDNN(before);
+}
+
+// ---- the layer ---------------------------------------------------------------------------------------
+
+torch::nn::ConvTranspose2dOptions random_options() {
+  const int64_t groups = rand_int(1, 2);
+  auto o = torch::nn::ConvTranspose2dOptions(groups * rand_int(1, 3), groups * rand_int(1, 3),
+                                             {rand_int(1, 4), rand_int(1, 4)})
+               .stride({rand_int(1, 3), rand_int(1, 3)})
+               .padding({rand_int(0, 1), rand_int(0, 1)})
+               .groups(groups)
+               .bias(coin());
+  o.output_padding({rand_int(0, (*o.stride())[0] - 1), rand_int(0, (*o.stride())[1] - 1)});
+  return o;
+}
+
+TEST(ConvTransposeLayer, StateDictInterchangesWithTorchNn) {
+  for (int trial = 0; trial < 4; ++trial) {
+    const auto o = random_options();
+    torch::nn::ConvTranspose2d stock(o);
+    hierpar::nn::ConvTranspose2d ours(o);
+    stock->to(torch::kDouble);
+    ours->to(torch::kDouble);
+    // Same names and shapes.
+    const auto sp = stock->named_parameters(), hp = ours->named_parameters();
+    ASSERT_EQ(sp.size(), hp.size());
+    for (const auto& item : sp) {
+      ASSERT_TRUE(hp.contains(item.key())) << item.key();
+      EXPECT_EQ(hp[item.key()].sizes(), item.value().sizes()) << item.key();
+    }
+    // Save the stock module, load it into hierpar's, and back.
+    std::stringstream saved;
+    torch::save(stock, saved);
+    torch::load(ours, saved);
+    const auto x = random_tensor({2, o.in_channels(), rand_int(3, 5), rand_int(3, 5)}, torch::kDouble);
+    expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights");
+    ours->reset_parameters();
+    std::stringstream back;
+    torch::save(ours, back);
+    torch::load(stock, back);
+    expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights");
+  }
+}
+
+TEST(ConvTransposeLayer, InitialisationFollowsTorchNn) {
+  auto o = torch::nn::ConvTranspose2dOptions(16, 24, 3).groups(2);
+  hierpar::nn::ConvTranspose2d layer(o);
+  // torch's fan_in of a transposed weight [in, out/groups, kH, kW] is out/groups * kH * kW; kaiming_uniform
+  // with a = sqrt(5) and the bias both draw from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+  const double bound = 1.0 / std::sqrt(12.0 * 9.0);
+  EXPECT_EQ(layer->weight.sizes(), (std::vector<int64_t>{16, 12, 3, 3}));
+  EXPECT_LE(layer->weight.abs().max().item<double>(), bound);
+  EXPECT_GT(layer->weight.abs().max().item<double>(), 0.9 * bound);  // spans the range (1728 draws)
+  EXPECT_LE(layer->bias.abs().max().item<double>(), bound);
+  EXPECT_GT(layer->bias.abs().max().item<double>(), 0.3 * bound);
+  EXPECT_NEAR(layer->weight.std().item<double>(), bound / std::sqrt(3.0), 0.1 * bound);
+  EXPECT_TRUE(layer->weight.requires_grad());
+}
+
+TEST(ConvTransposeLayer, ForwardWithOutputSizeMatchesTorchNn) {
+  for (int trial = 0; trial < 4; ++trial) {
+    auto o = random_options().output_padding(0);
+    torch::nn::ConvTranspose2d stock(o);
+    hierpar::nn::ConvTranspose2d ours(o);
+    std::stringstream saved;
+    torch::save(stock, saved);
+    torch::load(ours, saved);
+    const auto x = random_tensor({1, o.in_channels(), rand_int(3, 5), rand_int(3, 5)}, torch::kFloat);
+    const auto base = stock->forward(x).sizes();
+    const std::vector<int64_t> size{base[2] + rand_int(0, (*o.stride())[0] - 1),
+                                    base[3] + rand_int(0, (*o.stride())[1] - 1)};
+    const auto y = ours->forward(x, at::IntArrayRef(size));
+    EXPECT_EQ(y.size(2), size[0]);
+    EXPECT_EQ(y.size(3), size[1]);
+    expect_close(y, stock->forward(x, at::IntArrayRef(size)), "forward(input, output_size)");
+    const std::vector<int64_t> too_big{base[2] + (*o.stride())[0], base[3]};
+    HIERPAR_EXPECT_THROW_MSG(ours->forward(x, at::IntArrayRef(too_big)), "requested an output size of");
+  }
+}
+
+TEST(ConvTransposeLayer, PrettyPrintAndPaddingMode) {
+  hierpar::nn::ConvTranspose2d layer(torch::nn::ConvTranspose2dOptions(256, 128, 4).stride(2).padding(1).bias(false));
+  std::ostringstream os;
+  os << *layer;
+  EXPECT_EQ(os.str(), "hierpar::nn::ConvTranspose2d(256, 128, kernel_size=[4, 4], stride=[2, 2], padding=[1, 1], bias=false)");
+  HIERPAR_EXPECT_THROW_MSG(
+      hierpar::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(2, 2, 3).padding_mode(torch::kReflect)),
+      "only padding_mode zeros is supported");
+}
+
+}  // namespace
