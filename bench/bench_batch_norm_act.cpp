@@ -1,0 +1,116 @@
+// Suite "batch_norm_act": forward + backward of BatchNorm (training mode) followed by the activation, at the
+// DCGAN layer shapes: discriminator layers with leaky_relu(0.2), generator layers with relu; batch 64 fp32
+// NCHW and batch 1024 bf16 channels_last (fp32 parameters and statistics).
+//
+//  - bench "batch_norm_act_fwd_bwd": through autograd, as a training step runs it. stock: at::batch_norm
+//    (cuDNN where ATen picks it) then the in-place activation (DCGAN's inplace=True), then
+//    torch::autograd::grad for input, weight and bias. hierpar: hierpar::ops::batch_norm_act, same grad.
+//  - bench "batch_norm_act_fwd_bwd_ops": the kernels alone, no autograd: stock at::native_batch_norm +
+//    activation + activation backward + at::native_batch_norm_backward; hierpar the two ops.
+// extra.saved_activation_bytes: the per-layer activation memory autograd keeps for the backward.
+//   stock: BN saves its input, the in-place activation its output: 2 tensors. hierpar: the output for
+//   leaky_relu/identity (1 tensor), input + output for relu (2 tensors; see docs/batch_norm_act.md).
+#include "bench.h"
+
+#include "hierpar/ops.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace hierpar::bench;
+
+struct BnCase {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  bool channels_last;
+  const char* activation;  // "leaky_relu" (discriminator) or "relu" (generator)
+};
+
+std::vector<BnCase> cases(bool quick) {
+  const std::vector<std::vector<int64_t>> d{{64, 16, 16}, {128, 8, 8}, {256, 4, 4}};
+  const std::vector<std::vector<int64_t>> g{{256, 4, 4}, {128, 8, 8}, {64, 16, 16}, {32, 32, 32}};
+  std::vector<BnCase> out;
+  for (auto [batch, dtype, cl] : {std::tuple{int64_t(64), at::kFloat, false}, std::tuple{int64_t(1024), at::kBFloat16, true}}) {
+    for (const auto& s : d) out.push_back({{batch, s[0], s[1], s[2]}, dtype, cl, "leaky_relu"});
+    for (const auto& s : g) out.push_back({{batch, s[0], s[1], s[2]}, dtype, cl, "relu"});
+    if (quick) break;
+  }
+  return out;
+}
+
+void batch_norm_act_suite(Report& report, const Options& options) {
+  const int repeats = options.quick ? 20 : 200;
+  const double slope = 0.2, eps = 1e-5, momentum = 0.1;
+  for (const auto& c : cases(options.quick)) {
+    const bool leaky = std::string(c.activation) == "leaky_relu";
+    const auto layout = c.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    const auto opts = at::TensorOptions().device(at::kCUDA);
+    const int64_t C = c.shape[1];
+    const at::Tensor x = (at::rand(c.shape, opts) * 4 - 1).to(c.dtype).contiguous(layout).requires_grad_();
+    const at::Tensor dy = (at::rand(c.shape, opts) * 2 - 1).to(c.dtype).contiguous(layout);
+    const at::Tensor w = (at::rand({C}, opts) + 0.5).requires_grad_(), b = (at::rand({C}, opts) - 0.5).requires_grad_();
+    at::Tensor rm = at::zeros({C}, opts), rv = at::ones({C}, opts);
+
+    auto stock_autograd = [&] {
+      at::Tensor y = at::batch_norm(x, w, b, rm, rv, true, momentum, eps, /*cudnn_enabled=*/true);
+      y = leaky ? at::leaky_relu_(y, slope) : at::relu_(y);
+      torch::autograd::grad({y}, {x, w, b}, {dy});
+    };
+    auto ours_autograd = [&] {
+      at::Tensor y = std::get<0>(hierpar::ops::batch_norm_act(x, w, b, rm, rv, true, momentum, eps, c.activation, slope));
+      torch::autograd::grad({y}, {x, w, b}, {dy});
+    };
+    const at::Tensor xd = x.detach(), wd = w.detach(), bd = b.detach();
+    auto stock_ops = [&] {
+      auto [y, mean, invstd] = at::native_batch_norm(xd, wd, bd, rm, rv, true, momentum, eps);
+      at::Tensor out = leaky ? at::leaky_relu(y, slope) : at::relu(y);
+      at::Tensor dyp = leaky ? at::leaky_relu_backward(dy, out, slope, true) : at::threshold_backward(dy, out, 0);
+      at::native_batch_norm_backward(dyp, xd, wd, rm, rv, mean, invstd, true, eps, {true, true, true});
+    };
+    auto ours_ops = [&] {
+      at::AutoDispatchBelowADInplaceOrView no_autograd;
+      auto [out, mean, invstd] = hierpar::ops::batch_norm_act(xd, wd, bd, rm, rv, true, momentum, eps, c.activation, slope);
+      hierpar::ops::batch_norm_act_backward(dy, out, leaky ? std::optional<at::Tensor>() : std::optional<at::Tensor>(xd),
+                                            wd, bd, mean, invstd, true, eps, c.activation, slope, {true, true, true});
+    };
+
+    // Sanity before timing: the same gradients as stock (bf16 tolerance covers both dtypes here).
+    {
+      at::Tensor ys = at::batch_norm(x, w, b, rm.clone(), rv.clone(), true, momentum, eps, true);
+      ys = leaky ? at::leaky_relu(ys, slope) : at::relu(ys);
+      auto gs = torch::autograd::grad({ys}, {x, w, b}, {dy});
+      at::Tensor yo = std::get<0>(hierpar::ops::batch_norm_act(x, w, b, rm.clone(), rv.clone(), true, momentum, eps,
+                                                                c.activation, slope));
+      auto go = torch::autograd::grad({yo}, {x, w, b}, {dy});
+      TORCH_CHECK(at::allclose(ys.to(at::kFloat), yo.to(at::kFloat), 3e-2, 3e-2), "batch_norm_act bench: outputs differ from stock");
+      for (size_t i = 0; i < 3; ++i) {
+        const double scale = gs[i].to(at::kFloat).abs().max().item<double>();
+        TORCH_CHECK((gs[i].to(at::kFloat) - go[i].to(at::kFloat)).abs().max().item<double>() <= 3e-2 * scale + 1e-3,
+                    "batch_norm_act bench: gradient ", i, " differs from stock");
+      }
+    }
+
+    const double tensor_bytes = static_cast<double>(x.numel()) * x.element_size();
+    Config config;
+    config.set("shape", c.shape)
+        .set("dtype", std::string(c.dtype == at::kFloat ? "float32" : "bfloat16"))
+        .set("layout", c.channels_last ? "channels_last" : "nchw")
+        .set("activation", std::string(c.activation) + (leaky ? "(0.2)" : ""));
+    const Config stock_extra = Config().set("saved_activation_bytes", 2 * tensor_bytes);
+    const Config ours_extra = Config().set("saved_activation_bytes", (leaky ? 1 : 2) * tensor_bytes);
+    report.add("batch_norm_act_fwd_bwd", "stock", config, time_cuda(stock_autograd, 20, repeats), stock_extra);
+    report.add("batch_norm_act_fwd_bwd", "hierpar", config, time_cuda(ours_autograd, 20, repeats), ours_extra);
+    report.add("batch_norm_act_fwd_bwd_ops", "stock", config, time_cuda(stock_ops, 20, repeats), stock_extra);
+    report.add("batch_norm_act_fwd_bwd_ops", "hierpar", config, time_cuda(ours_ops, 20, repeats), ours_extra);
+  }
+}
+
+HIERPAR_BENCH_SUITE("batch_norm_act", batch_norm_act_suite);
+
+}  // namespace

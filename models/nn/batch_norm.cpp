@@ -1,0 +1,122 @@
+// hierpar::nn::BatchNorm2d / BatchNormAct2d: torch::nn::BatchNorm2d's bookkeeping (parameters, buffers,
+// momentum None = cumulative moving average, eval without running statistics = batch statistics) around
+// hierpar::batch_norm_act.
+#include "hierpar/nn/batch_norm.h"
+
+#include "hierpar/ops.h"
+
+#include <torch/nn/init.h>
+
+#include <c10/util/Exception.h>
+
+namespace hierpar::nn {
+
+const char* to_string(Activation activation) {
+  switch (activation) {
+    case Activation::identity: return "identity";
+    case Activation::relu: return "relu";
+    case Activation::leaky_relu: return "leaky_relu";
+  }
+  return "?";
+}
+
+namespace detail {
+
+template <typename Derived>
+BatchNormActImplBase<Derived>::BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options_,
+                                                    Activation activation_, double negative_slope_)
+    : options(options_), activation(activation_), negative_slope(negative_slope_) {
+  TORCH_CHECK(activation != Activation::leaky_relu || negative_slope > 0,
+              "hierpar::nn::BatchNormAct2d: negative_slope: expected a positive slope for leaky_relu (the backward "
+              "inverts the activation), got ",
+              negative_slope);
+  // Cloneable::clone() calls reset() on the copy; the constructor does the same as torch::nn's.
+  reset();
+}
+
+template <typename Derived>
+void BatchNormActImplBase<Derived>::reset() {
+  if (options.affine()) {
+    weight = this->register_parameter("weight", torch::empty({options.num_features()}));
+    bias = this->register_parameter("bias", torch::empty({options.num_features()}));
+  } else {
+    weight = this->register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
+    bias = this->register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = this->register_buffer("running_mean", torch::zeros({options.num_features()}));
+    running_var = this->register_buffer("running_var", torch::ones({options.num_features()}));
+    num_batches_tracked = this->register_buffer("num_batches_tracked", torch::tensor(0, torch::dtype(torch::kLong)));
+  } else {
+    running_mean = this->register_buffer("running_mean", torch::Tensor());
+    running_var = this->register_buffer("running_var", torch::Tensor());
+    num_batches_tracked = this->register_buffer("num_batches_tracked", torch::Tensor());
+  }
+  reset_parameters();
+}
+
+template <typename Derived>
+void BatchNormActImplBase<Derived>::reset_running_stats() {
+  if (options.track_running_stats()) {
+    running_mean.zero_();
+    running_var.fill_(1);
+    num_batches_tracked.zero_();
+  }
+}
+
+template <typename Derived>
+void BatchNormActImplBase<Derived>::reset_parameters() {
+  reset_running_stats();
+  if (options.affine()) {
+    torch::nn::init::ones_(weight);
+    torch::nn::init::zeros_(bias);
+  }
+}
+
+template <typename Derived>
+void BatchNormActImplBase<Derived>::pretty_print(std::ostream& stream) const {
+  stream << name() << "(" << options.num_features() << ", eps=" << options.eps() << ", momentum=";
+  if (options.momentum().has_value()) {
+    stream << *options.momentum();
+  } else {
+    stream << "None";
+  }
+  stream << ", affine=" << (options.affine() ? "true" : "false")
+         << ", track_running_stats=" << (options.track_running_stats() ? "true" : "false");
+  if (activation == Activation::leaky_relu) {
+    stream << ", activation=leaky_relu(" << negative_slope << ")";
+  } else if (activation != Activation::identity || std::is_same_v<Derived, BatchNormAct2dImpl>) {
+    stream << ", activation=" << to_string(activation);
+  }
+  stream << ")";
+}
+
+template <typename Derived>
+torch::Tensor BatchNormActImplBase<Derived>::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() == 4, name(), ": input: expected a 4-d tensor (N, C, H, W), got ", input.dim(), "-d ",
+              input.sizes());
+  double momentum = options.momentum().value_or(0.0);
+  if (this->is_training() && options.track_running_stats()) {
+    num_batches_tracked.add_(1);
+    if (!options.momentum().has_value()) {  // cumulative moving average, like torch::nn
+      momentum = 1.0 / num_batches_tracked.template item<double>();
+    }
+  }
+  // Batch statistics in training, and in eval when no running statistics are kept (like torch::nn).
+  const bool use_batch_stats = this->is_training() || !options.track_running_stats();
+  // Running statistics: updated in training, read in eval; not passed when not tracked.
+  std::optional<torch::Tensor> rm, rv;
+  if (options.track_running_stats()) {
+    rm = running_mean;
+    rv = running_var;
+  }
+  auto opt = [](const torch::Tensor& t) { return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt; };
+  return std::get<0>(hierpar::ops::batch_norm_act(input, opt(weight), opt(bias), rm, rv, use_batch_stats, momentum,
+                                                  options.eps(), to_string(activation), negative_slope));
+}
+
+template class BatchNormActImplBase<BatchNormAct2dImpl>;
+template class BatchNormActImplBase<BatchNorm2dImpl>;
+
+}  // namespace detail
+}  // namespace hierpar::nn

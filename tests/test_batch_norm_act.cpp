@@ -1,0 +1,636 @@
+// hierpar::batch_norm_act and its layers against ATen's batch_norm followed by the activation, evaluated in
+// float64 as the reference, on random shapes drawn fresh each run.
+//
+// Tolerances (relative to the reference's largest magnitude, since the backward's terms cancel and
+// elementwise relative error means nothing near zero): float64 1e-9; float32 1e-4 (float accumulation
+// over up to ~1e5 elements and xhat recovered from the rounded output); bfloat16 3e-2 and float16 1e-2:
+// the output is rounded to the dtype and the backward reads it back, a few units of 2^-8 / 2^-11.
+#include "testing.h"
+
+#include "hierpar/nn/batch_norm.h"
+#include "hierpar/ops.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace {
+
+using hierpar::testing::coin;
+using hierpar::testing::Layout;
+using hierpar::testing::rand_int;
+using hierpar::testing::random_tensor;
+
+double scaled_rtol(c10::ScalarType dtype) {
+  switch (dtype) {
+    case torch::kDouble: return 1e-9;
+    case torch::kFloat: return 1e-4;
+    case torch::kBFloat16: return 3e-2;
+    case torch::kHalf: return 1e-2;
+    default: return 0;
+  }
+}
+
+// `floor`: a lower bound on the scale, for results that are sums of cancelling terms (the gradients): the
+// rounding error is relative to the terms, not to what remains after cancellation.
+void expect_scaled(const torch::Tensor& actual, const torch::Tensor& expected, double rtol, const std::string& what,
+                   double floor = 0) {
+  const double scale = std::max(
+      floor, expected.detach().to(torch::kCPU, torch::kDouble).abs().nan_to_num(0, 0, 0).max().item<double>());
+  hierpar::testing::expect_close(actual, expected, {rtol, rtol * std::max(scale, 1e-30)}, what);
+}
+
+struct Case {
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype = torch::kFloat;
+  c10::ScalarType param_dtype = torch::kFloat;
+  Layout layout = Layout::contiguous;
+  std::string act = "identity";
+  double slope = 0.01;
+  bool training = true, affine = true, running = true;
+  double momentum = 0.1, eps = 1e-5;
+
+  std::string describe() const {
+    std::ostringstream os;
+    os << "shape " << c10::IntArrayRef(shape) << " " << dtype << " params " << param_dtype << " "
+       << hierpar::testing::to_string(layout) << " " << act << "(" << slope << ") training=" << training
+       << " affine=" << affine << " running=" << running << " momentum=" << momentum << " eps=" << eps;
+    return os.str();
+  }
+};
+
+const double kSlopes[] = {0.2, 0.01, 0.25, 0.125, 0.3};
+
+Case random_case(const std::vector<c10::ScalarType>& dtypes, int64_t max_c = 12, int64_t max_hw = 9) {
+  Case c;
+  const int rank = rand_int(0, 5) == 0 ? static_cast<int>(rand_int(2, 3)) : 4;
+  c.shape = {rand_int(1, 6), rand_int(0, 3) == 0 ? 1 : rand_int(1, max_c)};
+  for (int d = 2; d < rank; ++d) c.shape.push_back(rand_int(1, max_hw));
+  c.dtype = dtypes[rand_int(0, static_cast<int64_t>(dtypes.size()) - 1)];
+  c.param_dtype = (c.dtype == torch::kBFloat16 || c.dtype == torch::kHalf) && coin() ? c.dtype
+                  : c.dtype == torch::kDouble                                           ? torch::kDouble
+                                                                                        : torch::kFloat;
+  c.layout = static_cast<Layout>(rand_int(0, 2));
+  if (rank != 4 && c.layout == Layout::channels_last) c.layout = Layout::contiguous;
+  const char* acts[] = {"identity", "relu", "leaky_relu"};
+  c.act = acts[rand_int(0, 2)];
+  c.slope = kSlopes[rand_int(0, 4)];
+  c.training = rand_int(0, 3) != 0;
+  c.affine = rand_int(0, 3) != 0;
+  c.running = !c.training || coin();
+  c.momentum = coin() ? 0.1 : 0.37;
+  c.eps = coin() ? 1e-5 : 1e-3;
+  int64_t per_channel = c.shape[0];
+  for (size_t d = 2; d < c.shape.size(); ++d) per_channel *= c.shape[d];
+  if (c.training && per_channel < 2) c.shape.size() > 2 ? c.shape.back() = 2 : c.shape[0] = 2;
+  return c;
+}
+
+struct Inputs {
+  torch::Tensor x, w, b, rm, rv, dy;
+};
+
+// Parameters: |gamma| in [0.5, 1.5] with either sign (the backward divides by gamma; see
+// docs/batch_norm_act.md on precision as |beta/gamma| grows), beta in [-1, 1), running var in [0.5, 1.5).
+Inputs random_inputs(const Case& c, const torch::Device& device) {
+  auto opts = torch::TensorOptions().dtype(c.dtype).device(device);
+  auto popts = torch::TensorOptions().dtype(c.param_dtype).device(device);
+  const int64_t C = c.shape[1];
+  Inputs in;
+  in.x = random_tensor(c.shape, opts, c.layout).mul_(3).add_(0.5);
+  in.dy = random_tensor(c.shape, opts, c.layout);
+  auto u = random_tensor({C}, popts.dtype(torch::kDouble));
+  in.w = (u.sign() * (u.abs() + 0.5)).to(popts);
+  in.b = random_tensor({C}, popts);
+  in.rm = random_tensor({C}, popts);
+  in.rv = random_tensor({C}, popts).mul_(0.5).add_(1);
+  return in;
+}
+
+// The same tensor on another device, keeping a channels_last or strided layout.
+torch::Tensor same_layout_on(const torch::Tensor& t, const torch::Device& device) {
+  if (t.is_non_overlapping_and_dense()) return t.to(device);
+  std::vector<int64_t> wide(t.sizes().begin(), t.sizes().end());
+  wide.back() *= 2;
+  auto v = torch::empty(wide, t.options().device(device)).slice(-1, 0, wide.back(), 2);
+  v.copy_(t);
+  return v;
+}
+
+struct Result {
+  torch::Tensor out, save_mean, save_invstd, rm, rv, dx, dw, db;
+  // Reference only: the magnitude of the terms each gradient sums (see expect_scaled).
+  double dx_terms = 0, dw_terms = 0, db_terms = 0;
+};
+
+std::optional<torch::Tensor> opt(bool on, const torch::Tensor& t) {
+  return on ? std::optional<torch::Tensor>(t) : std::nullopt;
+}
+
+Result run_hierpar(const Case& c, const Inputs& in) {
+  Result r;
+  auto x = in.x.detach().requires_grad_();
+  auto w = in.w.detach().clone().requires_grad_(), b = in.b.detach().clone().requires_grad_();
+  r.rm = in.rm.clone();
+  r.rv = in.rv.clone();
+  std::tie(r.out, r.save_mean, r.save_invstd) =
+      hierpar::ops::batch_norm_act(x, opt(c.affine, w), opt(c.affine, b), opt(c.running, r.rm), opt(c.running, r.rv),
+                                   c.training, c.momentum, c.eps, c.act, c.slope);
+  r.out.backward(in.dy);
+  r.dx = x.grad();
+  if (c.affine) {
+    r.dw = w.grad();
+    r.db = b.grad();
+  }
+  return r;
+}
+
+torch::Tensor activate(const torch::Tensor& y, const std::string& act, double slope) {
+  if (act == "relu") return torch::relu(y);
+  if (act == "leaky_relu") return torch::leaky_relu(y, slope);
+  return y;
+}
+
+// ATen in float64 on the CPU. With `branch_from` (an output of the implementation under test), the
+// activation's derivative takes the branch that output's sign says: an element whose pre-activation is
+// within rounding of 0 may legitimately fall on either side of the kink in float32, and would otherwise
+// show up as a spurious gradient difference of (1 - slope) * dy. check_branches() bounds where they differ.
+Result run_reference(const Case& c, const Inputs& in, const torch::Tensor& branch_from = {}) {
+  Result r;
+  auto d = [](const torch::Tensor& t) { return t.detach().to(torch::kCPU, torch::kDouble).clone(); };
+  auto x = d(in.x).requires_grad_(), w = d(in.w).requires_grad_(), b = d(in.b).requires_grad_();
+  r.rm = d(in.rm);
+  r.rv = d(in.rv);
+  auto y = torch::batch_norm(x, c.affine ? w : torch::Tensor(), c.affine ? b : torch::Tensor(),
+                             c.running ? r.rm : torch::Tensor(), c.running ? r.rv : torch::Tensor(), c.training,
+                             c.momentum, c.eps, false);
+  r.out = activate(y, c.act, c.slope);
+  if (branch_from.defined() && c.act != "identity") {
+    auto positive = branch_from.detach().to(torch::kCPU, torch::kDouble) > 0;
+    auto dy_d = d(in.dy);
+    auto dy_pre = torch::where(positive, dy_d, dy_d * (c.act == "relu" ? 0.0 : c.slope));
+    y.backward(dy_pre);
+  } else {
+    r.out.backward(d(in.dy));
+  }
+  r.dx = x.grad();
+  if (c.affine) {
+    r.dw = w.grad();
+    r.db = b.grad();
+  }
+  std::vector<int64_t> dims{0};
+  for (int64_t i = 2; i < x.dim(); ++i) dims.push_back(i);
+  {
+    // |gamma * invstd * dy| bounds each term of grad_input; sum |dy| and sum |dy * xhat| those of the others.
+    torch::NoGradGuard no_grad;
+    std::vector<int64_t> bshape(x.dim(), 1);
+    bshape[1] = -1;
+    auto mean = c.training ? x.mean(dims, true) : r.rm.view(bshape);
+    auto var = c.training ? x.var(dims, false, true) : r.rv.view(bshape);
+    auto xhat = (x - mean) / (var + c.eps).sqrt();
+    auto dy = d(in.dy).abs();
+    const double gamma = c.affine ? w.abs().max().item<double>() : 1.0;
+    r.dx_terms = 3 * gamma * (var + c.eps).rsqrt().max().item<double>() * dy.max().item<double>();
+    r.db_terms = dy.sum(dims).max().item<double>();
+    r.dw_terms = (dy * xhat.abs()).sum(dims).max().item<double>();
+  }
+  if (c.training) {
+    r.save_mean = x.detach().mean(dims);
+    r.save_invstd = (x.detach().var(dims, /*unbiased=*/false) + c.eps).rsqrt();
+  } else {
+    r.save_mean = d(in.rm);
+    r.save_invstd = (d(in.rv) + c.eps).rsqrt();
+  }
+  return r;
+}
+
+void compare(const Result& got, const Result& want, const Case& c, double rtol, const std::string& where) {
+  const std::string ctx = where + " " + c.describe();
+  expect_scaled(got.out, want.out, rtol, "output, " + ctx);
+  expect_scaled(got.save_mean, want.save_mean, std::min(rtol, 1e-4), "save_mean, " + ctx);
+  expect_scaled(got.save_invstd, want.save_invstd, std::min(rtol, 1e-4), "save_invstd, " + ctx);
+  if (c.running) {
+    expect_scaled(got.rm, want.rm, std::max(scaled_rtol(c.param_dtype), std::min(rtol, 1e-4)), "running_mean, " + ctx);
+    expect_scaled(got.rv, want.rv, std::max(scaled_rtol(c.param_dtype), std::min(rtol, 1e-4)), "running_var, " + ctx);
+  }
+  expect_scaled(got.dx, want.dx, rtol, "grad_input, " + ctx, want.dx_terms);
+  if (c.affine) {
+    expect_scaled(got.dw, want.dw, rtol, "grad_weight, " + ctx, want.dw_terms);
+    expect_scaled(got.db, want.db, rtol, "grad_bias, " + ctx, want.db_terms);
+  }
+}
+
+// Where the implementation's output sign disagrees with the float64 pre-activation's, |y| must be within
+// rounding of 0 (relative to the batch's scale).
+void check_branches(const Result& got, const Result& ref, const Case& c, const std::string& where) {
+  if (c.act == "identity") return;
+  auto y = ref.out.detach();  // for the kink test, out and y share signs
+  auto differ = (got.out.detach().to(torch::kCPU, torch::kDouble) > 0) != (y > 0);
+  const double limit = 8 * scaled_rtol(c.dtype) * y.abs().max().item<double>();
+  auto far = differ & (y.abs() > limit);
+  EXPECT_FALSE(far.any().item<bool>()) << where << " " << c.describe() << ": " << far.sum().item<int64_t>()
+                                       << " elements on the wrong side of the activation's kink";
+}
+
+void expect_layout_kept(const torch::Tensor& in, const torch::Tensor& out, const std::string& what) {
+  if (in.dim() == 4 && in.is_contiguous(torch::MemoryFormat::ChannelsLast) && !in.is_contiguous()) {
+    EXPECT_TRUE(out.is_contiguous(torch::MemoryFormat::ChannelsLast)) << what << ": output left channels_last";
+  }
+}
+
+TEST(BatchNormActCpu, MatchesAtenOnRandomShapes) {
+  for (int trial = 0; trial < 40; ++trial) {
+    Case c = random_case({torch::kDouble, torch::kFloat, torch::kBFloat16, torch::kHalf});
+    Inputs in = random_inputs(c, torch::kCPU);
+    Result got = run_hierpar(c, in);
+    Result ref = run_reference(c, in, got.out);
+    compare(got, ref, c, scaled_rtol(c.dtype), "cpu");
+    check_branches(got, ref, c, "cpu");
+    expect_layout_kept(in.x, got.out, c.describe());
+    EXPECT_EQ(got.save_mean.scalar_type(), c.dtype == torch::kDouble ? torch::kDouble : torch::kFloat);
+    if (c.affine) EXPECT_EQ(got.dw.scalar_type(), c.param_dtype);
+  }
+}
+
+// Batch 1 with H*W > 1, one channel, and each activation in each layout, always drawn.
+TEST(BatchNormActCpu, EdgeShapesEveryActivationAndLayout) {
+  for (const char* act : {"identity", "relu", "leaky_relu"}) {
+    for (int l = 0; l < 3; ++l) {
+      for (auto shape : {std::vector<int64_t>{1, rand_int(2, 7), rand_int(2, 5), rand_int(1, 5)},
+                         std::vector<int64_t>{rand_int(2, 4), 1, rand_int(1, 5), rand_int(2, 5)}}) {
+        Case c;
+        c.shape = shape;
+        c.dtype = torch::kDouble;
+        c.param_dtype = torch::kDouble;
+        c.layout = static_cast<Layout>(l);
+        c.act = act;
+        c.slope = kSlopes[rand_int(0, 4)];
+        Inputs in = random_inputs(c, torch::kCPU);
+        compare(run_hierpar(c, in), run_reference(c, in), c, 1e-9, "cpu edge");
+      }
+    }
+  }
+}
+
+// Finite differences in float64 of L = sum(out * R) against the analytic backward (the op's own), for
+// every activation, training and eval, with and without the affine parameters.
+TEST(BatchNormActCpu, GradcheckFiniteDifferences) {
+  for (const char* act : {"identity", "relu", "leaky_relu"}) {
+    for (bool training : {true, false}) {
+      auto o = torch::TensorOptions().dtype(torch::kDouble);
+      const int64_t C = rand_int(1, 3);
+      auto x = random_tensor({rand_int(1, 3), C, rand_int(2, 3), rand_int(1, 3)}, o).mul_(2).requires_grad_();
+      auto w = (random_tensor({C}, o).sign() * 0.8 + random_tensor({C}, o) * 0.2).requires_grad_();
+      auto b = random_tensor({C}, o).requires_grad_();
+      auto rm = random_tensor({C}, o), rv = random_tensor({C}, o).mul_(0.5).add_(1);
+      auto R = random_tensor(x.sizes(), o);
+      const double slope = 0.2;
+      auto loss = [&](const torch::Tensor& xx, const torch::Tensor& ww, const torch::Tensor& bb) {
+        auto rm_copy = rm.clone(), rv_copy = rv.clone();
+        auto out = std::get<0>(hierpar::ops::batch_norm_act(xx, ww, bb, rm_copy, rv_copy, training, 0.1, 1e-5, act, slope));
+        return (out * R).sum();
+      };
+      loss(x, w, b).backward();
+      torch::NoGradGuard no_grad;
+      const double h = 1e-6;
+      for (auto* p : {&x, &w, &b}) {
+        auto flat = p->view({-1});
+        auto fd = torch::empty_like(flat);
+        for (int64_t i = 0; i < flat.numel(); ++i) {
+          const double v = flat[i].item<double>();
+          flat[i] = v + h;
+          const double up = loss(x, w, b).item<double>();
+          flat[i] = v - h;
+          const double down = loss(x, w, b).item<double>();
+          flat[i] = v;
+          fd[i] = (up - down) / (2 * h);
+        }
+        hierpar::testing::expect_close(p->grad().view({-1}), fd, {1e-5, 1e-6},
+                                       std::string("finite differences, ") + act + (training ? " training" : " eval"));
+      }
+    }
+  }
+}
+
+// The backward recovers y = out / slope on the negative side: at most one ulp away from the forward's y,
+// and exact for power-of-two slopes (multiplying and dividing by 2^k is exact above the subnormals).
+TEST(BatchNormActCpu, LeakyInversionWithinOneUlpAndExactForPowersOfTwo) {
+  auto y = (random_tensor({100000}, torch::kFloat) - 1.0f).mul_(8);  // negative, several binades
+  for (double slope : {0.2, 0.01, 0.3, 0.25, 0.125, 0.5}) {
+    const float s = static_cast<float>(slope);
+    auto out = y * s;  // the forward's rounding
+    auto back = out / s;
+    auto ulp = (torch::nextafter(y.abs(), torch::full_like(y, INFINITY)) - y.abs());
+    EXPECT_TRUE(((back - y).abs() <= ulp).all().item<bool>()) << "slope " << slope;
+    if (slope == 0.25 || slope == 0.125 || slope == 0.5) EXPECT_TRUE(back.equal(y)) << "slope " << slope;
+  }
+}
+
+// gamma == 0: the output is constant per channel, so xhat is not recoverable from it. grad_input and
+// grad_bias stay exact; grad_weight of that channel is NaN (documented) unless the input is given.
+TEST(BatchNormActCpu, ZeroGammaGivesExactInputGradAndNanWeightGrad) {
+  Case c;
+  c.shape = {3, 4, 3, 2};
+  c.dtype = c.param_dtype = torch::kDouble;
+  c.act = "leaky_relu";
+  c.slope = 0.2;
+  Inputs in = random_inputs(c, torch::kCPU);
+  in.w[1] = 0.0;
+  Result got = run_hierpar(c, in), want = run_reference(c, in);
+  expect_scaled(got.dx, want.dx, 1e-9, "grad_input with gamma[1] == 0");
+  expect_scaled(got.db, want.db, 1e-9, "grad_bias with gamma[1] == 0");
+  EXPECT_TRUE(std::isnan(got.dw[1].item<double>()));
+  auto others = torch::tensor({0, 2, 3});
+  expect_scaled(got.dw.index_select(0, others), want.dw.index_select(0, others), 1e-9, "grad_weight elsewhere");
+  // With the input (what relu uses), grad_weight is recovered too.
+  auto [gx, gw, gb] = hierpar::ops::batch_norm_act_backward(in.dy, got.out.detach(), in.x, in.w, in.b, got.save_mean,
+                                                            got.save_invstd, true, c.eps, c.act, c.slope,
+                                                            {true, true, true});
+  expect_scaled(gw, want.dw, 1e-9, "grad_weight from the input with gamma[1] == 0");
+}
+
+TEST(BatchNormActCpu, DoubleBackwardIsAClearError) {
+  auto x = random_tensor({2, 3, 2, 2}, torch::kDouble).requires_grad_();
+  auto w = torch::ones({3}, torch::kDouble).requires_grad_();
+  auto out = std::get<0>(hierpar::ops::batch_norm_act(x, w, std::nullopt, std::nullopt, std::nullopt, true, 0.1,
+                                                      1e-5, "leaky_relu", 0.2));
+  HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({out}, {x}, {torch::ones_like(out)}, true, true),
+                           "hierpar::batch_norm_act_backward: double backward is not supported");
+}
+
+TEST(BatchNormActMeta, ShapesDtypesAndLayout) {
+  auto opts = torch::TensorOptions().device(torch::kMeta);
+  auto x = torch::empty({5, 7, 3, 4}, opts.dtype(torch::kBFloat16)).contiguous(torch::MemoryFormat::ChannelsLast);
+  auto w = torch::empty({7}, opts.dtype(torch::kFloat));
+  auto [out, sm, si] = hierpar::ops::batch_norm_act(x, w, w, std::nullopt, std::nullopt, true, 0.1, 1e-5, "relu");
+  EXPECT_EQ(out.sizes(), x.sizes());
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  EXPECT_TRUE(out.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_EQ(sm.sizes(), torch::IntArrayRef({7}));
+  EXPECT_EQ(sm.scalar_type(), torch::kFloat);
+  EXPECT_EQ(si.scalar_type(), torch::kFloat);
+  auto [gx, gw, gb] = hierpar::ops::batch_norm_act_backward(out, out, x, w, w, sm, si, true, 1e-5, "relu", 0.01,
+                                                            {true, true, true});
+  EXPECT_EQ(gx.sizes(), x.sizes());
+  EXPECT_TRUE(gx.is_contiguous(torch::MemoryFormat::ChannelsLast));
+  EXPECT_EQ(gw.sizes(), torch::IntArrayRef({7}));
+  EXPECT_EQ(gw.scalar_type(), torch::kFloat);
+  EXPECT_EQ(gb.scalar_type(), torch::kFloat);
+  auto [gx2, gw2, gb2] = hierpar::ops::batch_norm_act_backward(out, out, x, w, w, sm, si, true, 1e-5, "relu", 0.01,
+                                                               {true, false, false});
+  EXPECT_FALSE(gw2.defined());
+  // The Meta kernel checks like the others.
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, torch::empty({6}, opts.dtype(torch::kFloat)), std::nullopt,
+                                                        std::nullopt, std::nullopt, true, 0.1, 1e-5),
+                           "weight: expected 7 elements (input channels), got 6");
+}
+
+// Every argument check, with its message (on the CPU; CUDA and Meta share the code).
+TEST(BatchNormActErrors, EachBadInputNamesTheArgument) {
+  auto f = torch::kFloat;
+  auto x = random_tensor({4, 64, 3, 3}, f);
+  auto p = [&](int64_t n, c10::ScalarType t = torch::kFloat) { return torch::ones({n}, t); };
+  auto fwd = [&](const torch::Tensor& in, std::optional<torch::Tensor> w, std::optional<torch::Tensor> rm,
+                 std::optional<torch::Tensor> rv, bool training = true, std::string act = "identity",
+                 double slope = 0.01, double momentum = 0.1) {
+    return hierpar::ops::batch_norm_act(in, w, std::nullopt, rm, rv, training, momentum, 1e-5, act, slope);
+  };
+  HIERPAR_EXPECT_THROW_MSG(fwd(random_tensor({2, 3, 4, 5, 6}, f), std::nullopt, std::nullopt, std::nullopt),
+                           "input: expected a 2-d (N, C), 3-d (N, C, L) or 4-d (N, C, H, W) tensor, got 5-d");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x.to(torch::kInt), std::nullopt, std::nullopt, std::nullopt),
+                           "input: expected float32, float64, bfloat16 or float16");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, p(63), std::nullopt, std::nullopt), "weight: expected 64 elements (input channels), got 63");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, p(32), p(64)),
+                           "running_mean: expected 64 elements (input channels), got 32");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, p(64), p(32)),
+                           "running_var: expected 64 elements (input channels), got 32");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, p(64, torch::kDouble), std::nullopt, std::nullopt),
+                           "weight: expected dtype Float (from the input), got Double");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x.to(torch::kBFloat16), p(64, torch::kHalf), std::nullopt, std::nullopt),
+                           "weight: expected dtype BFloat16 or float32 (from the input), got Half");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, p(64), std::nullopt),
+                           "running_mean and running_var: expected both or neither");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, std::nullopt, std::nullopt, false),
+                           "running_mean: expected running statistics in eval mode");
+  HIERPAR_EXPECT_THROW_MSG(fwd(random_tensor({0, 64, 3, 3}, f), std::nullopt, std::nullopt, std::nullopt),
+                           "input: expected a non-empty batch in training mode");
+  HIERPAR_EXPECT_THROW_MSG(fwd(random_tensor({1, 64, 1, 1}, f), std::nullopt, std::nullopt, std::nullopt),
+                           "input: expected more than 1 value per channel when training");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, std::nullopt, std::nullopt, true, "gelu"),
+                           "activation: expected \"identity\", \"relu\" or \"leaky_relu\", got \"gelu\"");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, std::nullopt, std::nullopt, true, "leaky_relu", -0.1),
+                           "slope: expected a positive, finite negative slope for leaky_relu");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, std::nullopt, std::nullopt, true, "leaky_relu", 0.0),
+                           "slope: expected a positive, finite negative slope for leaky_relu");
+  HIERPAR_EXPECT_THROW_MSG(fwd(x, std::nullopt, p(64), p(64), true, "identity", 0.01, 1.5),
+                           "momentum: expected a number in [0, 1], got 1.5");
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                                        true, 0.1, -1.0),
+                           "eps: expected a non-negative finite number, got -1");
+
+  auto [out, sm, si] = fwd(x, std::nullopt, std::nullopt, std::nullopt, true, "relu");
+  auto bwd = [&](const torch::Tensor& dy, std::optional<torch::Tensor> in, const torch::Tensor& mean,
+                 std::string act = "relu") {
+    return hierpar::ops::batch_norm_act_backward(dy, out, in, std::nullopt, std::nullopt, mean, si, true, 1e-5, act,
+                                                 0.01, {true, true, true});
+  };
+  HIERPAR_EXPECT_THROW_MSG(bwd(out, std::nullopt, sm), "input: required for activation \"relu\"");
+  HIERPAR_EXPECT_THROW_MSG(bwd(out.narrow(0, 0, 2), x, sm), "grad_output: expected the output's shape");
+  HIERPAR_EXPECT_THROW_MSG(bwd(out.to(torch::kDouble), x, sm), "grad_output: expected Float on cpu (like output)");
+  HIERPAR_EXPECT_THROW_MSG(bwd(out, x.narrow(1, 0, 3), sm), "input: expected Float [4, 64, 3, 3] on cpu (like output)");
+  HIERPAR_EXPECT_THROW_MSG(bwd(out, x, sm.to(torch::kDouble)), "save_mean: expected Float [64]");
+  HIERPAR_EXPECT_THROW_MSG(bwd(out, x, sm, "tanh"), "activation: expected \"identity\", \"relu\" or \"leaky_relu\"");
+}
+
+// ---- layers ---------------------------------------------------------------------------------------------
+
+torch::Tensor stock_forward(torch::nn::BatchNorm2d& bn, const torch::Tensor& x, hierpar::nn::Activation act, double slope) {
+  auto y = bn->forward(x);
+  if (act == hierpar::nn::Activation::relu) return torch::relu(y);
+  if (act == hierpar::nn::Activation::leaky_relu) return torch::leaky_relu(y, slope);
+  return y;
+}
+
+void expect_same_state(const torch::nn::Module& a, const torch::nn::Module& b, double rtol, const std::string& what) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  auto ba = a.named_buffers(), bb = b.named_buffers();
+  ASSERT_EQ(pa.keys(), pb.keys()) << what;
+  ASSERT_EQ(ba.keys(), bb.keys()) << what;
+  for (const auto& k : pa.keys()) expect_scaled(pa[k], pb[k], rtol, what + " parameter " + k);
+  for (const auto& k : ba.keys()) {
+    if (ba[k].scalar_type() == torch::kLong) {
+      EXPECT_TRUE(ba[k].equal(bb[k])) << what << " buffer " << k << ": " << ba[k] << " vs " << bb[k];
+    } else {
+      expect_scaled(ba[k], bb[k], rtol, what + " buffer " + k);
+    }
+  }
+}
+
+// Several training steps then eval, against torch::nn::BatchNorm2d + the activation, for momentum 0.1 and
+// None (cumulative average), affine on/off and track_running_stats on/off: outputs, gradients and state.
+TEST(BatchNormActLayer, MatchesStockBatchNormOverSeveralStepsAndEval) {
+  using hierpar::nn::Activation;
+  for (std::optional<double> momentum : {std::optional<double>(0.1), std::optional<double>()}) {
+    for (auto [affine, track] : {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}}) {
+      const int64_t C = rand_int(1, 9);
+      auto options = torch::nn::BatchNorm2dOptions(C).momentum(momentum).affine(affine).track_running_stats(track);
+      const Activation act = static_cast<Activation>(rand_int(0, 2));
+      const double slope = kSlopes[rand_int(0, 4)];
+      const std::string what = "C=" + std::to_string(C) + " act=" + hierpar::nn::to_string(act) +
+                               " momentum=" + (momentum ? std::to_string(*momentum) : "None") +
+                               " affine=" + std::to_string(affine) + " track=" + std::to_string(track);
+      torch::nn::BatchNorm2d stock(options);
+      hierpar::nn::BatchNormAct2d ours(options, act, slope);
+      stock->to(torch::kDouble);
+      ours->to(torch::kDouble);
+      torch::optim::SGD opt_stock(stock->parameters(), 0.1), opt_ours(ours->parameters(), 0.1);
+      for (int step = 0; step < 4; ++step) {
+        auto x = random_tensor({rand_int(1, 5), C, rand_int(2, 6), rand_int(1, 6)}, torch::kDouble).mul_(2).add_(0.3);
+        auto dy = random_tensor(x.sizes(), torch::kDouble);
+        auto xs = x.clone().requires_grad_(), xo = x.clone().requires_grad_();
+        auto ys = stock_forward(stock, xs, act, slope), yo = ours->forward(xo);
+        expect_scaled(yo, ys, 1e-9, what + " output step " + std::to_string(step));
+        ys.backward(dy);
+        yo.backward(dy);
+        expect_scaled(xo.grad(), xs.grad(), 1e-9, what + " grad_input step " + std::to_string(step));
+        opt_stock.step();
+        opt_ours.step();
+        opt_stock.zero_grad();
+        opt_ours.zero_grad();
+        expect_same_state(*ours, *stock, 1e-9, what + " after step " + std::to_string(step));
+      }
+      stock->eval();
+      ours->eval();
+      auto x = random_tensor({2, C, 3, 3}, torch::kDouble);
+      expect_scaled(ours->forward(x), stock_forward(stock, x, act, slope), 1e-9, what + " eval output");
+    }
+  }
+}
+
+TEST(BatchNormActLayer, StateDictsInterchangeWithStockBatchNorm2d) {
+  const int64_t C = rand_int(2, 9);
+  torch::nn::BatchNorm2d stock{torch::nn::BatchNorm2dOptions(C)};
+  for (int i = 0; i < 2; ++i) stock->forward(random_tensor({3, C, 4, 4}, torch::kFloat));  // running stats move
+  {
+    torch::NoGradGuard ng;
+    stock->weight.copy_(random_tensor({C}, torch::kFloat));
+    stock->bias.copy_(random_tensor({C}, torch::kFloat));
+  }
+  std::stringstream stock_file;
+  torch::save(stock, stock_file);
+  hierpar::nn::BatchNormAct2d ours(C, hierpar::nn::Activation::leaky_relu, 0.2);
+  torch::load(ours, stock_file);
+  expect_same_state(*ours, *stock, 0, "stock -> hierpar");
+
+  hierpar::nn::BatchNorm2d plain(C);
+  stock_file.seekg(0);
+  torch::load(plain, stock_file);
+  expect_same_state(*plain, *stock, 0, "stock -> hierpar BatchNorm2d");
+
+  for (int i = 0; i < 3; ++i) ours->forward(random_tensor({2, C, 3, 5}, torch::kFloat));
+  std::stringstream ours_file;
+  torch::save(ours, ours_file);
+  torch::nn::BatchNorm2d back{torch::nn::BatchNorm2dOptions(C)};
+  torch::load(back, ours_file);
+  expect_same_state(*back, *ours, 0, "hierpar -> stock");
+  EXPECT_EQ(back->num_batches_tracked.item<int64_t>(), 5);
+}
+
+TEST(BatchNormActLayer, PrettyPrintAndClone) {
+  hierpar::nn::BatchNormAct2d act(torch::nn::BatchNorm2dOptions(64), hierpar::nn::Activation::leaky_relu, 0.2);
+  std::ostringstream os;
+  os << *act;
+  EXPECT_EQ(os.str(),
+            "hierpar::nn::BatchNormAct2d(64, eps=1e-05, momentum=0.1, affine=true, track_running_stats=true, "
+            "activation=leaky_relu(0.2))");
+  hierpar::nn::BatchNorm2d bn(torch::nn::BatchNorm2dOptions(8).momentum(std::nullopt));
+  std::ostringstream os2;
+  os2 << *bn;
+  EXPECT_EQ(os2.str(), "hierpar::nn::BatchNorm2d(8, eps=1e-05, momentum=None, affine=true, track_running_stats=true)");
+  auto copy = std::dynamic_pointer_cast<hierpar::nn::BatchNorm2dImpl>(bn->clone());
+  ASSERT_TRUE(copy) << "clone() of BatchNorm2d must be a BatchNorm2dImpl";
+  EXPECT_NE(copy->weight.data_ptr(), bn->weight.data_ptr());
+  HIERPAR_EXPECT_THROW_MSG(act->forward(random_tensor({2, 64, 3}, torch::kFloat)),
+                           "hierpar::nn::BatchNormAct2d: input: expected a 4-d tensor (N, C, H, W), got 3-d");
+}
+
+// ---- CUDA ---------------------------------------------------------------------------------------------
+
+// Random shapes (small ones: the one-kernel path; larger ones: the split path with a last-block combine)
+// against the float64 reference, and CUDA against the CPU kernels on the same input.
+TEST(BatchNormActCuda, MatchesAtenAndCpu) {
+  HIERPAR_REQUIRE_CUDA();
+  for (int trial = 0; trial < 40; ++trial) {
+    const bool large = trial % 4 == 3;
+    Case c = random_case({torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}, large ? 80 : 12,
+                         large ? 40 : 9);
+    if (large && c.shape.size() == 4) c.shape[0] = rand_int(16, 70);
+    Inputs in = random_inputs(c, torch::kCUDA);
+    Result got = run_hierpar(c, in);
+    Result ref = run_reference(c, in, got.out);
+    compare(got, ref, c, scaled_rtol(c.dtype), "cuda");
+    check_branches(got, ref, c, "cuda");
+    expect_layout_kept(in.x, got.out, c.describe());
+    Inputs cpu_in;
+    cpu_in.x = same_layout_on(in.x, torch::kCPU);
+    cpu_in.dy = same_layout_on(in.dy, torch::kCPU);
+    cpu_in.w = in.w.cpu();
+    cpu_in.b = in.b.cpu();
+    cpu_in.rm = in.rm.cpu();
+    cpu_in.rv = in.rv.cpu();
+    // Forward: CPU kernel on the same input. Backward: CPU kernel on the CUDA output and statistics, so
+    // both take the same activation branches.
+    Result cpu = run_hierpar(c, cpu_in);
+    const std::string ctx = c.describe();
+    expect_scaled(got.out, cpu.out, scaled_rtol(c.dtype), "cuda vs cpu output, " + ctx);
+    expect_scaled(got.save_mean, cpu.save_mean, 1e-4, "cuda vs cpu save_mean, " + ctx);
+    expect_scaled(got.save_invstd, cpu.save_invstd, 1e-4, "cuda vs cpu save_invstd, " + ctx);
+    auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(
+        cpu_in.dy, got.out.detach().cpu(), c.act == "relu" ? std::optional<torch::Tensor>(cpu_in.x) : std::nullopt,
+        opt(c.affine, cpu_in.w), opt(c.affine, cpu_in.b), got.save_mean.cpu(), got.save_invstd.cpu(), c.training,
+        c.eps, c.act, c.slope, {true, c.affine, c.affine});
+    expect_scaled(got.dx, dx, scaled_rtol(c.dtype), "cuda vs cpu grad_input, " + ctx, ref.dx_terms);
+    if (c.affine) {
+      expect_scaled(got.dw, dw, scaled_rtol(c.dtype), "cuda vs cpu grad_weight, " + ctx, ref.dw_terms);
+      expect_scaled(got.db, db, scaled_rtol(c.dtype), "cuda vs cpu grad_bias, " + ctx, ref.db_terms);
+    }
+  }
+}
+
+// The DCGAN shapes the benchmark times, each layout, against the reference.
+TEST(BatchNormActCuda, DcganShapes) {
+  HIERPAR_REQUIRE_CUDA();
+  const std::vector<std::vector<int64_t>> chw{{64, 16, 16}, {128, 8, 8}, {256, 4, 4}, {32, 32, 32}};
+  for (int64_t batch : {64, 256}) {
+    for (const auto& s : chw) {
+      for (auto [dtype, layout] : {std::pair{torch::kFloat, Layout::contiguous},
+                                   std::pair{torch::kBFloat16, Layout::channels_last}}) {
+        Case c;
+        c.shape = {batch, s[0], s[1], s[2]};
+        c.dtype = dtype;
+        c.param_dtype = torch::kFloat;
+        c.layout = layout;
+        c.act = "leaky_relu";
+        c.slope = 0.2;
+        Inputs in = random_inputs(c, torch::kCUDA);
+        Result got = run_hierpar(c, in);
+        Result ref = run_reference(c, in, got.out);
+        compare(got, ref, c, scaled_rtol(c.dtype), "cuda dcgan");
+        check_branches(got, ref, c, "cuda dcgan");
+      }
+    }
+  }
+}
+
+TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {
+  HIERPAR_REQUIRE_CUDA();
+  auto x = random_tensor({2, 4, 3, 3}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, torch::ones({4}), std::nullopt, std::nullopt, std::nullopt,
+                                                        true, 0.1, 1e-5),
+                           "weight: expected a tensor on cuda:0 (the input's device), got one on cpu");
+  auto rm = torch::zeros({4}, torch::kCUDA), rv = torch::ones({4});
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, rm, rv, true, 0.1, 1e-5),
+                           "running_var: expected a tensor on cuda:0 (the input's device), got one on cpu");
+}
+
+}  // namespace
