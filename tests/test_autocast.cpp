@@ -1,0 +1,61 @@
+// Under autocast, hierpar's operators take the dtypes stock ATen takes: conv_transpose2d runs in the
+// autocast dtype, batch_norm_act and max_pool2d keep their input's, so a model mixes them like stock layers.
+#include "testing.h"
+
+#include <hierpar/ops.h>
+
+#include <ATen/autocast_mode.h>
+
+namespace {
+
+using hierpar::testing::random_tensor;
+
+struct AutocastScope {
+  AutocastScope(c10::DeviceType device, at::ScalarType dtype) : device(device) {
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::set_autocast_dtype(device, dtype);
+  }
+  ~AutocastScope() {
+    at::autocast::set_autocast_enabled(device, false);
+    at::autocast::clear_cache();
+  }
+  c10::DeviceType device;
+};
+
+void check_conv_transpose_autocast(const torch::Device& device) {
+  auto options = torch::TensorOptions().device(device).dtype(torch::kFloat);
+  auto input = random_tensor({3, 8, 5, 5}, options);
+  auto weight = random_tensor({8, 4, 4, 4}, options);
+  torch::Tensor ours, stock;
+  {
+    AutocastScope autocast(device.type(), torch::kBFloat16);
+    ours = hierpar::ops::conv_transpose2d(input, weight, std::nullopt, {2, 2}, {1, 1});
+    stock = at::conv_transpose2d(input, weight, {}, {2, 2}, {1, 1});
+  }
+  EXPECT_EQ(stock.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(ours.scalar_type(), stock.scalar_type()) << "conv_transpose2d under autocast";
+  // Same bf16 operands, fp32 accumulation: within bf16's output rounding.
+  hierpar::testing::expect_close(ours, stock, {1e-2, 1e-2}, "conv_transpose2d under autocast");
+}
+
+TEST(Autocast, ConvTransposeRunsInTheAutocastDtypeOnCpu) { check_conv_transpose_autocast(torch::kCPU); }
+
+TEST(Autocast, ConvTransposeRunsInTheAutocastDtypeOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  check_conv_transpose_autocast(torch::kCUDA);
+}
+
+TEST(Autocast, BatchNormActAndMaxPoolKeepTheInputDtype) {
+  auto input = random_tensor({4, 6, 8, 8}, torch::TensorOptions().dtype(torch::kBFloat16));
+  auto weight = random_tensor({6}, torch::TensorOptions().dtype(torch::kFloat)).abs().add_(0.5);
+  auto bias = random_tensor({6}, torch::TensorOptions().dtype(torch::kFloat));
+  AutocastScope autocast(c10::DeviceType::CPU, torch::kBFloat16);
+  auto [out, mean, invstd] =
+      hierpar::ops::batch_norm_act(input, weight, bias, std::nullopt, std::nullopt, true, 0.1, 1e-5, "relu", 0.0);
+  EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(mean.scalar_type(), torch::kFloat);
+  auto [pooled, indices] = hierpar::ops::max_pool2d(out, {2, 2});
+  EXPECT_EQ(pooled.scalar_type(), torch::kBFloat16);
+}
+
+}  // namespace
