@@ -1,0 +1,264 @@
+#include "common/data.h"
+
+#include "common/cli.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/upsampling.h>
+#include <torch/cuda.h>
+#ifdef HIERPAR_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include <zlib.h>
+
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_ONLY_PNG
+#define STBI_ONLY_JPEG
+#define STBI_FAILURE_USERMSG
+#include <stb/stb_image.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+
+namespace hierpar::examples {
+namespace fs = std::filesystem;
+
+namespace {
+
+struct GzCloser {
+  void operator()(gzFile f) const { gzclose(f); }
+};
+
+// Reads exactly n bytes or throws naming the file: a short read is a truncated or corrupt file.
+void read_exact(gzFile file, const std::string& path, void* out, size_t n, const char* what) {
+  auto* dst = static_cast<unsigned char*>(out);
+  while (n > 0) {
+    const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n, 1u << 30));
+    const int got = gzread(file, dst, chunk);
+    if (got <= 0) {
+      int code = 0;
+      const char* msg = gzerror(file, &code);
+      const bool eof = got == 0 || code == Z_BUF_ERROR;
+      throw Error(path + ": " + (eof ? "truncated" : "corrupt") + " while reading the " + what + " (" +
+                  (code != Z_OK && msg && *msg ? msg : "unexpected end of file") + ")");
+    }
+    dst += got;
+    n -= static_cast<size_t>(got);
+  }
+}
+
+uint32_t big_endian(const unsigned char* b) {
+  return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | uint32_t{b[3]};
+}
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items) {
+  if (!fs::exists(path)) throw Error(path + ": no such file");
+  std::unique_ptr<gzFile_s, GzCloser> file(gzopen(path.c_str(), "rb"));
+  if (!file) throw Error(path + ": cannot open");
+  unsigned char magic[4];
+  read_exact(file.get(), path, magic, 4, "IDX header");
+  if (magic[0] != 0 || magic[1] != 0 || magic[2] != 0x08 || magic[3] != dims) {
+    char found[16];
+    std::snprintf(found, sizeof found, "0x%02x%02x%02x%02x", magic[0], magic[1], magic[2], magic[3]);
+    throw Error(path + ": not an IDX file of unsigned bytes with " + std::to_string(dims) +
+                " dimensions (magic " + found + ", expected 0x000008" + (dims < 16 ? "0" : "") +
+                std::to_string(dims) + ")");
+  }
+  std::vector<int64_t> sizes(dims);
+  for (int d = 0; d < dims; ++d) {
+    unsigned char b[4];
+    read_exact(file.get(), path, b, 4, "IDX header");
+    sizes[d] = big_endian(b);
+    if (sizes[d] == 0 || sizes[d] > (int64_t{1} << 28))
+      throw Error(path + ": implausible IDX dimension " + std::to_string(d) + " of size " + std::to_string(sizes[d]));
+  }
+  if (max_items > 0) sizes[0] = std::min(sizes[0], max_items);
+  auto out = torch::empty(sizes, torch::kUInt8);
+  read_exact(file.get(), path, out.data_ptr<uint8_t>(), static_cast<size_t>(out.numel()), "data");
+  return out;
+}
+
+Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items) {
+  const std::string prefix = dir + "/" + (train ? "train" : "t10k");
+  auto images = read_idx_gz(prefix + "-images-idx3-ubyte.gz", 3, max_items);
+  auto labels = read_idx_gz(prefix + "-labels-idx1-ubyte.gz", 1, max_items);
+  if (images.size(0) != labels.size(0))
+    throw Error(prefix + "-*: " + std::to_string(images.size(0)) + " images but " + std::to_string(labels.size(0)) +
+                " labels");
+  if (labels.max().item<int64_t>() > 9) throw Error(prefix + "-labels-idx1-ubyte.gz: a label is not in 0..9");
+  std::ostringstream desc;
+  desc << "Fashion-MNIST " << (train ? "train" : "test") << " (" << images.size(0) << " images, 1x"
+       << images.size(1) << "x" << images.size(2) << ", " << dir << ")";
+  return {images.unsqueeze(1), labels.to(torch::kLong), desc.str()};
+}
+
+Dataset load_image_folder(const std::string& dir, int64_t channels) {
+  if (!fs::is_directory(dir)) throw Error(dir + ": not a directory (--data takes fashion-mnist, synthetic or a folder of images)");
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const auto ext = lower(entry.path().extension().string());
+    if (entry.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg")) files.push_back(entry.path());
+  }
+  if (files.empty()) throw Error(dir + ": no .png, .jpg or .jpeg images in this folder");
+  std::sort(files.begin(), files.end());
+  torch::Tensor images;
+  int first_w = 0, first_h = 0;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string path = files[i].string();
+    int w = 0, h = 0, n = 0;
+    std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &n, static_cast<int>(channels)),
+                                                     stbi_image_free);
+    if (!pixels) throw Error(path + ": cannot read image (" + stbi_failure_reason() + ")");
+    if (i == 0) {
+      first_w = w;
+      first_h = h;
+      images = torch::empty({static_cast<int64_t>(files.size()), channels, h, w}, torch::kUInt8);
+    } else if (w != first_w || h != first_h) {
+      throw Error(dir + ": images differ in size (" + files[0].filename().string() + " is " + std::to_string(first_w) +
+                  "x" + std::to_string(first_h) + ", " + files[i].filename().string() + " is " + std::to_string(w) +
+                  "x" + std::to_string(h) + "); resize them to one size first");
+    }
+    // stb gives interleaved HWC.
+    images[static_cast<int64_t>(i)].copy_(
+        torch::from_blob(pixels.get(), {h, w, channels}, torch::kUInt8).permute({2, 0, 1}));
+  }
+  std::ostringstream desc;
+  desc << "image folder " << dir << " (" << files.size() << " images, " << channels << "x" << first_h << "x" << first_w << ")";
+  return {images, torch::Tensor(), desc.str()};
+}
+
+Dataset make_synthetic(int64_t count, int64_t channels, int64_t size, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  auto coords = torch::linspace(-1, 1, size, opts);
+  auto yy = coords.view({1, 1, size, 1}), xx = coords.view({1, 1, 1, size});
+  auto param = [&](double lo, double hi) {
+    return at::rand({count, channels, 1, 1}, gen, opts) * (hi - lo) + lo;
+  };
+  // A soft ellipse on a linear gradient, per channel: varied but learnable structure.
+  auto cx = param(-0.5, 0.5), cy = param(-0.5, 0.5), rx = param(0.2, 0.6), ry = param(0.2, 0.6);
+  auto blob = torch::exp(-((xx - cx) / rx).square() - ((yy - cy) / ry).square());
+  auto gradient = param(-0.3, 0.3) * xx + param(-0.3, 0.3) * yy;
+  auto images = (blob * 0.8 + gradient + 0.3).clamp(0, 1);
+  std::ostringstream desc;
+  desc << "synthetic (" << count << " images, " << channels << "x" << size << "x" << size << ")";
+  return {(images * 255).round().to(torch::kUInt8), torch::Tensor(), desc.str()};
+}
+
+torch::Tensor prepare_images(const torch::Tensor& images, int64_t size, int64_t channels) {
+  TORCH_CHECK(images.dim() == 4 && images.scalar_type() == torch::kUInt8, "prepare_images: expected uint8 [N, C, H, W]");
+  const int64_t n = images.size(0), c = images.size(1);
+  if (c != channels && c != 1 && c != 3)
+    throw Error("images have " + std::to_string(c) + " channels; only 1 and 3 can be converted");
+  auto out = torch::empty({n, channels, size, size}, torch::kUInt8);
+  const bool same_size = images.size(2) == size && images.size(3) == size;
+  const bool shrinking = images.size(2) > size || images.size(3) > size;
+  constexpr int64_t kChunk = 1024;  // bounds the float working memory
+  for (int64_t start = 0; start < n; start += kChunk) {
+    auto x = images.slice(0, start, std::min(n, start + kChunk)).to(torch::kFloat);
+    if (c == 3 && channels == 1) {
+      x = (x.select(1, 0) * 0.299 + x.select(1, 1) * 0.587 + x.select(1, 2) * 0.114).unsqueeze(1);
+    }
+    if (!same_size) {
+      namespace F = torch::nn::functional;
+      x = F::interpolate(x, F::InterpolateFuncOptions()
+                                .size(std::vector<int64_t>{size, size})
+                                .mode(torch::kBilinear)
+                                .align_corners(false)
+                                .antialias(shrinking));
+    }
+    if (c == 1 && channels == 3) x = x.expand({x.size(0), 3, size, size});
+    out.slice(0, start, start + x.size(0)).copy_(x.round().clamp_(0, 255));
+  }
+  return out;
+}
+
+torch::Tensor normalise(const torch::Tensor& images) { return images.to(torch::kFloat).div_(127.5).sub_(1.0); }
+
+BatchLoader::Placement parse_placement(const std::string& name) {
+  if (name == "auto") return BatchLoader::Placement::automatic;
+  if (name == "device") return BatchLoader::Placement::resident;
+  if (name == "stream") return BatchLoader::Placement::streaming;
+  throw FlagError("--data-placement: expected auto, device or stream, got '" + name + "'");
+}
+
+BatchLoader::BatchLoader(torch::Tensor images, torch::Device device, int64_t batch_size, Placement placement,
+                         uint64_t seed)
+    : device_(device), batch_size_(batch_size), seed_(seed) {
+  TORCH_CHECK(images.dim() == 4 && images.scalar_type() == torch::kUInt8, "BatchLoader: expected uint8 [N, C, H, W]");
+  if (batch_size < 1) throw Error("batch size must be at least 1, got " + std::to_string(batch_size));
+  if (images.size(0) < batch_size)
+    throw Error("the data set has " + std::to_string(images.size(0)) + " images, fewer than one batch of " +
+                std::to_string(batch_size));
+  batches_per_epoch_ = images.size(0) / batch_size;
+  if (placement == Placement::automatic) {
+    resident_ = true;
+#ifdef HIERPAR_WITH_CUDA
+    if (device.is_cuda()) {
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaSetDevice(device.has_index() ? device.index() : 0);
+      resident_ = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess &&
+                  static_cast<size_t>(images.nbytes()) <= free_bytes / 2;
+    }
+#endif
+  } else {
+    resident_ = placement == Placement::resident;
+  }
+  if (resident_) {
+    images_ = images.to(device).contiguous();
+  } else {
+    images_ = device.is_cuda() ? images.contiguous().pin_memory() : images.contiguous();
+  }
+}
+
+BatchLoader::~BatchLoader() {
+  if (prefetch_.valid()) prefetch_.wait();
+}
+
+void BatchLoader::start_epoch(int64_t epoch, int64_t skip) {
+  if (prefetch_.valid()) prefetch_.wait();
+  prefetch_ = {};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003ull + static_cast<uint64_t>(epoch));
+  order_ = at::randperm(images_.size(0), gen, torch::kLong).to(images_.device());
+  cursor_ = std::min(skip, batches_per_epoch_);
+  if (!resident_ && cursor_ < batches_per_epoch_) {
+    const int64_t batch = cursor_;
+    prefetch_ = std::async(std::launch::async, [this, batch] { return gather_host(batch); });
+  }
+}
+
+torch::Tensor BatchLoader::gather_host(int64_t batch) const {
+  auto index = order_.slice(0, batch * batch_size_, (batch + 1) * batch_size_);
+  if (!device_.is_cuda()) return images_.index_select(0, index);
+  auto pinned = torch::empty({batch_size_, images_.size(1), images_.size(2), images_.size(3)},
+                             torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true));
+  return torch::index_select_out(pinned, images_, 0, index);
+}
+
+torch::Tensor BatchLoader::next() {
+  if (cursor_ >= batches_per_epoch_) return {};
+  const int64_t batch = cursor_++;
+  if (resident_) {
+    return normalise(images_.index_select(0, order_.slice(0, batch * batch_size_, (batch + 1) * batch_size_)));
+  }
+  auto host = prefetch_.get();
+  if (cursor_ < batches_per_epoch_) {
+    const int64_t ahead = cursor_;
+    prefetch_ = std::async(std::launch::async, [this, ahead] { return gather_host(ahead); });
+  }
+  // The caching host allocator keeps `host` alive until the asynchronous copy has finished.
+  return normalise(host.to(device_, /*non_blocking=*/true));
+}
+
+}  // namespace hierpar::examples

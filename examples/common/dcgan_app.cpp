@@ -1,0 +1,359 @@
+#include "common/dcgan_app.h"
+
+#include "common/cli.h"
+#include "common/data.h"
+#include "common/images.h"
+
+#include <torch/csrc/jit/frontend/resolver.h>
+#include <torch/csrc/jit/frontend/sugared_value.h>
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/optim/adam.h>
+#include <torch/utils.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace hierpar::examples {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kLogEvery = 10;  // steps between reading the losses back (a device sync)
+constexpr int64_t kSyntheticImages = 2944;  // the seed's data set size
+
+std::string format_double(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+Dataset load_training_data(const DCGANTrainConfig& config) {
+  if (config.data == "fashion-mnist") return load_fashion_mnist(config.fashion_mnist_dir, /*train=*/true, config.limit);
+  if (config.data == "synthetic")
+    return make_synthetic(config.limit > 0 ? config.limit : kSyntheticImages, config.model.channels,
+                          config.model.image_size, static_cast<uint64_t>(config.seed));
+  auto folder = load_image_folder(config.data, config.model.channels);
+  if (config.limit > 0 && folder.images.size(0) > config.limit) folder.images = folder.images.slice(0, 0, config.limit);
+  return folder;
+}
+
+int64_t count_parameters(torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+void write_losses(const std::string& out, const torch::Tensor& history, int64_t batches_per_epoch) {
+  const std::string csv = out + "/losses.csv", tmp = csv + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << "step,epoch,loss_d_real,loss_d_fake,loss_g\n";
+    auto h = history.accessor<float, 2>();
+    for (int64_t i = 0; i < history.size(0); ++i) {
+      f << i + 1 << "," << i / batches_per_epoch + 1 << "," << h[i][0] << "," << h[i][1] << "," << h[i][2] << "\n";
+    }
+    if (!f) throw Error(tmp + ": cannot write");
+  }
+  fs::rename(tmp, csv);
+  std::vector<PlotSeries> series{{"D loss (real)", {}, {31, 119, 180}},
+                                 {"D loss (fake)", {}, {255, 127, 14}},
+                                 {"G loss", {}, {44, 160, 44}}};
+  for (int64_t i = 0; i < history.size(0); ++i)
+    for (int k = 0; k < 3; ++k) series[k].values.push_back(history[i][k].item<double>());
+  write_line_plot(series, "step", out + "/loss.png");
+}
+
+std::string sample_path(const std::string& out, const char* kind, int64_t number) {
+  char name[48];
+  std::snprintf(name, sizeof name, "samples/%s_%06lld.png", kind, static_cast<long long>(number));
+  return out + "/" + name;
+}
+
+void write_samples(models::GeneratorImpl& generator, const torch::Tensor& noise, const std::string& path) {
+  torch::NoGradGuard no_grad;
+  generator.eval();
+  auto images = generator.forward(noise);
+  generator.train();
+  write_image_grid(images, path);
+}
+
+// Resolves the names TorchScript source written here may use: `torch` (aten builtins) and `ops`, whose
+// attributes are operator namespaces (ops.hierpar.conv_transpose2d), as in TorchScript's own serialised code.
+struct OpsNamespaces : torch::jit::SugaredValue {
+  std::string kind() const override { return "operator namespaces"; }
+  std::shared_ptr<torch::jit::SugaredValue> attr(const torch::jit::SourceRange&, torch::jit::GraphFunction&,
+                                                 const std::string& field) override {
+    return std::make_shared<torch::jit::BuiltinModule>(field);
+  }
+};
+
+struct ExportResolver : torch::jit::Resolver {
+  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction&,
+                                                         const torch::jit::SourceRange&) override {
+    if (name == "torch") return std::make_shared<torch::jit::BuiltinModule>("aten");
+    if (name == "ops") return std::make_shared<OpsNamespaces>();
+    return nullptr;
+  }
+  c10::TypePtr resolveType(const std::string&, const torch::jit::SourceRange&) override { return nullptr; }
+};
+
+}  // namespace
+
+torch::Device parse_device(const std::string& name) {
+  if (name.empty()) return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  if (name == "cpu") return torch::kCPU;
+  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+    int64_t index = 0;
+    if (name.size() > 5) {
+      const std::string digits = name.substr(5);
+      if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 3)
+        throw FlagError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
+      index = std::stoll(digits);
+    }
+    const int64_t count = torch::cuda::device_count();
+    if (index >= count)
+      throw Error("--device " + name + ": this machine has " + std::to_string(count) + " CUDA device(s)");
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  throw FlagError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
+}
+
+Config checkpoint_config(const DCGANTrainConfig& config) {
+  const auto& m = config.model;
+  return {{"nz", std::to_string(m.nz)},
+          {"image_size", std::to_string(m.image_size)},
+          {"channels", std::to_string(m.channels)},
+          {"width", format_double(m.width)},
+          {"data", config.data},
+          {"limit", std::to_string(config.limit)},
+          {"batch_size", std::to_string(config.batch_size)},
+          {"lr", format_double(config.lr)},
+          {"beta1", format_double(config.beta1)},
+          {"seed", std::to_string(config.seed)}};
+}
+
+int train_dcgan(DCGANTrainConfig config) {
+  if (config.batch_size < 1) throw Error("batch size must be at least 1, got " + std::to_string(config.batch_size));
+  if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
+  config.model.validate();
+  const torch::Device device = parse_device(config.device);
+  auto say = [&](const std::string& line) {
+    if (!config.quiet) std::cerr << line << "\n";
+  };
+
+  const std::string checkpoint = config.out + "/checkpoint.pt";
+  CheckpointState state;
+  state.config = checkpoint_config(config);
+  state.history = torch::empty({0, 3});
+  // Checked before the (slow) data loading so that a wrong flag fails at once.
+  if (config.resume) {
+    if (!fs::exists(checkpoint)) throw Error("--resume: no checkpoint at " + checkpoint);
+    require_config(checkpoint, read_checkpoint_state(checkpoint).config, state.config);
+  } else if (fs::exists(checkpoint)) {
+    throw Error(checkpoint + " exists: pass --resume to continue that run, or choose another --out");
+  }
+
+  const Dataset data = load_training_data(config);
+  const auto images = prepare_images(data.images, config.model.image_size, config.model.channels);
+  say("data: " + data.description + " -> " + std::to_string(images.size(0)) + " images " +
+      std::to_string(config.model.channels) + "x" + std::to_string(config.model.image_size) + "x" +
+      std::to_string(config.model.image_size));
+
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  if (device.is_cuda()) {
+    torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
+    at::globalContext().setBenchmarkCuDNN(true);
+  }
+  models::Generator generator(config.model);
+  models::Discriminator discriminator(config.model);
+  generator->to(device);
+  discriminator->to(device);
+  const auto adam = torch::optim::AdamOptions(config.lr).betas({config.beta1, 0.999});
+  torch::optim::Adam optimizer_g(generator->parameters(), adam);
+  torch::optim::Adam optimizer_d(discriminator->parameters(), adam);
+  const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
+  const NamedOptimizers optimizers{{"generator", &optimizer_g}, {"discriminator", &optimizer_d}};
+
+  BatchLoader loader(images, device, config.batch_size, parse_placement(config.placement),
+                     static_cast<uint64_t>(config.seed));
+  auto fixed_noise = torch::randn({config.samples, config.model.nz},
+                                  at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
+                         .to(device);
+
+  if (config.resume) {
+    auto loaded = load_checkpoint(checkpoint, state.config, modules, optimizers, device);
+    state.epoch = loaded.epoch;
+    state.epoch_step = loaded.epoch_step;
+    state.global_step = loaded.global_step;
+    state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
+    say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
+        std::to_string(state.global_step));
+  }
+
+  const std::string missing = models::hierpar_layers_not_built();
+  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
+      (config.model.layers == LayerSet::hierpar && !missing.empty()
+           ? " (not built yet, using torch::nn instead: " + missing + ")"
+           : "") +
+      "; generator " + std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
+      std::to_string(count_parameters(*discriminator)) + "; device " + device.str() + ", data " +
+      (loader.resident() ? "resident on the device" : "streamed through host memory"));
+  say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
+
+  std::vector<torch::Tensor> pending;  // per-step losses not yet read back
+  auto flush_losses = [&] {
+    if (pending.empty()) return;
+    state.history = torch::cat({state.history, torch::stack(pending).to(torch::kCPU, torch::kFloat)});
+    pending.clear();
+  };
+  auto save = [&] {
+    flush_losses();
+    save_checkpoint(checkpoint, state, modules, optimizers, device);
+    write_losses(config.out, state.history, loader.batches_per_epoch());
+  };
+
+  namespace F = torch::nn::functional;
+  bool stopped = false, interrupted = false;
+  const int64_t steps_per_epoch = loader.batches_per_epoch();
+  while (state.epoch < config.epochs && !stopped) {
+    loader.start_epoch(state.epoch, state.epoch_step);
+    std::unique_ptr<Progress> progress;
+    if (!config.quiet)
+      progress = std::make_unique<Progress>("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(config.epochs),
+                                            steps_per_epoch, config.batch_size);
+    const auto epoch_start = std::chrono::steady_clock::now();
+    const int64_t first_step = state.epoch_step;
+    for (auto real = loader.next(); real.defined(); real = loader.next()) {
+      const int64_t b = real.size(0);
+      auto ones = torch::ones({b}, real.options()), zeros = torch::zeros({b}, real.options());
+      auto noise = torch::randn({b, config.model.nz}, real.options());
+
+      optimizer_d.zero_grad();
+      auto loss_real = F::binary_cross_entropy_with_logits(discriminator->forward(real), ones);
+      auto fake = generator->forward(noise);
+      auto loss_fake = F::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()), zeros);
+      (loss_real + loss_fake).backward();
+      optimizer_d.step();
+
+      optimizer_g.zero_grad();
+      auto loss_g = F::binary_cross_entropy_with_logits(discriminator->forward(fake), ones);
+      loss_g.backward();
+      optimizer_g.step();
+
+      pending.push_back(torch::stack({loss_real, loss_fake, loss_g}).detach());
+      ++state.epoch_step;
+      ++state.global_step;
+      const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
+      interrupted = config.should_stop && config.should_stop();
+      stopped = budget_spent || interrupted;
+      if (static_cast<int64_t>(pending.size()) >= kLogEvery || stopped || state.epoch_step == steps_per_epoch) {
+        flush_losses();
+        if (progress) {
+          auto last = state.history[-1];
+          progress->update(state.epoch_step, {{"loss_d_real", last[0].item<double>()},
+                                              {"loss_d_fake", last[1].item<double>()},
+                                              {"loss_g", last[2].item<double>()}});
+        }
+      }
+      if (stopped) break;
+      if (config.checkpoint_every > 0 && state.global_step % config.checkpoint_every == 0 &&
+          state.epoch_step < steps_per_epoch)
+        save();
+    }
+    if (progress) progress->finish();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+    const int64_t steps_done = state.epoch_step - first_step;
+    std::string grid;
+    if (state.epoch_step == steps_per_epoch) {
+      grid = sample_path(config.out, "epoch", state.epoch + 1);
+      ++state.epoch;
+      state.epoch_step = 0;
+    } else {
+      grid = sample_path(config.out, "step", state.global_step);
+    }
+    write_samples(*generator, fixed_noise, grid);
+    save();
+    std::ostringstream line;
+    line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")
+         << (state.epoch_step == 0 ? state.epoch : state.epoch + 1) << ": " << steps_done << " steps in " << seconds
+         << " s (" << (seconds > 0 ? steps_done / seconds : 0.0) << " steps/s"
+         << (state.epoch_step == 0 && first_step == 0 ? ", " + format_double(seconds) + " s per epoch" : "")
+         << "); samples " << grid;
+    say(line.str());
+  }
+  say("done: " + std::to_string(state.global_step) + " steps; loss curve " + config.out + "/loss.png, losses " +
+      config.out + "/losses.csv, checkpoint " + checkpoint);
+  return interrupted ? 130 : 0;
+}
+
+models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device) {
+  const auto state = read_checkpoint_state(checkpoint);
+  auto field = [&](const char* key) {
+    auto it = state.config.find(key);
+    if (it == state.config.end()) throw Error(checkpoint + ": the configuration has no " + key);
+    return it->second;
+  };
+  models::DCGANOptions options;
+  options.nz = std::stoll(field("nz"));
+  options.image_size = std::stoll(field("image_size"));
+  options.channels = std::stoll(field("channels"));
+  options.width = std::stod(field("width"));
+  options.layers = layers;
+  models::Generator generator(options);
+  load_checkpoint(checkpoint, {}, {{"generator", generator.get()}}, {}, device, /*restore_rng=*/false);
+  generator->to(device);
+  generator->eval();
+  return generator;
+}
+
+torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops) {
+  auto cu = std::make_shared<torch::jit::CompilationUnit>();
+  torch::jit::Module module(c10::QualifiedName("__torch__.hierpar.DCGANGenerator"), cu);
+  const double eps = torch::nn::BatchNorm2dOptions(1).eps();
+  std::ostringstream src;
+  src << "def forward(self, z):\n"
+      << "    x = z.reshape([z.size(0), " << generator.options.nz << ", 1, 1])\n";
+  const auto children = generator.named_children();
+  for (const auto& child : children) {
+    const std::string& name = child.key();
+    const bool hierpar = ops == ExportOps::hierpar ||
+                         (ops == ExportOps::as_built && child.value()->name().rfind("hierpar::", 0) == 0);
+    torch::jit::Module sub(c10::QualifiedName("__torch__.hierpar.DCGANGenerator_" + name), cu);
+    for (const auto& p : child.value()->named_parameters(false)) sub.register_parameter(p.key(), p.value().detach(), false);
+    for (const auto& b : child.value()->named_buffers(false)) sub.register_buffer(b.key(), b.value().detach());
+    module.register_module(name, sub);
+    const std::string self = "self." + name;
+    if (name.rfind("deconv", 0) == 0) {
+      const bool first = name == "deconv1";
+      const std::string geometry = first ? "[1, 1], [0, 0]" : "[2, 2], [1, 1]";
+      if (hierpar) {
+        src << "    x = ops.hierpar.conv_transpose2d(x, " << self << ".weight, None, " << geometry
+            << ", [0, 0], 1, [1, 1])\n";
+      } else {
+        src << "    x = torch.conv_transpose2d(x, " << self << ".weight, None, " << geometry << ")\n";
+      }
+    } else {
+      const std::string args = self + ".weight, " + self + ".bias, " + self + ".running_mean, " + self +
+                               ".running_var, False, 0.1, " + format_double(eps);
+      if (hierpar) {
+        src << "    x = ops.hierpar.batch_norm_act(x, " << args << ", \"relu\", 0.0)[0]\n";
+      } else {
+        src << "    x = torch.relu(torch.batch_norm(x, " << args << ", False))\n";
+      }
+    }
+  }
+  src << "    return torch.tanh(x)\n";
+  module.define(src.str(), std::make_shared<ExportResolver>());
+  module.eval();
+  return module;
+}
+
+}  // namespace hierpar::examples

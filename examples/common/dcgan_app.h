@@ -1,0 +1,56 @@
+// hierpar-dcgan's work, callable from the program and the tests: training with checkpoints and resume,
+// sampling from a checkpoint, and TorchScript export of the generator.
+#pragma once
+
+#include "common/checkpoint.h"
+#include "common/data.h"
+#include "hierpar/models/dcgan.h"
+
+#include <torch/script.h>
+
+#include <functional>
+#include <string>
+
+namespace hierpar::examples {
+
+struct DCGANTrainConfig {
+  std::string data = "fashion-mnist";  // fashion-mnist | synthetic | a folder of images
+  std::string fashion_mnist_dir = kFashionMnistDir;
+  int64_t limit = 0;                   // use at most this many images (0: all)
+  std::string placement = "auto";      // auto | device | stream
+  models::DCGANOptions model;          // channels 0 below means: 1 for Fashion-MNIST, 3 otherwise
+  std::string device = "";             // "" picks cuda when available
+  int64_t epochs = 5;
+  int64_t batch_size = 64;
+  double lr = 2e-4, beta1 = 0.5;
+  int64_t seed = 0;
+  int64_t max_steps = 0;               // stop after this many steps in total (0: no limit)
+  int64_t checkpoint_every = 500;      // steps between checkpoints (besides every epoch end and the stop)
+  int64_t samples = 64;                // images in each per-epoch grid
+  std::string out = "runs/dcgan";
+  bool resume = false;
+  bool quiet = false;                  // no progress bar or messages (tests)
+  // Polled after every step; returning true stops like an interrupt: checkpoint, then return 130.
+  std::function<bool()> should_stop;
+};
+
+// The configuration recorded in checkpoints: everything that decides the networks, the data and the
+// optimisation (not the layer set, device, epochs, step budget or output folder, which may change on resume).
+Config checkpoint_config(const DCGANTrainConfig& config);
+
+// Trains; returns 0, or 130 when should_stop() ended it early. Throws Error for bad input.
+int train_dcgan(DCGANTrainConfig config);
+
+// The generator stored in a checkpoint written by train_dcgan, built with `layers`, in eval mode.
+models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device);
+
+// Which ops the exported TorchScript calls: those of the layers the generator was built from, or forced.
+enum class ExportOps { as_built, aten, hierpar };
+// The generator (eval mode: BatchNorm uses its running statistics) as a TorchScript module defined from
+// source, with the weights registered under the same names as in C++ ("deconv1.weight", "bn1.running_mean",
+// ...); hierpar layers become torch.ops.hierpar calls.
+torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops = ExportOps::as_built);
+
+torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; Error when not available
+
+}  // namespace hierpar::examples

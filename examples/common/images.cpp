@@ -1,0 +1,161 @@
+#include "common/images.h"
+
+#include "common/cli.h"
+
+#include <ATen/ATen.h>
+
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#include <stb/stb_image_write.h>
+#include <stb/stb_easy_font.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+namespace hierpar::examples {
+namespace {
+
+void make_parent(const std::string& path) {
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent);
+}
+
+void write_png(const std::string& path, int width, int height, int channels, const uint8_t* pixels) {
+  make_parent(path);
+  if (!stbi_write_png(path.c_str(), width, height, channels, pixels, width * channels))
+    throw Error(path + ": cannot write PNG");
+}
+
+// An RGB raster with the few drawing primitives a plot needs.
+struct Canvas {
+  int width, height;
+  std::vector<uint8_t> rgb;
+  Canvas(int w, int h) : width(w), height(h), rgb(static_cast<size_t>(w) * h * 3, 255) {}
+
+  void pixel(int x, int y, const std::array<uint8_t, 3>& c) {
+    if (x < 0 || y < 0 || x >= width || y >= height) return;
+    std::copy(c.begin(), c.end(), rgb.begin() + (static_cast<size_t>(y) * width + x) * 3);
+  }
+  void rect(int x0, int y0, int x1, int y1, const std::array<uint8_t, 3>& c) {
+    for (int y = y0; y < y1; ++y)
+      for (int x = x0; x < x1; ++x) pixel(x, y, c);
+  }
+  // A line of thickness 2 by stepping along its longer axis.
+  void line(double x0, double y0, double x1, double y1, const std::array<uint8_t, 3>& c) {
+    const int steps = static_cast<int>(std::ceil(std::max(std::abs(x1 - x0), std::abs(y1 - y0)))) + 1;
+    for (int i = 0; i <= steps; ++i) {
+      const double t = static_cast<double>(i) / steps;
+      const int x = static_cast<int>(std::lround(x0 + t * (x1 - x0))), y = static_cast<int>(std::lround(y0 + t * (y1 - y0)));
+      pixel(x, y, c);
+      pixel(x + 1, y, c);
+      pixel(x, y + 1, c);
+    }
+  }
+  // stb_easy_font emits quads (4 vertices of x, y, z floats and 4 colour bytes); they are axis-aligned.
+  void text(int x, int y, const std::string& s, const std::array<uint8_t, 3>& c) {
+    static char buffer[64000];
+    const int quads = stb_easy_font_print(static_cast<float>(x), static_cast<float>(y), const_cast<char*>(s.c_str()),
+                                          nullptr, buffer, sizeof buffer);
+    for (int q = 0; q < quads; ++q) {
+      const float* v = reinterpret_cast<const float*>(buffer + q * 64);
+      rect(static_cast<int>(v[0]), static_cast<int>(v[1]), static_cast<int>(v[8]), static_cast<int>(v[9]), c);
+    }
+  }
+  static int text_width(const std::string& s) { return stb_easy_font_width(const_cast<char*>(s.c_str())); }
+};
+
+std::string format_tick(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, std::abs(v) >= 1000 ? "%.0f" : "%.3g", v);
+  return buf;
+}
+
+}  // namespace
+
+void write_image_grid(const torch::Tensor& images, const std::string& path, int64_t columns) {
+  TORCH_CHECK(images.dim() == 4 && (images.size(1) == 1 || images.size(1) == 3) && images.size(0) > 0,
+              "write_image_grid: expected images [N, 1 or 3, H, W], got ", images.sizes());
+  const int64_t n = images.size(0), c = images.size(1), h = images.size(2), w = images.size(3), pad = 2;
+  if (columns <= 0) columns = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(n))));
+  const int64_t rows = (n + columns - 1) / columns;
+  auto pixels = ((images.detach().to(torch::kCPU, torch::kFloat).clamp(-1, 1) + 1) * 127.5).round().to(torch::kUInt8);
+  auto grid = torch::zeros({rows * (h + pad) + pad, columns * (w + pad) + pad, c}, torch::kUInt8);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = i / columns, col = i % columns;
+    grid.slice(0, pad + r * (h + pad), pad + r * (h + pad) + h)
+        .slice(1, pad + col * (w + pad), pad + col * (w + pad) + w)
+        .copy_(pixels[i].permute({1, 2, 0}));
+  }
+  write_png(path, static_cast<int>(grid.size(1)), static_cast<int>(grid.size(0)), static_cast<int>(c),
+            grid.contiguous().data_ptr<uint8_t>());
+}
+
+void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
+                     int width, int height) {
+  Canvas canvas(width, height);
+  const int left = 60, right = 20, top = 20, bottom = 40;
+  const int plot_w = width - left - right, plot_h = height - top - bottom;
+  size_t count = 0;
+  double lo = INFINITY, hi = -INFINITY;
+  for (const auto& s : series) {
+    count = std::max(count, s.values.size());
+    for (double v : s.values)
+      if (std::isfinite(v)) lo = std::min(lo, v), hi = std::max(hi, v);
+  }
+  if (!std::isfinite(lo)) lo = 0, hi = 1;
+  if (hi - lo < 1e-9) lo -= 0.5, hi += 0.5;
+  const double margin = 0.05 * (hi - lo);
+  lo -= margin;
+  hi += margin;
+  const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
+  auto to_x = [&](double i) { return left + (count > 1 ? (i - 1) / (count - 1) : 0.5) * plot_w; };
+  auto to_y = [&](double v) { return top + (hi - v) / (hi - lo) * plot_h; };
+  for (int t = 0; t <= 4; ++t) {  // horizontal grid lines with y labels
+    const double v = lo + (hi - lo) * t / 4;
+    const int y = static_cast<int>(std::lround(to_y(v)));
+    canvas.rect(left, y, left + plot_w, y + 1, grey);
+    const auto label = format_tick(v);
+    canvas.text(left - 6 - Canvas::text_width(label), y - 3, label, black);
+  }
+  for (int t = 0; t <= 4 && count > 0; ++t) {  // x ticks
+    const double i = 1 + (static_cast<double>(count) - 1) * t / 4;
+    const int x = static_cast<int>(std::lround(to_x(i)));
+    canvas.rect(x, top + plot_h, x + 1, top + plot_h + 4, black);
+    const auto label = format_tick(std::round(i));
+    canvas.text(x - Canvas::text_width(label) / 2, top + plot_h + 7, label, black);
+  }
+  canvas.rect(left, top, left + 1, top + plot_h + 1, black);
+  canvas.rect(left, top + plot_h, left + plot_w + 1, top + plot_h + 1, black);
+  canvas.text(left + plot_w / 2 - Canvas::text_width(x_label) / 2, height - 14, x_label, black);
+
+  for (const auto& s : series) {
+    // One point per pixel column at most: the mean of the values falling into it.
+    const size_t n = s.values.size();
+    const size_t per_point = std::max<size_t>(1, (n + plot_w - 1) / plot_w);
+    double prev_x = NAN, prev_y = NAN;
+    for (size_t start = 0; start < n; start += per_point) {
+      const size_t end = std::min(n, start + per_point);
+      double sum = 0;
+      size_t finite = 0;
+      for (size_t i = start; i < end; ++i)
+        if (std::isfinite(s.values[i])) sum += s.values[i], ++finite;
+      if (finite == 0) continue;
+      const double x = to_x(0.5 * (start + end - 1) + 1), y = to_y(sum / finite);
+      if (std::isfinite(prev_x)) canvas.line(prev_x, prev_y, x, y, s.rgb);
+      else canvas.pixel(static_cast<int>(x), static_cast<int>(y), s.rgb);
+      prev_x = x;
+      prev_y = y;
+    }
+  }
+  int legend_y = top + 6;  // legend, top right
+  for (const auto& s : series) {
+    const int x = left + plot_w - 10 - Canvas::text_width(s.name) - 22;
+    canvas.rect(x, legend_y + 2, x + 16, legend_y + 5, s.rgb);
+    canvas.text(x + 22, legend_y, s.name, black);
+    legend_y += 14;
+  }
+  write_png(path, width, height, 3, canvas.rgb.data());
+}
+
+}  // namespace hierpar::examples

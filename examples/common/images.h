@@ -1,0 +1,28 @@
+// PNG output of the examples: image grids and loss-curve plots.
+#pragma once
+
+#include <torch/types.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hierpar::examples {
+
+// Writes float images [N, C, H, W] (C = 1 or 3) with values in [-1, 1] as one PNG: a grid of `columns`
+// (0: ceil(sqrt(N))) with a 2-pixel border. Creates missing parent folders. Throws Error on failure.
+void write_image_grid(const torch::Tensor& images, const std::string& path, int64_t columns = 0);
+
+struct PlotSeries {
+  std::string name;
+  std::vector<double> values;  // y at x = 1, 2, ...
+  std::array<uint8_t, 3> rgb;
+};
+
+// A line plot of the series against their index, with axes, tick labels and a legend, as a PNG.
+// Series longer than the plot is wide are averaged per pixel column.
+void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
+                     int width = 720, int height = 420);
+
+}  // namespace hierpar::examples

@@ -1,0 +1,125 @@
+// hierpar-dcgan: the seed paper's DCGAN, trained with stock torch::nn or hierpar layers (--layers).
+//   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
+//   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
+//   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
+#include "common/cli.h"
+#include "common/dcgan_app.h"
+#include "common/images.h"
+
+#include <torch/cuda.h>
+
+#include <atomic>
+#include <csignal>
+#include <iostream>
+
+namespace {
+
+using namespace hierpar::examples;
+
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_interrupt(int) { g_interrupted = true; }
+
+constexpr const char* kUsage =
+    "usage: hierpar-dcgan <command> [flags]\n"
+    "  train     train a DCGAN; writes samples/, losses.csv, loss.png and checkpoint.pt under --out\n"
+    "  generate  write samples of a trained generator as a PNG grid\n"
+    "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
+    "Run hierpar-dcgan <command> --help for its flags.\n";
+
+int train(int argc, char** argv) {
+  DCGANTrainConfig config;
+  std::string layers = "hierpar";
+  int64_t image_size = 64, channels = 0, nz = 100;
+  double width = 1.0;
+  Flags flags("hierpar-dcgan train");
+  flags.add("data", &config.data, "fashion-mnist, synthetic, or a folder of same-size PNG/JPEG images")
+      .add("fashion-mnist-dir", &config.fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
+      .add("limit", &config.limit, "use at most this many images (0: all)", 0)
+      .add("layers", &layers, "stock (torch::nn) or hierpar")
+      .add("device", &config.device, "cpu, cuda or cuda:N (default: cuda when available)")
+      .add("epochs", &config.epochs, "epochs to train", 1)
+      .add("batch-size", &config.batch_size, "images per step", 1)
+      .add("image-size", &image_size, "32, 64 or 128", 1)
+      .add("channels", &channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
+      .add("width", &width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
+      .add("nz", &nz, "noise dimension", 1)
+      .add("lr", &config.lr, "Adam learning rate", 0.0)
+      .add("beta1", &config.beta1, "Adam beta1", -1.0)
+      .add("seed", &config.seed, "seed of weights, noise and data order", 0)
+      .add("max-steps", &config.max_steps, "stop after this many steps in total (0: no limit)", 0)
+      .add("checkpoint-every", &config.checkpoint_every, "steps between checkpoints (0: epoch ends only)", 0)
+      .add("samples", &config.samples, "images in each sample grid", 1)
+      .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
+      .add("out", &config.out, "output folder")
+      .add("resume", &config.resume, "continue from <out>/checkpoint.pt");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  if (config.beta1 >= 1.0) throw FlagError("--beta1: expected a number in [0, 1), got " + std::to_string(config.beta1));
+  config.model.layers = hierpar::parse_layer_set(layers);
+  config.model.image_size = image_size;
+  config.model.channels = channels;
+  config.model.width = width;
+  config.model.nz = nz;
+  if (image_size != 32 && image_size != 64 && image_size != 128)
+    throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(image_size));
+  if (channels != 0 && channels != 1 && channels != 3)
+    throw FlagError("--channels: expected 1 or 3, got " + std::to_string(channels));
+  parse_placement(config.placement);
+  std::signal(SIGINT, on_interrupt);
+  std::signal(SIGTERM, on_interrupt);
+  config.should_stop = [] { return g_interrupted.load(); };
+  const int status = train_dcgan(config);
+  if (status == 130) std::cerr << "hierpar-dcgan: interrupted; the checkpoint is saved, --resume continues\n";
+  return status;
+}
+
+int generate(int argc, char** argv) {
+  std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "samples.png", layers = "hierpar", device;
+  int64_t count = 64, seed = 0;
+  Flags flags("hierpar-dcgan generate");
+  flags.add("checkpoint", &checkpoint, "checkpoint written by train")
+      .add("count", &count, "number of images", 1)
+      .add("seed", &seed, "noise seed", 0)
+      .add("output", &output, "PNG file to write")
+      .add("layers", &layers, "stock or hierpar")
+      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  const auto dev = parse_device(device);
+  auto generator = load_generator(checkpoint, hierpar::parse_layer_set(layers), dev);
+  auto noise = torch::randn({count, generator->options.nz}, at::make_generator<at::CPUGeneratorImpl>(seed)).to(dev);
+  torch::NoGradGuard no_grad;
+  write_image_grid(generator->forward(noise), output);
+  std::cout << "wrote " << count << " samples to " << output << "\n";
+  return 0;
+}
+
+int export_generator(int argc, char** argv) {
+  std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "generator.pt", layers = "hierpar";
+  Flags flags("hierpar-dcgan export");
+  flags.add("checkpoint", &checkpoint, "checkpoint written by train")
+      .add("output", &output, "TorchScript file to write")
+      .add("layers", &layers, "stock (aten ops) or hierpar (torch.ops.hierpar where hierpar layers are built)");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  auto generator = load_generator(checkpoint, hierpar::parse_layer_set(layers), torch::kCPU);
+  auto module = hierpar::examples::export_generator(*generator);
+  module.save(output);
+  std::cout << "wrote " << output << ": in Python, torch.ops.load_library('<build>/libhierpar_ops.so'); "
+            << "g = torch.jit.load('" << output << "'); g(torch.randn(16, " << generator->options.nz << "))\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return run_reporting_errors("hierpar-dcgan", [&]() -> int {
+    const std::string command = argc > 1 ? argv[1] : "";
+    if (command == "train") return train(argc, argv);
+    if (command == "generate") return generate(argc, argv);
+    if (command == "export") return export_generator(argc, argv);
+    if (command == "--help" || command == "-h") {
+      std::cout << kUsage;
+      return 0;
+    }
+    throw FlagError(command.empty() ? "missing command (train, generate or export)"
+                                    : "unknown command '" + command + "' (train, generate or export)");
+  });
+}

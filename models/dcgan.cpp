@@ -1,0 +1,139 @@
+#include "hierpar/models/dcgan.h"
+
+#include <torch/nn/init.h>
+#include <torch/nn/modules/conv.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace hierpar::models {
+namespace {
+
+constexpr double kLeakySlope = 0.2;
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+}  // namespace
+
+void DCGANOptions::validate() const {
+  TORCH_CHECK(image_size == 32 || image_size == 64 || image_size == 128,
+              "image_size: expected 32, 64 or 128, got ", image_size);
+  TORCH_CHECK(channels == 1 || channels == 3, "channels: expected 1 or 3, got ", channels);
+  TORCH_CHECK(nz >= 1, "nz: expected a positive noise dimension, got ", nz);
+  TORCH_CHECK(std::isfinite(width) && std::lround(32 * width) >= 1,
+              "width: expected a multiplier giving at least 1 channel (width >= 1/64), got ", width);
+}
+
+std::vector<int64_t> DCGANOptions::hidden_channels() const {
+  // Hidden layers at 4x4, 8x8, ..., image_size/2: log2(image_size) - 2 of them.
+  int64_t layers = 0;
+  for (int64_t s = 4; s < image_size; s *= 2) ++layers;
+  const int64_t base = std::lround(32 * width);
+  std::vector<int64_t> out;
+  for (int64_t i = layers - 1; i >= 0; --i) out.push_back(base << i);
+  return out;
+}
+
+std::string DCGANOptions::shape_key() const {
+  std::ostringstream os;
+  os << "nz=" << nz << " image_size=" << image_size << " channels=" << channels << " width=" << width;
+  return os.str();
+}
+
+void dcgan_init(torch::nn::Module& model) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model.named_children()) {
+    const std::string& name = item.key();
+    auto& module = *item.value();
+    for (const auto& param : module.named_parameters(/*recurse=*/false)) {
+      const bool weight = param.key() == "weight";
+      if (starts_with(name, "bn")) {
+        weight ? torch::nn::init::normal_(param.value(), 1.0, 0.02) : torch::nn::init::zeros_(param.value());
+      } else if (starts_with(name, "conv") || starts_with(name, "deconv")) {
+        weight ? torch::nn::init::normal_(param.value(), 0.0, 0.02) : torch::nn::init::zeros_(param.value());
+      }
+    }
+  }
+}
+
+GeneratorImpl::GeneratorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
+
+void GeneratorImpl::reset() {
+  options.validate();
+  deconvs_.clear();
+  norms_.clear();
+  const auto hidden = options.hidden_channels();
+  int64_t in = options.nz;
+  for (size_t i = 0; i <= hidden.size(); ++i) {
+    const bool last = i == hidden.size();
+    const int64_t out = last ? options.channels : hidden[i];
+    auto conv_options = torch::nn::ConvTranspose2dOptions(in, out, 4).bias(false);
+    if (i == 0) {
+      conv_options.stride(1).padding(0);
+    } else {
+      conv_options.stride(2).padding(1);
+    }
+    const std::string n = std::to_string(i + 1);
+    deconvs_.push_back(make_conv_transpose2d(options.layers, conv_options));
+    register_module("deconv" + n, deconvs_.back().module);
+    if (!last) {
+      norms_.push_back(make_batch_norm_act2d(options.layers, out, nn::Activation::relu, 0.0));
+      register_module("bn" + n, norms_.back().module);
+    }
+    in = out;
+  }
+  dcgan_init(*this);
+}
+
+torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
+  TORCH_CHECK((z.dim() == 2 || (z.dim() == 4 && z.size(2) == 1 && z.size(3) == 1)) && z.size(1) == options.nz,
+              "Generator: expected noise of shape [N, ", options.nz, "] or [N, ", options.nz, ", 1, 1], got ",
+              z.sizes());
+  auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
+  for (size_t i = 0; i < norms_.size(); ++i) x = norms_[i].forward(deconvs_[i].forward(x));
+  return torch::tanh(deconvs_.back().forward(x));
+}
+
+DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
+
+void DiscriminatorImpl::reset() {
+  options.validate();
+  convs_.clear();
+  norms_.clear();
+  auto hidden = options.hidden_channels();
+  std::reverse(hidden.begin(), hidden.end());  // image side first
+  int64_t in = options.channels;
+  for (size_t i = 0; i <= hidden.size(); ++i) {
+    const bool last = i == hidden.size();
+    const int64_t out = last ? 1 : hidden[i];
+    auto conv_options = torch::nn::Conv2dOptions(in, out, 4).bias(false);
+    if (last) {
+      conv_options.stride(1).padding(0);
+    } else {
+      conv_options.stride(2).padding(1);
+    }
+    const std::string n = std::to_string(i + 1);
+    torch::nn::Conv2d conv(conv_options);
+    convs_.push_back({conv.ptr(), [conv](const torch::Tensor& x) mutable { return conv->forward(x); }});
+    register_module("conv" + n, conv);
+    if (i > 0 && !last) {
+      norms_.push_back(make_batch_norm_act2d(options.layers, out, nn::Activation::leaky_relu, kLeakySlope));
+      register_module("bn" + n, norms_.back().module);
+    }
+    in = out;
+  }
+  dcgan_init(*this);
+}
+
+torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
+  const int64_t s = options.image_size;
+  TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
+              "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
+              images.sizes());
+  auto x = torch::leaky_relu(convs_[0].forward(images), kLeakySlope);
+  for (size_t i = 0; i < norms_.size(); ++i) x = norms_[i].forward(convs_[i + 1].forward(x));
+  return convs_.back().forward(x).flatten();
+}
+
+}  // namespace hierpar::models

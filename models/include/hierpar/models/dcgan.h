@@ -1,0 +1,79 @@
+// The seed paper's DCGAN (Figure 2), built from stock torch::nn or hierpar layers (LayerSet): the two are
+// the same network with the same state-dict keys, so weights, checkpoints and optimiser states interchange.
+//
+// Image size 64, the seed's configuration:
+//   Generator      z[N,100] -> ConvT 100->256 (1->4, stride 1, pad 0), BN, ReLU
+//                           -> ConvT 256->128 (->8), BN, ReLU -> ConvT 128->64 (->16), BN, ReLU
+//                           -> ConvT 64->32 (->32), BN, ReLU -> ConvT 32->C (->64), Tanh
+//   Discriminator  x[N,C,64,64] -> Conv C->32 (->32), LeakyReLU(0.2) -> Conv 32->64 (->16), BN, LeakyReLU
+//                           -> Conv 64->128 (->8), BN, LeakyReLU -> Conv 128->256 (->4), BN, LeakyReLU
+//                           -> Conv 256->1 (4->1, stride 1, pad 0): a logit per image (the sigmoid lives in
+//                              binary_cross_entropy_with_logits)
+// Every convolution has kernel 4 and no bias; stride 2 and padding 1 unless stated.
+// Image size 32 drops the widest layer pair and 128 adds one: the layer next to the image keeps 32 channels
+// (times `width`) and each step away from the image doubles them (32: 128-64-32, 128: 512-256-128-64-32).
+#pragma once
+
+#include "hierpar/layer_set.h"
+#include "hierpar/models/layer_factory.h"
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+#include <vector>
+
+namespace hierpar::models {
+
+struct DCGANOptions {
+  int64_t nz = 100;          // noise dimension
+  int64_t image_size = 64;   // 32, 64 or 128
+  int64_t channels = 3;      // image channels: 1 or 3
+  double width = 1.0;        // channel multiplier: the layer next to the image has round(32 * width)
+  LayerSet layers = LayerSet::stock;
+
+  // Throws c10::Error naming the option and the accepted values.
+  void validate() const;
+  // Channels of the generator's hidden layers from the 4x4 one to the one next to the image; the
+  // discriminator uses them in reverse.
+  std::vector<int64_t> hidden_channels() const;
+  // "nz=100 image_size=64 channels=3 width=1": the options that decide the parameter shapes (not the
+  // layer set, which leaves them unchanged).
+  std::string shape_key() const;
+};
+
+// DCGAN initialisation: convolution weights N(0, 0.02), BatchNorm weights N(1, 0.02) and biases 0.
+// Applied to every submodule registered as "conv*", "deconv*" or "bn*"; the constructors call it.
+void dcgan_init(torch::nn::Module& model);
+
+class GeneratorImpl : public torch::nn::Cloneable<GeneratorImpl> {
+ public:
+  explicit GeneratorImpl(DCGANOptions options);
+  void reset() override;
+  // z: [N, nz] or [N, nz, 1, 1] -> images [N, channels, image_size, image_size] in [-1, 1].
+  torch::Tensor forward(const torch::Tensor& z);
+
+  DCGANOptions options;
+
+ private:
+  std::vector<Layer> deconvs_;  // registered as deconv1..deconvL
+  std::vector<Layer> norms_;    // bn1..bn(L-1), each with its ReLU
+};
+TORCH_MODULE(Generator);
+
+class DiscriminatorImpl : public torch::nn::Cloneable<DiscriminatorImpl> {
+ public:
+  explicit DiscriminatorImpl(DCGANOptions options);
+  void reset() override;
+  // images [N, channels, image_size, image_size] -> logits [N].
+  torch::Tensor forward(const torch::Tensor& images);
+
+  DCGANOptions options;
+
+ private:
+  std::vector<Layer> convs_;  // conv1..convL (plain torch::nn::Conv2d in both layer sets)
+  std::vector<Layer> norms_;  // bn2..bn(L-1), each with its LeakyReLU(0.2)
+};
+TORCH_MODULE(Discriminator);
+
+}  // namespace hierpar::models

@@ -1,0 +1,169 @@
+#include "hierpar/strategy/placement.h"
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace hierpar::strategy {
+namespace {
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK(end != value && *end == '\0', "environment variable ", name, " must be an integer, got \"", value, "\"");
+  return parsed;
+}
+
+int64_t devices_per_replica(Scheme scheme) {
+  return (scheme == Scheme::task || scheme == Scheme::hierarchical) ? 2 : 1;
+}
+
+}  // namespace
+
+Scheme parse_scheme(const std::string& name) {
+  if (name == "single") return Scheme::single;
+  if (name == "task") return Scheme::task;
+  if (name == "data") return Scheme::data;
+  if (name == "hierarchical") return Scheme::hierarchical;
+  TORCH_CHECK(false, "--strategy must be one of single, task, data, hierarchical; got \"", name, "\"");
+}
+
+Reduce parse_reduce(const std::string& name) {
+  if (name == "host") return Reduce::host;
+  if (name == "nccl" || name == "collective") return Reduce::collective;
+  TORCH_CHECK(false, "--reduce must be host or nccl; got \"", name, "\"");
+}
+
+const char* to_string(Scheme scheme) {
+  switch (scheme) {
+    case Scheme::single: return "single";
+    case Scheme::task: return "task";
+    case Scheme::data: return "data";
+    case Scheme::hierarchical: return "hierarchical";
+  }
+  return "?";
+}
+
+const char* to_string(Reduce reduce) { return reduce == Reduce::host ? "host" : "nccl"; }
+
+Launch Launch::from_env() {
+  Launch launch;
+  launch.rank = env_int("RANK", 0);
+  launch.world_size = env_int("WORLD_SIZE", 1);
+  launch.local_rank = env_int("LOCAL_RANK", launch.rank);
+  if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') launch.master_addr = addr;
+  launch.master_port = env_int("MASTER_PORT", launch.master_port);
+  TORCH_CHECK(launch.world_size >= 1, "WORLD_SIZE must be at least 1, got ", launch.world_size);
+  TORCH_CHECK(launch.rank >= 0 && launch.rank < launch.world_size, "RANK must be in [0, WORLD_SIZE=",
+              launch.world_size, "), got ", launch.rank);
+  TORCH_CHECK(launch.local_rank >= 0, "LOCAL_RANK must be non-negative, got ", launch.local_rank);
+  return launch;
+}
+
+Placement Placement::make(Scheme scheme, int64_t devices, Reduce reduce, c10::DeviceType device_type,
+                          const Launch& launch) {
+  TORCH_CHECK(device_type == c10::DeviceType::CUDA || device_type == c10::DeviceType::CPU,
+              "placement devices must be cuda or cpu, got ", c10::DeviceTypeName(device_type));
+  TORCH_CHECK(devices >= 1, "--gpus must be at least 1, got ", devices);
+  const int64_t processes = launch.world_size;
+  if (scheme == Scheme::single || scheme == Scheme::task) {
+    const int64_t needed = scheme == Scheme::single ? 1 : 2;
+    TORCH_CHECK(devices == needed, "--strategy ", strategy::to_string(scheme), " uses exactly ", needed, " device",
+                needed == 1 ? "" : "s", " (G and D on one each)", ", got --gpus ", devices,
+                "; use data or hierarchical for more");
+    TORCH_CHECK(processes == 1, "--strategy ", strategy::to_string(scheme), " runs one replica in one process, but WORLD_SIZE=",
+                processes, "; launch one process or use data/hierarchical");
+  }
+  if (scheme == Scheme::hierarchical) {
+    TORCH_CHECK(devices % 2 == 0, "--strategy hierarchical needs an even --gpus (a G device and a D device per "
+                "replica), got ", devices);
+  }
+  const int64_t per_replica = devices_per_replica(scheme);
+  TORCH_CHECK(devices % (processes * per_replica) == 0, "--gpus ", devices, " does not split over WORLD_SIZE=",
+              processes, " processes with ", per_replica, " device", per_replica == 1 ? "" : "s",
+              " per replica: each process must hold whole replicas");
+  const int64_t per_process = devices / processes;
+  const int64_t first = launch.local_rank * per_process;  // this process's first CUDA device
+  if (device_type == c10::DeviceType::CUDA) {
+    const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
+    TORCH_CHECK(first + per_process <= visible, "--gpus ", devices, " with --strategy ", strategy::to_string(scheme),
+                " needs CUDA devices ", first, "..", first + per_process - 1, " in this process (LOCAL_RANK=",
+                launch.local_rank, "), but only ", visible, " CUDA device", visible == 1 ? " is" : "s are",
+                " visible");
+  }
+  auto device = [&](int64_t offset) {
+    return device_type == c10::DeviceType::CUDA
+               ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(first + offset))
+               : c10::Device(c10::DeviceType::CPU);
+  };
+
+  Placement placement;
+  placement.scheme = scheme;
+  placement.reduce = reduce;
+  placement.launch = launch;
+  const int64_t local = per_process / per_replica;
+  for (int64_t i = 0; i < local; ++i) {
+    const int64_t g = i * per_replica;
+    placement.replicas.push_back({launch.rank * local + i, device(g), device(g + per_replica - 1)});
+  }
+  placement.validate();
+  return placement;
+}
+
+Placement Placement::from_flags(const std::string& strategy, int64_t gpus, const std::string& reduce,
+                                c10::DeviceType device_type, const Launch& launch) {
+  return make(parse_scheme(strategy), gpus, parse_reduce(reduce), device_type, launch);
+}
+
+void Placement::validate() const {
+  TORCH_CHECK(!replicas.empty(), "a placement needs at least one replica");
+  TORCH_CHECK(launch.world_size >= 1 && launch.rank >= 0 && launch.rank < launch.world_size,
+              "placement launch: rank ", launch.rank, " is not in a world of ", launch.world_size);
+  if (scheme == Scheme::single || scheme == Scheme::task) {
+    TORCH_CHECK(global_replicas() == 1, "--strategy ", strategy::to_string(scheme), " has one replica, got ", global_replicas());
+  }
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    const ReplicaDevices& r = replicas[i];
+    TORCH_CHECK(r.replica == launch.rank * local_replicas() + static_cast<int64_t>(i), "replica ", i,
+                " of rank ", launch.rank, " must have global index ", launch.rank * local_replicas() + i,
+                ", got ", r.replica);
+    TORCH_CHECK(r.generator.type() == r.discriminator.type(), "replica ", r.replica,
+                ": G and D must be on the same kind of device, got ", r.generator, " and ", r.discriminator);
+    const bool same = r.generator == r.discriminator;
+    if (scheme == Scheme::single || scheme == Scheme::data) {
+      TORCH_CHECK(same, "--strategy ", strategy::to_string(scheme), " keeps G and D on one device, replica ", r.replica,
+                  " has G on ", r.generator, " and D on ", r.discriminator);
+    } else if (r.generator.is_cuda()) {
+      TORCH_CHECK(!same, "--strategy ", strategy::to_string(scheme), " puts G and D on different GPUs, replica ", r.replica,
+                  " has both on ", r.generator);
+    }
+    if (r.generator.is_cuda()) {
+      for (size_t j = 0; j < i; ++j) {
+        for (const c10::Device& d : {r.generator, r.discriminator}) {
+          TORCH_CHECK(d != replicas[j].generator && d != replicas[j].discriminator, "device ", d,
+                      " is used by replicas ", replicas[j].replica, " and ", r.replica, "; each GPU runs one network");
+        }
+      }
+    }
+  }
+}
+
+std::string Placement::to_string() const {
+  std::ostringstream out;
+  out << hierpar::strategy::to_string(scheme) << ": ";
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    out << (i == 0 ? "" : " | ") << "replica " << replicas[i].replica << ": G " << replicas[i].generator << ", D "
+        << replicas[i].discriminator;
+  }
+  out << "; reduce=" << hierpar::strategy::to_string(reduce);
+  if (launch.multi_process()) out << ", rank " << launch.rank << " of " << launch.world_size << " processes";
+  return out.str();
+}
+
+std::ostream& operator<<(std::ostream& out, const Placement& placement) { return out << placement.to_string(); }
+
+}  // namespace hierpar::strategy

@@ -1,0 +1,496 @@
+// The examples' shared code (examples/common): data loading and its errors, batches, image/plot output,
+// flags, checkpoints and resume, DCGAN training steps, TorchScript export, and hierpar-dcgan's exit
+// status and one-line errors on bad input.
+#include "testing.h"
+
+#include "common/checkpoint.h"
+#include "common/cli.h"
+#include "common/data.h"
+#include "common/dcgan_app.h"
+#include "common/images.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <stb/stb_image.h>
+#include <stb/stb_image_write.h>
+#include <zlib.h>
+
+#include <cstdio>
+#include <ftw.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace hierpar::examples;
+using hierpar::testing::rand_int;
+
+// Expects `statement` to throw hierpar::examples::Error (one line) containing `substring`.
+#define EXPECT_ERROR_MSG(statement, substring)                                                          \
+  do {                                                                                                  \
+    try {                                                                                               \
+      statement;                                                                                        \
+      ADD_FAILURE() << "expected an error containing \"" << (substring) << "\", got none";              \
+    } catch (const Error& e) {                                                                          \
+      const std::string what = e.what();                                                                \
+      EXPECT_NE(what.find(substring), std::string::npos) << "error message was: " << what;              \
+      EXPECT_EQ(what.find('\n'), std::string::npos) << "not one line: " << what;                        \
+    }                                                                                                   \
+  } while (0)
+
+// Removes a folder tree. Not std::filesystem::remove_all: libtorch.so exports its own copy of that symbol,
+// which crashes when it interposes on libstdc++'s.
+void remove_tree(const fs::path& path) {
+  ::nftw(path.c_str(), [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+// A fresh folder under the system temp dir, removed at the end of the test.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("hierpar-test-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    remove_tree(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { remove_tree(path); }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+std::string idx_bytes(const std::vector<uint32_t>& dims, const std::vector<uint8_t>& data, uint8_t type = 0x08) {
+  std::string s{0, 0, static_cast<char>(type), static_cast<char>(dims.size())};
+  for (uint32_t d : dims)
+    for (int shift : {24, 16, 8, 0}) s.push_back(static_cast<char>((d >> shift) & 0xff));
+  s.append(data.begin(), data.end());
+  return s;
+}
+
+void write_gz(const std::string& path, const std::string& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+  gzclose(f);
+}
+
+std::vector<uint8_t> random_bytes(size_t n, int hi = 255) {
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(rand_int(0, hi));
+  return v;
+}
+
+// A small Fashion-MNIST-format pair of files (images and labels) in `dir`.
+void write_fake_mnist(const std::string& dir, const std::string& split, uint32_t n) {
+  write_gz(dir + "/" + split + "-images-idx3-ubyte.gz", idx_bytes({n, 28, 28}, random_bytes(n * 28 * 28)));
+  write_gz(dir + "/" + split + "-labels-idx1-ubyte.gz", idx_bytes({n}, random_bytes(n, 9)));
+}
+
+void write_png(const std::string& path, int w, int h, int channels, const std::vector<uint8_t>& pixels) {
+  ASSERT_TRUE(stbi_write_png(path.c_str(), w, h, channels, pixels.data(), w * channels)) << path;
+}
+
+bool have_fashion_mnist() { return fs::exists(std::string(kFashionMnistDir) + "/train-images-idx3-ubyte.gz"); }
+
+DCGANTrainConfig tiny_training(const std::string& out) {
+  DCGANTrainConfig c;
+  c.data = have_fashion_mnist() ? "fashion-mnist" : "synthetic";
+  c.limit = 64;
+  c.model.image_size = 32;
+  c.model.width = 0.25;
+  c.model.channels = 1;
+  c.batch_size = 16;
+  c.epochs = 2;
+  c.samples = 4;
+  c.device = "cpu";
+  c.seed = 7;
+  c.out = out;
+  c.quiet = true;
+  return c;
+}
+
+hierpar::models::Generator trained_generator(const std::string& checkpoint) {
+  return load_generator(checkpoint, hierpar::LayerSet::stock, torch::kCPU);
+}
+
+// ---- IDX / Fashion-MNIST -------------------------------------------------------------------------------
+
+TEST(Data, IdxGzipRoundTrip) {
+  TempDir dir;
+  const uint32_t n = static_cast<uint32_t>(rand_int(1, 20)), h = static_cast<uint32_t>(rand_int(1, 9));
+  const auto bytes = random_bytes(n * h * 3);
+  write_gz(dir / "x.gz", idx_bytes({n, h, 3}, bytes));
+  auto t = read_idx_gz(dir / "x.gz", 3);
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{n, h, 3}));
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), t.data_ptr<uint8_t>()));
+  auto first = read_idx_gz(dir / "x.gz", 3, 1);
+  EXPECT_EQ(first.size(0), 1);
+  EXPECT_TRUE(first[0].equal(t[0]));
+}
+
+TEST(Data, FashionMnistLayoutFromSmallFiles) {
+  TempDir dir;
+  write_fake_mnist(dir.path.string(), "train", 12);
+  auto set = load_fashion_mnist(dir.path.string(), true);
+  EXPECT_EQ(set.images.sizes(), (std::vector<int64_t>{12, 1, 28, 28}));
+  EXPECT_EQ(set.labels.sizes(), (std::vector<int64_t>{12}));
+  EXPECT_LE(set.labels.max().item<int64_t>(), 9);
+  EXPECT_EQ(load_fashion_mnist(dir.path.string(), true, 5).images.size(0), 5);
+}
+
+TEST(Data, RealFashionMnistIfInstalled) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << kFashionMnistDir << " not installed (Debian's dataset-fashion-mnist)";
+  auto test = load_fashion_mnist(kFashionMnistDir, false);
+  EXPECT_EQ(test.images.sizes(), (std::vector<int64_t>{10000, 1, 28, 28}));
+  EXPECT_EQ(torch::bincount(test.labels).eq(1000).all().item<bool>(), true) << "the test split has 1000 per class";
+}
+
+TEST(Data, IdxMissingFile) {
+  TempDir dir;
+  EXPECT_ERROR_MSG(load_fashion_mnist(dir.path.string(), true), "train-images-idx3-ubyte.gz: no such file");
+}
+
+TEST(Data, IdxWrongMagic) {
+  TempDir dir;
+  write_gz(dir / "x.gz", idx_bytes({4, 28, 28}, random_bytes(4 * 28 * 28), /*type=*/0x0D));  // float IDX
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "x.gz", 3), "not an IDX file of unsigned bytes with 3 dimensions (magic 0x00000d03");
+  write_gz(dir / "y.gz", idx_bytes({4}, random_bytes(4)));
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "y.gz", 3), "(magic 0x00000801, expected 0x00000803)");
+}
+
+TEST(Data, IdxTruncatedGzip) {
+  TempDir dir;
+  write_gz(dir / "full.gz", idx_bytes({50, 28, 28}, random_bytes(50 * 28 * 28)));
+  std::ifstream in(dir / "full.gz", std::ios::binary);
+  std::string gz((std::istreambuf_iterator<char>(in)), {});
+  std::ofstream(dir / "cut.gz", std::ios::binary) << gz.substr(0, gz.size() / 2);
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "cut.gz", 3), "cut.gz: truncated while reading the data");
+  // A complete gzip stream whose header promises more items than it holds.
+  write_gz(dir / "short.gz", idx_bytes({50, 28, 28}, random_bytes(10 * 28 * 28)));
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "short.gz", 3), "short.gz: truncated while reading the data");
+}
+
+// ---- image folders ---------------------------------------------------------------------------------------
+
+TEST(Data, ImageFolderLoadsSortedPngs) {
+  TempDir dir;
+  const int w = static_cast<int>(rand_int(3, 12)), h = static_cast<int>(rand_int(3, 12));
+  auto a = random_bytes(w * h * 3), b = random_bytes(w * h * 3);
+  write_png(dir / "b.png", w, h, 3, b);
+  write_png(dir / "a.PNG", w, h, 3, a);
+  std::ofstream(dir / "notes.txt") << "ignored";
+  auto set = load_image_folder(dir.path.string(), 3);
+  ASSERT_EQ(set.images.sizes(), (std::vector<int64_t>{2, 3, h, w}));
+  auto expected_a = torch::from_blob(a.data(), {h, w, 3}, torch::kUInt8).permute({2, 0, 1});
+  EXPECT_TRUE(set.images[0].equal(expected_a)) << "a.PNG first, CHW";
+  EXPECT_EQ(load_image_folder(dir.path.string(), 1).images.sizes(), (std::vector<int64_t>{2, 1, h, w}));
+}
+
+TEST(Data, ImageFolderEmpty) {
+  TempDir dir;
+  std::ofstream(dir / "readme.txt") << "no images";
+  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3), "no .png, .jpg or .jpeg images in this folder");
+  EXPECT_ERROR_MSG(load_image_folder(dir / "missing", 3), "not a directory");
+}
+
+TEST(Data, ImageFolderMixedSizes) {
+  TempDir dir;
+  write_png(dir / "a.png", 8, 8, 1, random_bytes(64));
+  write_png(dir / "b.png", 8, 6, 1, random_bytes(48));
+  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 1), "images differ in size (a.png is 8x8, b.png is 8x6)");
+}
+
+TEST(Data, ImageFolderUnreadableImage) {
+  TempDir dir;
+  write_png(dir / "a.png", 8, 8, 1, random_bytes(64));
+  std::ofstream(dir / "broken.jpg") << "this is not a JPEG";
+  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3), "broken.jpg: cannot read image");
+}
+
+TEST(Data, PrepareResizesConvertsAndNormalises) {
+  const int64_t n = rand_int(1, 4), size = std::vector<int64_t>{32, 64}[rand_int(0, 1)];
+  auto grey = torch::randint(0, 256, {n, 1, 28, 28}, torch::kUInt8);
+  auto out = prepare_images(grey, size, 3);
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{n, 3, size, size}));
+  EXPECT_TRUE(out.select(1, 0).equal(out.select(1, 2))) << "grey replicated to RGB";
+  auto reference = torch::nn::functional::interpolate(
+      grey.to(torch::kFloat), torch::nn::functional::InterpolateFuncOptions()
+                                  .size(std::vector<int64_t>{size, size})
+                                  .mode(torch::kBilinear)
+                                  .align_corners(false));
+  // Rounded to uint8: within half a grey level of the float bilinear resize.
+  EXPECT_LE((out.select(1, 1).to(torch::kFloat) - reference.squeeze(1)).abs().max().item<double>(), 0.5 + 1e-3);
+  auto constant = torch::full({1, 3, 40, 40}, 200, torch::kUInt8);
+  EXPECT_TRUE(prepare_images(constant, 32, 1).eq(200).all().item<bool>()) << "shrinking a flat image keeps it flat";
+  auto edges = normalise(torch::tensor({0, 255}, torch::kUInt8));
+  EXPECT_EQ(edges[0].item<float>(), -1.0f);
+  EXPECT_EQ(edges[1].item<float>(), 1.0f);
+}
+
+TEST(Data, SyntheticIsReproducible) {
+  auto a = make_synthetic(5, 3, 32, 11), b = make_synthetic(5, 3, 32, 11), c = make_synthetic(5, 3, 32, 12);
+  EXPECT_TRUE(a.images.equal(b.images));
+  EXPECT_FALSE(a.images.equal(c.images));
+  EXPECT_GT(a.images.to(torch::kFloat).std().item<double>(), 10.0) << "not a flat image";
+}
+
+// ---- batches ----------------------------------------------------------------------------------------------
+
+TEST(Data, BatchLoaderServesEveryImageOncePerEpoch) {
+  const int64_t n = rand_int(20, 60), batch = rand_int(1, 7);
+  // Image i is filled with the value i, so a batch tells which images it holds.
+  auto images = torch::arange(n, torch::kUInt8).view({n, 1, 1, 1}).expand({n, 1, 2, 2}).contiguous();
+  for (auto placement : {BatchLoader::Placement::resident, BatchLoader::Placement::streaming}) {
+    BatchLoader loader(images, torch::kCPU, batch, placement, 3);
+    EXPECT_EQ(loader.batches_per_epoch(), n / batch);
+    std::vector<int64_t> seen;
+    loader.start_epoch(0);
+    for (auto b = loader.next(); b.defined(); b = loader.next()) {
+      ASSERT_EQ(b.sizes(), (std::vector<int64_t>{batch, 1, 2, 2}));
+      auto ids = ((b.select(1, 0).select(1, 0).select(1, 0) + 1) * 127.5).round().to(torch::kLong);
+      for (int64_t i = 0; i < batch; ++i) seen.push_back(ids[i].item<int64_t>());
+    }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(static_cast<int64_t>(seen.size()), n / batch * batch);
+    EXPECT_EQ(std::unique(seen.begin(), seen.end()), seen.end()) << "an image came twice in one epoch";
+    // Resuming an epoch after k batches gives the same remaining batches.
+    const int64_t k = rand_int(0, loader.batches_per_epoch() - 1);
+    loader.start_epoch(1);
+    std::vector<torch::Tensor> full;
+    for (auto b = loader.next(); b.defined(); b = loader.next()) full.push_back(b);
+    loader.start_epoch(1, k);
+    for (size_t i = static_cast<size_t>(k); i < full.size(); ++i) EXPECT_TRUE(loader.next().equal(full[i]));
+    EXPECT_FALSE(loader.next().defined());
+  }
+}
+
+TEST(Data, BatchLoaderRejectsBadBatchSizes) {
+  auto images = torch::zeros({10, 1, 4, 4}, torch::kUInt8);
+  EXPECT_ERROR_MSG(BatchLoader(images, torch::kCPU, 0, BatchLoader::Placement::resident, 0), "batch size must be at least 1, got 0");
+  EXPECT_ERROR_MSG(BatchLoader(images, torch::kCPU, 11, BatchLoader::Placement::resident, 0), "10 images, fewer than one batch of 11");
+}
+
+// ---- outputs, flags -----------------------------------------------------------------------------------------
+
+TEST(Examples, ImageGridAndLossPlotArePngs) {
+  TempDir dir;
+  const int64_t n = rand_int(1, 10);
+  write_image_grid(torch::rand({n, 3, 16, 16}) * 2 - 1, dir / "sub/grid.png");
+  int w = 0, h = 0, c = 0;
+  stbi_uc* pixels = stbi_load((dir / "sub/grid.png").c_str(), &w, &h, &c, 0);
+  ASSERT_NE(pixels, nullptr);
+  stbi_image_free(pixels);
+  const int columns = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n))));
+  EXPECT_EQ(w, columns * 18 + 2);
+  EXPECT_EQ(h, static_cast<int>((n + columns - 1) / columns) * 18 + 2);
+  EXPECT_EQ(c, 3);
+  write_line_plot({{"loss", {3, 2, 1.5, 1.2}, {255, 0, 0}}}, "step", dir / "plot.png", 300, 200);
+  pixels = stbi_load((dir / "plot.png").c_str(), &w, &h, &c, 0);
+  ASSERT_NE(pixels, nullptr);
+  EXPECT_EQ(w, 300);
+  size_t red = 0;
+  for (int i = 0; i < w * h; ++i) red += pixels[i * 3] == 255 && pixels[i * 3 + 1] == 0;
+  stbi_image_free(pixels);
+  EXPECT_GT(red, 100u) << "the curve was drawn";
+}
+
+TEST(Examples, FlagsGiveOneLineErrors) {
+  int64_t batch = 64;
+  double lr = 2e-4;
+  std::string data = "x";
+  auto parse = [&](std::vector<std::string> args) {
+    Flags flags("test");
+    flags.add("batch-size", &batch, "", 1).add("lr", &lr, "", 0.0).add("data", &data, "");
+    std::vector<char*> argv{const_cast<char*>("prog")};
+    for (auto& a : args) argv.push_back(a.data());
+    flags.parse(static_cast<int>(argv.size()), argv.data(), 1);
+  };
+  parse({"--batch-size", "8", "--lr=0.001", "--data", "synthetic"});
+  EXPECT_EQ(batch, 8);
+  EXPECT_EQ(lr, 0.001);
+  EXPECT_EQ(data, "synthetic");
+  EXPECT_ERROR_MSG(parse({"--batch-size", "0"}), "--batch-size: expected an integer >= 1, got 0");
+  EXPECT_ERROR_MSG(parse({"--batch-size", "8x"}), "--batch-size: expected an integer, got '8x'");
+  EXPECT_ERROR_MSG(parse({"--lr", "-1"}), "--lr: expected a number > 0, got -1");
+  EXPECT_ERROR_MSG(parse({"--colour", "red"}), "unknown flag --colour for 'test'");
+  EXPECT_ERROR_MSG(parse({"--data"}), "--data: missing value");
+}
+
+// ---- training, checkpoints, resume, export -----------------------------------------------------------------------
+
+TEST(Examples, TrainingStepsOnRealDataChangeTheWeights) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "needs Fashion-MNIST (Debian's dataset-fashion-mnist)";
+  TempDir dir;
+  auto config = tiny_training(dir.path.string());
+  config.max_steps = 3;
+  ASSERT_EQ(train_dcgan(config), 0);
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  hierpar::models::Generator initial(config.model);  // the same draws as train_dcgan's
+  auto trained = trained_generator(dir / "checkpoint.pt");
+  auto before = initial->named_parameters();
+  int changed = 0;
+  for (const auto& p : trained->named_parameters()) {
+    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
+    changed += !p.value().equal(before[p.key()]);
+  }
+  EXPECT_EQ(changed, static_cast<int>(before.size())) << "every generator parameter should have moved";
+  EXPECT_TRUE(fs::exists(dir / "samples/step_000003.png"));
+  EXPECT_TRUE(fs::exists(dir / "loss.png"));
+  std::ifstream csv(dir / "losses.csv");
+  std::string line;
+  int lines = 0;
+  while (std::getline(csv, line)) ++lines;
+  EXPECT_EQ(lines, 1 + 3) << "header and one row per step";
+}
+
+TEST(Examples, InterruptedRunResumesToTheSameWeights) {
+  TempDir dir;
+  // Uninterrupted: 6 steps (the epoch has 4, so this crosses an epoch boundary).
+  auto straight = tiny_training(dir / "straight");
+  straight.max_steps = 6;
+  ASSERT_EQ(train_dcgan(straight), 0);
+  // Interrupted after 3 steps (like Ctrl-C), then resumed to 6.
+  auto interrupted = tiny_training(dir / "resumed");
+  interrupted.max_steps = 6;
+  int polls = 0;
+  interrupted.should_stop = [&] { return ++polls == 3; };
+  ASSERT_EQ(train_dcgan(interrupted), 130);
+  auto state = read_checkpoint_state(dir / "resumed/checkpoint.pt");
+  EXPECT_EQ(state.global_step, 3);
+  EXPECT_EQ(state.history.size(0), 3);
+  // A crash while writing the next checkpoint leaves a partial temporary file; the last one still loads.
+  std::ofstream(dir / "resumed/checkpoint.pt.tmp") << "partial write";
+  EXPECT_NO_THROW(trained_generator(dir / "resumed/checkpoint.pt"));
+
+  auto resumed = tiny_training(dir / "resumed");
+  resumed.max_steps = 6;
+  resumed.resume = true;
+  ASSERT_EQ(train_dcgan(resumed), 0);
+  auto a = trained_generator(dir / "straight/checkpoint.pt"), b = trained_generator(dir / "resumed/checkpoint.pt");
+  auto pa = a->named_parameters();
+  for (const auto& p : b->named_parameters()) hierpar::testing::expect_close(p.value(), pa[p.key()], "resumed " + p.key());
+  auto sa = read_checkpoint_state(dir / "straight/checkpoint.pt"), sb = read_checkpoint_state(dir / "resumed/checkpoint.pt");
+  EXPECT_EQ(sb.global_step, 6);
+  EXPECT_EQ(sb.epoch, sa.epoch);
+  hierpar::testing::expect_close(sb.history, sa.history, "loss history");
+}
+
+TEST(Examples, CheckpointFromAnotherConfigurationIsRejected) {
+  TempDir dir;
+  auto config = tiny_training(dir.path.string());
+  config.data = "synthetic";
+  config.max_steps = 1;
+  ASSERT_EQ(train_dcgan(config), 0);
+  EXPECT_ERROR_MSG(train_dcgan(config), "checkpoint.pt exists: pass --resume");
+  config.resume = true;
+  config.model.image_size = 64;
+  config.batch_size = 8;
+  EXPECT_ERROR_MSG(train_dcgan(config), "is from another configuration (checkpoint vs this run: batch_size 16 vs 8, image_size 32 vs 64)");
+  std::ofstream(dir / "junk.pt") << "not a checkpoint";
+  EXPECT_ERROR_MSG(read_checkpoint_state(dir / "junk.pt"), "junk.pt: not a readable hierpar checkpoint");
+}
+
+TEST(Examples, TorchScriptExportGivesTheSameOutput) {
+  TempDir dir;
+  hierpar::models::DCGANOptions options;
+  options.image_size = 32;
+  options.channels = rand_int(0, 1) ? 3 : 1;
+  options.width = 0.25;
+  hierpar::models::Generator generator(options);
+  {  // BatchNorm statistics away from their initial 0 and 1, so that the export must carry them.
+    torch::NoGradGuard no_grad;
+    for (auto& b : generator->named_buffers())
+      if (b.key().find("running") != std::string::npos) b.value().uniform_(0.5, 1.5);
+  }
+  generator->eval();
+  auto z = torch::randn({3, 100});
+  auto expected = generator->forward(z);
+  auto module = export_generator(*generator);
+  module.save(dir / "g.pt");
+  auto loaded = torch::jit::load(dir / "g.pt");
+  hierpar::testing::expect_close(loaded.forward({z}).toTensor(), expected, "TorchScript output");
+  EXPECT_EQ(loaded.named_parameters().size(), generator->parameters().size());
+
+  // The hierpar variant calls torch.ops.hierpar.*: it must compile against the registered schemas, and
+  // give the same output wherever the operators have CPU kernels.
+  auto hierpar_module = export_generator(*generator, ExportOps::hierpar);
+  auto has_cpu_kernel = [](const char* op) {
+    auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
+    return handle && handle->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+  };
+  if (!has_cpu_kernel("hierpar::conv_transpose2d") || !has_cpu_kernel("hierpar::batch_norm_act")) {
+    GTEST_SKIP() << "the hierpar ops have no CPU kernels in this build: the hierpar export compiled but did not run";
+  }
+  hierpar_module.save(dir / "gh.pt");
+  hierpar::testing::expect_close(torch::jit::load(dir / "gh.pt").forward({z}).toTensor(), expected,
+                                 {1e-4, 1e-5}, "TorchScript output with hierpar ops");
+}
+
+// ---- the program: bad input gives one line on stderr and a non-zero exit -------------------------------------
+
+struct ProgramResult {
+  int status;
+  std::vector<std::string> stderr_lines;
+};
+
+ProgramResult run_dcgan(const std::string& args, const TempDir& dir) {
+  const std::string err = dir / "stderr.txt";
+  const std::string command = std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " > /dev/null 2> " + err;
+  const int raw = std::system(command.c_str());
+  ProgramResult r{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, {}};
+  std::ifstream in(err);
+  for (std::string line; std::getline(in, line);) r.stderr_lines.push_back(line);
+  return r;
+}
+
+void expect_one_line_error(const ProgramResult& r, const std::string& substring, const std::string& what) {
+  EXPECT_NE(r.status, 0) << what;
+  ASSERT_EQ(r.stderr_lines.size(), 1u) << what << ": stderr was:\n"
+                                       << c10::Join("\n", r.stderr_lines);
+  EXPECT_EQ(r.stderr_lines[0].rfind("hierpar-dcgan: error: ", 0), 0u) << r.stderr_lines[0];
+  EXPECT_NE(r.stderr_lines[0].find(substring), std::string::npos) << what << ": " << r.stderr_lines[0];
+}
+
+TEST(Examples, ProgramReportsBadInputInOneLine) {
+  TempDir dir;
+  const std::string base = "train --device cpu --out " + (dir / "out") + " ";
+  fs::create_directories(dir.path / "mnist");
+  expect_one_line_error(run_dcgan(base + "--fashion-mnist-dir " + (dir / "mnist"), dir), "train-images-idx3-ubyte.gz: no such file", "missing data set");
+  write_gz(dir / "mnist/train-images-idx3-ubyte.gz", idx_bytes({2, 28, 28}, random_bytes(2 * 28 * 28), 0x09));
+  expect_one_line_error(run_dcgan(base + "--fashion-mnist-dir " + (dir / "mnist"), dir), "not an IDX file", "wrong magic");
+  std::ofstream(dir / "mnist/train-images-idx3-ubyte.gz", std::ios::trunc) << "\x1f\x8b\x08";
+  expect_one_line_error(run_dcgan(base + "--fashion-mnist-dir " + (dir / "mnist"), dir), "truncated", "truncated gzip");
+  fs::create_directories(dir.path / "empty");
+  expect_one_line_error(run_dcgan(base + "--data " + (dir / "empty"), dir), "no .png, .jpg or .jpeg images", "empty folder");
+  fs::create_directories(dir.path / "mixed");
+  write_png(dir / "mixed/a.png", 4, 4, 1, random_bytes(16));
+  write_png(dir / "mixed/b.png", 5, 4, 1, random_bytes(20));
+  expect_one_line_error(run_dcgan(base + "--data " + (dir / "mixed"), dir), "images differ in size", "mixed sizes");
+  fs::create_directories(dir.path / "bad");
+  std::ofstream(dir / "bad/a.png") << "garbage";
+  expect_one_line_error(run_dcgan(base + "--data " + (dir / "bad"), dir), "a.png: cannot read image", "unreadable image");
+  expect_one_line_error(run_dcgan(base + "--batch-size 0", dir), "--batch-size: expected an integer >= 1, got 0", "batch 0");
+  expect_one_line_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
+  expect_one_line_error(run_dcgan(base + "--layers fast", dir), "layers: expected 'stock' or 'hierpar', got 'fast'", "layer set");
+  expect_one_line_error(run_dcgan(base + "--epochs", dir), "--epochs: missing value", "missing value");
+  expect_one_line_error(run_dcgan(base + "--colour red", dir), "unknown flag --colour", "unknown flag");
+  expect_one_line_error(run_dcgan("frobnicate", dir), "unknown command 'frobnicate'", "unknown command");
+
+  // A checkpoint from another configuration.
+  const std::string tiny = base + "--data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 --max-steps 1 ";
+  auto ok = run_dcgan(tiny, dir);
+  ASSERT_EQ(ok.status, 0) << c10::Join("\n", ok.stderr_lines);
+  expect_one_line_error(run_dcgan(tiny + "--resume --width 0.5", dir), "from another configuration (checkpoint vs this run: width 0.25 vs 0.5)", "other configuration");
+  expect_one_line_error(run_dcgan("generate --device cpu --checkpoint " + (dir / "nothing.pt"), dir), "nothing.pt: no such checkpoint", "missing checkpoint");
+  // The checkpoint serves generate and export.
+  auto generated = run_dcgan("generate --device cpu --count 5 --checkpoint " + (dir / "out/checkpoint.pt") + " --output " + (dir / "five.png"), dir);
+  EXPECT_EQ(generated.status, 0) << c10::Join("\n", generated.stderr_lines);
+  EXPECT_TRUE(fs::exists(dir / "five.png"));
+  auto exported = run_dcgan("export --checkpoint " + (dir / "out/checkpoint.pt") + " --output " + (dir / "g.pt"), dir);
+  EXPECT_EQ(exported.status, 0) << c10::Join("\n", exported.stderr_lines);
+  EXPECT_EQ(torch::jit::load(dir / "g.pt").forward({torch::randn({2, 100})}).toTensor().sizes(),
+            (std::vector<int64_t>{2, 3, 32, 32})) << "synthetic data defaults to 3 channels";
+}
+
+}  // namespace

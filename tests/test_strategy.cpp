@@ -1,0 +1,640 @@
+// The adversarial training strategy: placements, and every scheme's parameters after K steps against
+// single-device references, on tiny conv G/D pairs of our own (with and without BatchNorm).
+// CPU tests run everywhere (replicas as threads on "cpu" devices, Gloo for the collective path, two
+// ranks as two processes of this binary); CUDA versions skip with a reason when GPUs are missing.
+#include "testing.h"
+
+#include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/averaging.h"
+#include "hierpar/strategy/placement.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace hs = hierpar::strategy;
+using hierpar::testing::Tolerance;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int64_t kNoise = 8;  // noise channels of the tiny generator
+constexpr int64_t kSteps = 3;
+
+// G: noise [B, 8, 1, 1] -> [B, 3, 8, 8]; D: [B, 3, 8, 8] -> logits [B, 1, 1, 1].
+torch::nn::Sequential tiny_generator_layers(bool batch_norm) {
+  torch::nn::Sequential g;
+  g->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(kNoise, 6, 4).bias(false)));
+  if (batch_norm) g->push_back(torch::nn::BatchNorm2d(6));
+  g->push_back(torch::nn::ReLU());
+  g->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(6, 3, 4).stride(2).padding(1).bias(false)));
+  g->push_back(torch::nn::Tanh());
+  return g;
+}
+
+torch::nn::Sequential tiny_discriminator_layers(bool batch_norm) {
+  torch::nn::Sequential d;
+  d->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 6, 4).stride(2).padding(1).bias(false)));
+  if (batch_norm) d->push_back(torch::nn::BatchNorm2d(6));
+  d->push_back(torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)));
+  d->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 1, 4).bias(false)));
+  return d;
+}
+
+// AnyModule needs a non-templated forward (Sequential's is templated) and replicas need Cloneable.
+struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
+  TinyNetImpl(bool generator, bool batch_norm) : generator(generator), batch_norm(batch_norm) { reset(); }
+  void reset() override {
+    layers = register_module("layers", generator ? tiny_generator_layers(batch_norm) : tiny_discriminator_layers(batch_norm));
+  }
+  torch::Tensor forward(torch::Tensor x) { return layers->forward(x); }
+  bool generator;
+  bool batch_norm;
+  torch::nn::Sequential layers{nullptr};
+};
+TORCH_MODULE(TinyNet);
+
+TinyNet tiny_generator(bool batch_norm) { return TinyNet(true, batch_norm); }
+TinyNet tiny_discriminator(bool batch_norm) { return TinyNet(false, batch_norm); }
+
+struct Data {
+  torch::Tensor real;   // [steps, batch, 3, 8, 8] in [-1, 1)
+  torch::Tensor noise;  // [steps, batch, 8, 1, 1]
+};
+
+Data make_data(int64_t batch, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::rand({kSteps, batch, 3, 8, 8}) * 2 - 1, torch::randn({kSteps, batch, kNoise, 1, 1})};
+}
+
+hs::AdversarialOptions test_options(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  hs::AdversarialOptions options;
+  options.noise_shape = {kNoise, 1, 1};
+  options.generator_adam.lr = 1e-3;  // larger than DCGAN's 2e-4 so that K steps move the parameters visibly
+  options.discriminator_adam.lr = 1e-3;
+  options.averaging.timeout = timeout;
+  return options;
+}
+
+// Parameters then buffers of G, then of D, copied to the CPU.
+std::vector<torch::Tensor> state_of(hs::AdversarialTrainer& trainer, int64_t local) {
+  std::vector<torch::Tensor> state;
+  for (auto* module : {trainer.generator(local).ptr().get(), trainer.discriminator(local).ptr().get()}) {
+    for (const auto& p : module->parameters()) state.push_back(p.detach().cpu().clone());
+  }
+  return state;
+}
+
+// Trains the tiny pair under `placement` for kSteps on rows [first, first + rows) of each step's batch;
+// returns every local replica's final parameters.
+std::vector<std::vector<torch::Tensor>> train(const hs::Placement& placement, bool batch_norm, const Data& data,
+                                              uint64_t init_seed, int64_t first = 0, int64_t rows = -1,
+                                              const hs::AdversarialOptions& options = test_options()) {
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(batch_norm);
+  auto d = tiny_discriminator(batch_norm);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  if (rows < 0) rows = data.real.size(1);
+  for (int64_t k = 0; k < kSteps; ++k) {
+    auto losses = trainer.step(data.real[k].narrow(0, first, rows), data.noise[k].narrow(0, first, rows));
+    auto [d_loss, g_loss] = losses.mean();
+    EXPECT_TRUE(std::isfinite(d_loss) && std::isfinite(g_loss)) << "step " << k;
+  }
+  std::vector<std::vector<torch::Tensor>> states;
+  for (int64_t i = 0; i < placement.local_replicas(); ++i) states.push_back(state_of(trainer, i));
+  return states;
+}
+
+void expect_states_equal(const std::vector<torch::Tensor>& actual, const std::vector<torch::Tensor>& expected,
+                         const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    EXPECT_TRUE(torch::equal(actual[i], expected[i]))
+        << what << ": tensor " << i << " differs by up to " << (actual[i] - expected[i]).abs().max().item<double>();
+  }
+}
+
+void expect_states_close(const std::vector<torch::Tensor>& actual, const std::vector<torch::Tensor>& expected,
+                         Tolerance tolerance, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    hierpar::testing::expect_close(actual[i], expected[i], tolerance, what + ": tensor " + std::to_string(i));
+  }
+}
+
+// The parameters must have moved: a comparison of untrained parameters would pass for any scheme.
+void expect_trained(const std::vector<torch::Tensor>& trained, uint64_t init_seed, bool batch_norm) {
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(batch_norm);
+  auto d = tiny_discriminator(batch_norm);
+  std::vector<torch::Tensor> initial;
+  for (const auto& p : g->parameters()) initial.push_back(p.detach());
+  for (const auto& p : d->parameters()) initial.push_back(p.detach());
+  ASSERT_EQ(trained.size(), initial.size());
+  for (size_t i = 0; i < trained.size(); ++i) EXPECT_FALSE(torch::equal(trained[i], initial[i])) << "tensor " << i;
+}
+
+// Data parallelism over `parts` equal parts, by hand on one device: each part is its own forward (so
+// BatchNorm normalises each part separately), per-part gradients are summed in part order and divided
+// by `parts`, then one Adam step -- what the replicas do together, without any strategy code.
+std::vector<torch::Tensor> reference_per_part(bool batch_norm, const Data& data, int64_t parts, uint64_t init_seed) {
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(batch_norm);
+  auto d = tiny_discriminator(batch_norm);
+  const auto options = test_options();
+  auto adam = [](const std::vector<torch::Tensor>& params, const hs::AdamSettings& s) {
+    return torch::optim::Adam(params, torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps));
+  };
+  auto g_opt = adam(g->parameters(), options.generator_adam);
+  auto d_opt = adam(d->parameters(), options.discriminator_adam);
+  auto averaged_backward = [&](torch::nn::Module& module, const std::function<torch::Tensor(int64_t)>& loss_of_part) {
+    const auto params = module.parameters();
+    std::vector<torch::Tensor> sums;
+    for (int64_t i = 0; i < parts; ++i) {
+      module.zero_grad();
+      loss_of_part(i).backward();
+      for (size_t j = 0; j < params.size(); ++j) {
+        const auto grad = params[j].grad().defined() ? params[j].grad().clone() : torch::zeros_like(params[j]);
+        if (i == 0) sums.push_back(grad); else sums[j].add_(grad);
+      }
+    }
+    for (size_t j = 0; j < params.size(); ++j) params[j].mutable_grad() = sums[j].div_(parts);
+  };
+  const int64_t share = data.real.size(1) / parts;
+  for (int64_t k = 0; k < kSteps; ++k) {
+    std::vector<torch::Tensor> fakes;
+    for (int64_t i = 0; i < parts; ++i) fakes.push_back(g->forward(data.noise[k].narrow(0, i * share, share)));
+    averaged_backward(*d, [&](int64_t i) {
+      return hs::bce_with_logits_loss(d->forward(data.real[k].narrow(0, i * share, share)), true) +
+             hs::bce_with_logits_loss(d->forward(fakes[i].detach()), false);
+    });
+    d_opt.step();
+    averaged_backward(*g, [&](int64_t i) { return hs::bce_with_logits_loss(d->forward(fakes[i]), true); });
+    g_opt.step();
+  }
+  std::vector<torch::Tensor> state;
+  for (const auto& p : g->parameters()) state.push_back(p.detach().clone());
+  for (const auto& p : d->parameters()) state.push_back(p.detach().clone());
+  return state;
+}
+
+// Parameters after kSteps on split batches vs on the whole batch, in fp32: the batch-mean reductions
+// (loss mean, conv weight-gradient sums over the batch) are summed in a different order, ~1e-7
+// relative; Adam's update lr * m / sqrt(v) is scale-free, so each step moves a parameter by at most
+// lr = 1e-3 with a relative error of the same order: after 3 steps that is ~1e-9 absolute. The
+// tolerance leaves a factor ~100 for gradient elements that are sums of cancelling terms.
+constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-7};
+
+#define HIERPAR_REQUIRE_GLOO()                                                                        \
+  do {                                                                                                \
+    if (!hs::gloo_available()) GTEST_SKIP() << "this build has no Gloo (install libgloo-dev and reconfigure)"; \
+  } while (0)
+
+#define HIERPAR_REQUIRE_GPUS(n)                                                                       \
+  do {                                                                                                \
+    HIERPAR_REQUIRE_CUDA();                                                                           \
+    if (static_cast<int64_t>(torch::cuda::device_count()) < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs"; \
+  } while (0)
+
+// ---- spawning this test binary as the ranks of a two-process run ----------------------------------
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t length = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    if (fd >= 0) ::close(fd);
+    return 29500 + static_cast<int>(::getpid() % 1000);
+  }
+  const int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+struct Child {
+  pid_t pid = -1;
+  int status = -1;
+  std::string log;
+};
+
+pid_t spawn_rank(int rank, int port, const std::map<std::string, std::string>& extra, const std::string& log) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    if (key != "RANK" && key != "WORLD_SIZE" && key != "LOCAL_RANK" && key != "MASTER_ADDR" && key != "MASTER_PORT" &&
+        extra.count(key) == 0) {
+      env_strings.push_back(entry);
+    }
+  }
+  for (const auto& [k, v] : std::map<std::string, std::string>{{"RANK", std::to_string(rank)},
+                                                                {"LOCAL_RANK", std::to_string(rank)},
+                                                                {"WORLD_SIZE", "2"},
+                                                                {"MASTER_ADDR", "127.0.0.1"},
+                                                                {"MASTER_PORT", std::to_string(port)}}) {
+    env_strings.push_back(k + "=" + v);
+  }
+  for (const auto& [k, v] : extra) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string exe(4096, '\0');
+  const ssize_t length = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  exe.resize(length > 0 ? static_cast<size_t>(length) : 0);
+  std::string filter = "--gtest_filter=StrategyWorker.TrainAndSave";
+  std::vector<char*> argv{exe.data(), filter.data(), nullptr};
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Runs ranks 0 and 1 of StrategyWorker.TrainAndSave; waits at most `limit` for both, killing what is
+// left after it (a hang is a failure, reported as such).
+std::vector<Child> run_two_ranks(const std::map<std::string, std::string>& extra, const std::string& dir,
+                                 std::chrono::seconds limit) {
+  const int port = free_port();
+  std::vector<Child> children(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    children[rank].log = dir + "/rank" + std::to_string(rank) + ".log";
+    children[rank].pid = spawn_rank(rank, port, extra, children[rank].log);
+    EXPECT_GT(children[rank].pid, 0) << "could not spawn rank " << rank;
+  }
+  const auto deadline = Clock::now() + limit;
+  for (auto& child : children) {
+    if (child.pid <= 0) continue;
+    for (;;) {
+      const pid_t done = ::waitpid(child.pid, &child.status, WNOHANG);
+      if (done == child.pid) break;
+      if (Clock::now() > deadline) {
+        ::kill(child.pid, SIGKILL);
+        ::waitpid(child.pid, &child.status, 0);
+        ADD_FAILURE() << "a rank hung: killed after " << limit.count() << " s; its log:\n" << read_text(child.log);
+        child.status = -1;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  return children;
+}
+
+int exit_code(const Child& child) { return WIFEXITED(child.status) ? WEXITSTATUS(child.status) : -1; }
+
+// POSIX calls, not std::filesystem: libtorch.so exports std::filesystem symbols of its own toolchain,
+// which the dynamic linker may pick instead of libstdc++'s (remove_all crashed that way).
+std::string temp_dir(const std::string& name) {
+  std::string pattern = "/tmp/hierpar_strategy_" + name + "_XXXXXX";
+  EXPECT_NE(::mkdtemp(pattern.data()), nullptr) << "mkdtemp " << pattern;
+  return pattern;
+}
+
+void remove_dir(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* entry = ::readdir(d)) {
+      const std::string name = entry->d_name;
+      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
+}
+
+constexpr int64_t kTwoRankBatch = 6;
+constexpr int kWorkerStoppedByPeer = 3;  // a worker's exit code when its step failed (after reporting why)
+
+}  // namespace
+
+// ---- placements ------------------------------------------------------------------------------------
+
+TEST(StrategyPlacement, PrintsEachScheme) {
+  const auto cpu = c10::DeviceType::CPU;
+  EXPECT_EQ(hs::Placement::from_flags("single", 1, "host", cpu, {}).to_string(),
+            "single: replica 0: G cpu, D cpu; reduce=host");
+  EXPECT_EQ(hs::Placement::from_flags("task", 2, "nccl", cpu, {}).to_string(),
+            "task: replica 0: G cpu, D cpu; reduce=nccl");
+  EXPECT_EQ(hs::Placement::from_flags("data", 3, "host", cpu, {}).to_string(),
+            "data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu | replica 2: G cpu, D cpu; reduce=host");
+  // The seed's 4-GPU layout, built by hand (this machine may have no GPU); validate() checks its shape.
+  hs::Placement seed;
+  seed.scheme = hs::Scheme::hierarchical;
+  seed.reduce = hs::Reduce::collective;
+  seed.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:1")}, {1, c10::Device("cuda:2"), c10::Device("cuda:3")}};
+  seed.validate();
+  std::ostringstream printed;
+  printed << seed;
+  EXPECT_EQ(printed.str(), "hierarchical: replica 0: G cuda:0, D cuda:1 | replica 1: G cuda:2, D cuda:3; reduce=nccl");
+
+  hs::Launch launch;
+  launch.rank = 1;
+  launch.world_size = 2;
+  launch.local_rank = 1;
+  const auto ranked = hs::Placement::make(hs::Scheme::hierarchical, 4, hs::Reduce::host, cpu, launch);
+  EXPECT_EQ(ranked.to_string(), "hierarchical: replica 1: G cpu, D cpu; reduce=host, rank 1 of 2 processes");
+  EXPECT_EQ(ranked.global_replicas(), 2);
+}
+
+TEST(StrategyPlacement, RejectsImpossibleRequests) {
+  const auto cpu = c10::DeviceType::CPU;
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("pipeline", 2, "host", cpu, {}), "--strategy must be one of");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", 2, "mpi", cpu, {}), "--reduce must be host or nccl");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("hierarchical", 3, "host", cpu, {}), "needs an even --gpus");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("task", 3, "host", cpu, {}), "uses exactly 2 devices");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("single", 2, "host", cpu, {}), "uses exactly 1 device");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", 0, "host", cpu, {}), "--gpus must be at least 1");
+  const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", visible + 1, "nccl", c10::DeviceType::CUDA, {}),
+                           "visible");
+  hs::Launch launch;
+  launch.world_size = 2;
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::data, 3, hs::Reduce::host, cpu, launch),
+                           "does not split over WORLD_SIZE=2");
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::task, 2, hs::Reduce::host, cpu, launch),
+                           "runs one replica in one process");
+  hs::Placement shared_gpu;
+  shared_gpu.scheme = hs::Scheme::data;
+  shared_gpu.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:0")}, {1, c10::Device("cuda:0"), c10::Device("cuda:0")}};
+  HIERPAR_EXPECT_THROW_MSG(shared_gpu.validate(), "each GPU runs one network");
+  hs::Placement split;
+  split.scheme = hs::Scheme::data;
+  split.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:1")}};
+  HIERPAR_EXPECT_THROW_MSG(split.validate(), "keeps G and D on one device");
+}
+
+TEST(StrategyPlacement, ReadsTheLaunchEnvironment) {
+  ::setenv("RANK", "3", 1);
+  ::setenv("WORLD_SIZE", "4", 1);
+  ::setenv("LOCAL_RANK", "1", 1);
+  ::setenv("MASTER_ADDR", "10.0.0.7", 1);
+  ::setenv("MASTER_PORT", "29555", 1);
+  const auto launch = hs::Launch::from_env();
+  EXPECT_EQ(launch.rank, 3);
+  EXPECT_EQ(launch.world_size, 4);
+  EXPECT_EQ(launch.local_rank, 1);
+  EXPECT_EQ(launch.master_addr, "10.0.0.7");
+  EXPECT_EQ(launch.master_port, 29555);
+  ::setenv("RANK", "4", 1);
+  HIERPAR_EXPECT_THROW_MSG(hs::Launch::from_env(), "RANK must be in [0, WORLD_SIZE=4)");
+  ::setenv("WORLD_SIZE", "two", 1);
+  HIERPAR_EXPECT_THROW_MSG(hs::Launch::from_env(), "WORLD_SIZE must be an integer");
+  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+  EXPECT_FALSE(hs::Launch::from_env().multi_process());
+}
+
+// ---- schemes against references (CPU) --------------------------------------------------------------
+
+TEST(StrategyTrainer, TaskEqualsSingleExactlyOnCpu) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  for (bool bn : {false, true}) {
+    const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), bn, data, init);
+    const auto task = train(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CPU, {}), bn, data, init);
+    expect_trained(single[0], init, bn);
+    expect_states_equal(task[0], single[0], bn ? "task vs single, BatchNorm" : "task vs single");
+  }
+}
+
+TEST(StrategyTrainer, DataAndHierarchicalMatchSingleWithoutBatchNorm) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), false, data, init);
+  expect_trained(single[0], init, false);
+  std::vector<std::pair<std::string, int64_t>> runs{{"data", 2}, {"data", 4}, {"hierarchical", 4}};
+  for (const char* reduce : {"host", "nccl"}) {
+    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+    for (const auto& [scheme, devices] : runs) {
+      const auto placement = hs::Placement::from_flags(scheme, devices, reduce, c10::DeviceType::CPU, {});
+      const auto replicas = train(placement, false, data, init);
+      expect_states_close(replicas[0], single[0], kSplitBatchTolerance, placement.to_string());
+      for (size_t r = 1; r < replicas.size(); ++r) {
+        expect_states_equal(replicas[r], replicas[0], placement.to_string() + ": replica " + std::to_string(r));
+      }
+    }
+  }
+}
+
+TEST(StrategyTrainer, DataWithBatchNormMatchesPerPartReference) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto reference = reference_per_part(true, data, 2, init);
+  expect_trained(reference, init, true);
+  const auto replicas = train(hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CPU, {}), true, data, init);
+  // Same parts, same part order in the sum, same division: only thread scheduling differs.
+  expect_states_close(replicas[0], reference, kSplitBatchTolerance, "data R=2 with BatchNorm vs per-part reference");
+  expect_states_equal(replicas[1], replicas[0], "replica 1 vs replica 0");
+  // And the reference is not single on the whole batch: BatchNorm over halves is another computation.
+  const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), true, data, init);
+  double largest = 0;
+  for (size_t i = 0; i < single[0].size(); ++i) {
+    largest = std::max(largest, (single[0][i] - reference[i]).abs().max().item<double>());
+  }
+  EXPECT_GT(largest, 1e-4) << "per-part BatchNorm should differ from whole-batch BatchNorm";
+}
+
+TEST(StrategyTrainer, HostAveragingEqualsCollectiveAveraging) {
+  HIERPAR_REQUIRE_GLOO();
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  for (bool bn : {false, true}) {
+    const auto host = train(hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CPU, {}), bn, data, init);
+    const auto gloo = train(hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CPU, {}), bn, data, init);
+    // Two replicas: a + b is the same float either way round, and both divide by 2 on the device.
+    expect_states_equal(gloo[0], host[0], bn ? "Gloo vs host, BatchNorm" : "Gloo vs host");
+  }
+}
+
+TEST(StrategyTrainer, RejectsUnevenBatchAndBadNoise) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  torch::manual_seed(1);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(false)), torch::nn::AnyModule(tiny_discriminator(false)),
+                                 hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CPU, {}), test_options());
+  HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0].narrow(0, 0, 7)), "does not split evenly over the 2 replicas");
+  HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0], data.noise[0].narrow(0, 0, 4)), "noise must have the batch size");
+  // Noise drawn by the trainer (no noise given) still trains.
+  auto losses = trainer.step(data.real[0]);
+  EXPECT_EQ(losses.discriminator.size(), 2u);
+  EXPECT_TRUE(std::isfinite(losses.mean().first));
+}
+
+// A replica that throws (here: its loss) makes the other replicas of its process stop with an error
+// naming it, within the averaging timeout, under both reductions.
+TEST(StrategyTrainer, FailingReplicaStopsItsPeers) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const auto main_thread = std::this_thread::get_id();
+  for (const char* reduce : {"host", "nccl"}) {
+    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+    auto options = test_options(std::chrono::seconds(2));
+    options.loss = [main_thread](const torch::Tensor& logits, bool real) {
+      TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
+      return hs::bce_with_logits_loss(logits, real);
+    };
+    torch::manual_seed(1);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(true)),
+                                   torch::nn::AnyModule(tiny_discriminator(true)),
+                                   hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
+    const auto start = Clock::now();
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0], data.noise[0]), "injected failure in replica 1's loss");
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    EXPECT_LT(seconds, 15.0) << reduce << ": the failure took " << seconds << " s to stop the step (timeout 2 s)";
+  }
+}
+
+// ---- two ranks as two processes --------------------------------------------------------------------
+
+// The worker half of StrategyTwoProcesses.*: one rank of a data placement over WORLD_SIZE processes.
+TEST(StrategyWorker, TrainAndSave) {
+  const char* out = std::getenv("HIERPAR_STRATEGY_WORKER_OUT");
+  if (out == nullptr) GTEST_SKIP() << "the worker half of StrategyTwoProcesses.*: runs only in the processes they start";
+  const auto launch = hs::Launch::from_env();
+  const uint64_t data_seed = std::stoull(std::getenv("HIERPAR_STRATEGY_DATA_SEED"));
+  const uint64_t init_seed = std::stoull(std::getenv("HIERPAR_STRATEGY_INIT_SEED"));
+  const std::string reduce = std::getenv("HIERPAR_STRATEGY_REDUCE");
+  const char* fail_rank = std::getenv("HIERPAR_STRATEGY_FAIL_RANK");
+  const auto data = make_data(kTwoRankBatch, data_seed);
+  const auto placement = hs::Placement::make(hs::Scheme::data, 2, hs::parse_reduce(reduce), c10::DeviceType::CPU, launch);
+  const int64_t share = kTwoRankBatch / launch.world_size;
+  try {
+    torch::manual_seed(init_seed + 1000 * launch.rank);  // different on each rank: the broadcast must fix it
+    auto g = tiny_generator(true);  // G first, then D, as train() draws them
+    auto d = tiny_discriminator(true);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement,
+                                   test_options(std::chrono::seconds(3)));
+    for (int64_t k = 0; k < kSteps; ++k) {
+      auto real = data.real[k].narrow(0, launch.rank * share, share);
+      if (fail_rank != nullptr && std::stoll(fail_rank) == launch.rank) real = real.narrow(1, 0, 2);  // a bad batch
+      trainer.step(real, data.noise[k].narrow(0, launch.rank * share, share));
+    }
+    torch::save(state_of(trainer, 0), std::string(out) + "/rank" + std::to_string(launch.rank) + ".pt");
+  } catch (const c10::Error& e) {
+    std::ofstream(std::string(out) + "/error" + std::to_string(launch.rank) + ".txt") << e.what_without_backtrace();
+    std::fflush(nullptr);
+    std::_Exit(kWorkerStoppedByPeer);
+  }
+}
+
+TEST(StrategyTwoProcesses, AgreeBitForBitWithInProcessReplicas) {
+  HIERPAR_REQUIRE_GLOO();
+  const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
+  const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
+  const auto data = make_data(kTwoRankBatch, data_seed);
+  for (const char* reduce : {"nccl", "host"}) {
+    const std::string dir = temp_dir(std::string("agree_") + reduce);
+    const auto children = run_two_ranks({{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                         {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
+                                         {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
+                                         {"HIERPAR_STRATEGY_REDUCE", reduce}},
+                                        dir, std::chrono::seconds(120));
+    const auto in_process =
+        train(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), true, data, init_seed);
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_EQ(exit_code(children[rank]), 0) << reduce << " rank " << rank << " failed; its log:\n"
+                                              << read_text(children[rank].log);
+      std::vector<torch::Tensor> saved;
+      torch::load(saved, dir + "/rank" + std::to_string(rank) + ".pt");
+      expect_states_equal(saved, in_process[rank], std::string(reduce) + ": process rank " + std::to_string(rank) +
+                                                       " vs in-process replica " + std::to_string(rank));
+    }
+    remove_dir(dir);
+  }
+}
+
+TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
+  HIERPAR_REQUIRE_GLOO();
+  const std::string dir = temp_dir("fault");
+  const auto start = Clock::now();
+  const auto children = run_two_ranks({{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                       {"HIERPAR_STRATEGY_DATA_SEED", "1"},
+                                       {"HIERPAR_STRATEGY_INIT_SEED", "2"},
+                                       {"HIERPAR_STRATEGY_REDUCE", "nccl"},
+                                       {"HIERPAR_STRATEGY_FAIL_RANK", "1"}},
+                                      dir, std::chrono::seconds(60));
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(exit_code(children[rank]), kWorkerStoppedByPeer) << "rank " << rank << "; its log:\n"
+                                                               << read_text(children[rank].log);
+  }
+  const std::string thrown = read_text(dir + "/error1.txt");
+  const std::string stopped = read_text(dir + "/error0.txt");
+  EXPECT_NE(thrown.find("replica 1"), std::string::npos) << thrown;
+  EXPECT_NE(stopped.find("replica 0"), std::string::npos) << stopped;
+  EXPECT_NE(stopped.find("a peer replica may have failed or died"), std::string::npos) << stopped;
+  EXPECT_LT(seconds, 45.0) << "two processes (start-up included) took " << seconds << " s with a 3 s timeout";
+  remove_dir(dir);
+}
+
+// ---- CUDA ------------------------------------------------------------------------------------------
+
+namespace {
+void deterministic_cudnn() {
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+}
+}  // namespace
+
+TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
+  HIERPAR_REQUIRE_GPUS(2);
+  deterministic_cudnn();
+  const auto data = make_data(16, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  for (bool bn : {false, true}) {
+    const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), bn, data, init);
+    const auto task = train(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CUDA, {}), bn, data, init);
+    expect_trained(single[0], init, bn);
+    expect_states_equal(task[0], single[0], bn ? "task vs single on GPUs, BatchNorm" : "task vs single on GPUs");
+  }
+}
+
+TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
+  HIERPAR_REQUIRE_GPUS(2);
+  deterministic_cudnn();
+  const auto data = make_data(16, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), false, data, init);
+  const auto host = train(hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {}), false, data, init);
+  const auto nccl = train(hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {}), false, data, init);
+  expect_states_equal(nccl[0], host[0], "NCCL vs host averaging");
+  expect_states_equal(nccl[1], nccl[0], "NCCL replica 1 vs replica 0");
+  // cuDNN's TF32 convolutions (on by default) make this looser than the CPU's split-batch tolerance.
+  const Tolerance tf32 = hierpar::testing::tolerance_for(torch::kFloat32);
+  expect_states_close(host[0], single[0], {std::max(tf32.rtol, 2e-3), std::max(tf32.atol, 1e-5)}, "data vs single on GPUs");
+}
+
+TEST(StrategyTrainerCuda, HierarchicalMatchesPerPartReference) {
+  HIERPAR_REQUIRE_GPUS(4);
+  deterministic_cudnn();
+  const auto data = make_data(16, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto reference = reference_per_part(true, data, 2, init);  // on the CPU, in fp32
+  for (const char* reduce : {"host", "nccl"}) {
+    const auto replicas = train(hs::Placement::from_flags("hierarchical", 4, reduce, c10::DeviceType::CUDA, {}), true, data, init);
+    expect_states_close(replicas[0], reference, {2e-3, 1e-5}, std::string("hierarchical R=2 (GPU) vs CPU per-part reference, ") + reduce);
+    expect_states_equal(replicas[1], replicas[0], std::string("hierarchical replica 1 vs 0, ") + reduce);
+  }
+}
