@@ -358,6 +358,31 @@ TEST(BatchNormActCpu, DoubleBackwardIsAClearError) {
                            "hierpar::batch_norm_act_backward: double backward is not supported");
 }
 
+// Without gradients (no_grad, or nothing requiring grad) the autograd kernel skips its Function: same
+// values, no grad_fn, running statistics updated and their versions bumped.
+TEST(BatchNormActCpu, NoGradForwardSkipsTheFunction) {
+  auto x = random_tensor({4, 3, 5, 5}, torch::TensorOptions().dtype(torch::kFloat));
+  auto w = random_tensor({3}, x.options()), b = random_tensor({3}, x.options());
+  auto rm1 = torch::zeros({3}), rv1 = torch::ones({3}), rm2 = rm1.clone(), rv2 = rv1.clone();
+  auto xg = x.detach().requires_grad_();
+  auto with_grad = std::get<0>(hierpar::ops::batch_norm_act(xg, w, b, rm1, rv1, true, 0.1, 1e-5, "leaky_relu", 0.2));
+  EXPECT_TRUE(with_grad.requires_grad());
+  const auto version = rm2._version();
+  torch::Tensor without;
+  {
+    torch::NoGradGuard no_grad;
+    without = std::get<0>(hierpar::ops::batch_norm_act(xg, w, b, rm2, rv2, true, 0.1, 1e-5, "leaky_relu", 0.2));
+  }
+  EXPECT_FALSE(without.requires_grad());
+  EXPECT_FALSE(without.grad_fn());
+  EXPECT_TRUE(torch::equal(with_grad.detach(), without));
+  EXPECT_TRUE(torch::equal(rm1, rm2));
+  EXPECT_TRUE(torch::equal(rv1, rv2));
+  EXPECT_GT(rm2._version(), version);
+  auto frozen = std::get<0>(hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5, "relu", 0.01));
+  EXPECT_FALSE(frozen.requires_grad());
+}
+
 TEST(BatchNormActMeta, ShapesDtypesAndLayout) {
   auto opts = torch::TensorOptions().device(torch::kMeta);
   auto x = torch::empty({5, 7, 3, 4}, opts.dtype(torch::kBFloat16)).contiguous(torch::MemoryFormat::ChannelsLast);
@@ -620,6 +645,101 @@ TEST(BatchNormActCuda, DcganShapes) {
       }
     }
   }
+}
+
+// The same values in a buffer starting one element past a 16-byte boundary (same sizes and strides):
+// the kernels must then take their scalar path.
+torch::Tensor misaligned_copy(const torch::Tensor& t) {
+  auto flat = torch::empty({t.numel() + 1}, t.options());
+  auto v = flat.narrow(0, 1, t.numel()).as_strided(t.sizes(), t.strides());
+  v.copy_(t);
+  return v;
+}
+
+int64_t pow2_at_least(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Shapes drawn so that each CUDA path is taken (see ops/cuda/batch_norm_act_kernel.cu): channels_last and
+// NCHW addressing; 16-byte vectors (channels resp. H*W a multiple of 16 bytes' worth of elements) and the
+// scalar fallback (not a multiple, or a misaligned buffer); the one-kernel path (<= 8 vectors per thread
+// and channel group, 512 threads) and the split path with its last-block combine; every dtype, every
+// activation, training and eval.
+TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
+  HIERPAR_REQUIRE_CUDA();
+  constexpr int64_t kThreads = 512;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+    const int64_t V = 16 / c10::elementSize(dtype);
+    for (bool channels_last : {false, true}) {
+      for (int vec_mode : {0, 1, 2}) {  // 0: vectors, 1: sizes not a multiple, 2: misaligned buffer
+        for (bool split : {false, true}) {
+          const bool vec_sizes = vec_mode != 1, vectors = vec_mode == 0;
+          Case c;
+          c.dtype = dtype;
+          c.param_dtype = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+          c.layout = channels_last ? Layout::channels_last : Layout::contiguous;
+          const char* acts[] = {"identity", "relu", "leaky_relu"};
+          c.act = acts[rand_int(0, 2)];
+          c.slope = kSlopes[rand_int(0, 4)];
+          c.affine = rand_int(0, 3) != 0;
+          c.training = rand_int(0, 4) != 0;
+          c.running = !c.training || coin();
+          int64_t C, H, W, rows_per_lane_limit;
+          if (channels_last) {
+            C = vec_sizes ? V * rand_int(1, 6) : V * rand_int(0, 3) + rand_int(1, V - 1);
+            H = rand_int(1, 7);
+            W = rand_int(2, 7);
+            const int64_t cols = vectors ? C / V : C;
+            const int64_t bx = std::min<int64_t>(pow2_at_least(cols), vectors ? 8 : 32);
+            rows_per_lane_limit = 8 * (kThreads / bx);  // rows (= N*H*W) beyond which the rows are split
+          } else {
+            C = rand_int(1, 5);
+            H = 2 * rand_int(0, 3) + 1;  // odd: H*W is a multiple of V exactly when W is
+            W = vec_sizes ? V * rand_int(1, 4) : V * rand_int(0, 3) + rand_int(1, V - 1);
+            rows_per_lane_limit = 8 * kThreads * (vectors ? V : 1);  // in elements N*H*W
+            if (H * W == 1) H = 3;  // H*W == 1 is addressed as channels_last
+          }
+          const int64_t L = H * W;
+          const int64_t n_max_single = std::max<int64_t>(1, rows_per_lane_limit / L);
+          const int64_t N = split ? n_max_single + rand_int(1, n_max_single + 3) : rand_int(1, n_max_single);
+          c.shape = {N, C, H, W};
+          if (N * L < 2) c.shape[0] = 2;
+          Inputs in = random_inputs(c, torch::kCUDA);
+          if (vec_mode == 2) {
+            in.x = misaligned_copy(in.x);
+            in.dy = misaligned_copy(in.dy);
+          }
+          Result got = run_hierpar(c, in);
+          Result ref = run_reference(c, in, got.out);
+          const std::string where = std::string("cuda path vec_mode=") + std::to_string(vec_mode) +
+                                    (split ? " split" : " one-kernel");
+          compare(got, ref, c, scaled_rtol(c.dtype), where);
+          check_branches(got, ref, c, where);
+          expect_layout_kept(in.x, got.out, c.describe());
+        }
+      }
+    }
+  }
+}
+
+// Two calls in a row on the same stream reuse the split path's counters (reset by the kernels): the second
+// call must give the same result as the first.
+TEST(BatchNormActCuda, SplitPathRepeatsExactly) {
+  HIERPAR_REQUIRE_CUDA();
+  auto x = random_tensor({64, 24, 20, 20}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  auto dy = random_tensor(x.sizes().vec(), x.options());
+  auto w = random_tensor({24}, x.options()), b = random_tensor({24}, x.options());
+  auto once = [&] {
+    auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5,
+                                                            "leaky_relu", 0.2);
+    auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true, 1e-5,
+                                                              "leaky_relu", 0.2, {true, true, true});
+    return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
+  };
+  auto first = once(), second = once();
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(torch::equal(first[i], second[i])) << "result " << i;
 }
 
 TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {

@@ -77,6 +77,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
     double momentum, double eps, c10::string_view activation, double slope) {
+  auto requires = [](const std::optional<at::Tensor>& t) { return present(t) && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() || !(input.requires_grad() || requires(weight) || requires(bias))) {
+    // Nothing to differentiate (inference, or frozen inputs and parameters): no Function node, no saved
+    // tensors, only the kernel and the running statistics' version bump.
+    at::Tensor output, save_mean, save_invstd;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
+          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope);
+    }
+    if (training && present(running_mean)) {
+      torch::autograd::impl::bump_version(*running_mean);
+      torch::autograd::impl::bump_version(*running_var);
+    }
+    return {output, save_mean, save_invstd};
+  }
   auto r = BatchNormActFunction::apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
                                        activation, slope);
   return {r[0], r[1], r[2]};

@@ -1,17 +1,21 @@
 // CUDA kernels of hierpar::batch_norm_act and its backward, NCHW and channels_last natively, statistics in
 // float32 (float64 for float64 inputs).
 //
-// Work layout. The input is seen as [M, C] "rows" per channel with M = N*H*W. A block owns `bx` channels
-// (channels_last: bx consecutive channels, one per threadIdx.x, so a warp reads a contiguous row segment;
-// NCHW: bx = 1 and all 256 threads walk one channel's planes) and a range ("split") of the M rows.
-//  - Small problems (a split would cover all M rows with <= 4096 elements per block, or there are enough
-//    channel groups to fill the GPU): one block per channel group does everything in ONE kernel: Welford
-//    statistics, block combine, running-stat update, then normalise+affine+activation over the same
-//    elements (the second read mostly hits L1/L2). The backward likewise: one kernel reduces
-//    sum(dy') and sum(dy'*xhat) and then writes grad_input.
-//  - Large problems: splits of the rows across blocks; each block writes a partial Welford state
-//    (or partial sums), and the last block of a channel group to finish (atomic ticket) combines them and
-//    writes the statistics; a second kernel applies the elementwise pass. Two kernels forward, two backward.
+// Work layout. Each thread accesses V elements at once (16 bytes: 8 bf16/fp16, 4 fp32, 2 fp64; V = 1 when
+// the shape or alignment does not allow it). The tensor is seen as "vector rows" per channel column:
+//  - channels_last (and any input with H*W == 1): a row is one (n, h, w) position, a column is V
+//    consecutive channels; a block has bx (<= 8) columns on threadIdx.x (a warp reads whole 128-byte rows
+//    segments) and 512/bx row lanes on threadIdx.y.
+//  - NCHW: a column is one channel (bx = 1), a row is V consecutive elements of one (n, c) plane.
+// Every thread keeps per-lane statistics (V channels in channels_last; V partial states of one channel in
+// NCHW, folded before the block reduction), reduces them through warp shuffles and shared memory.
+//  - One-kernel path (each channel group has <= 8 vectors per thread): one block per channel group does
+//    statistics, running-stat update and the elementwise pass (whose second read hits L1/L2). The backward
+//    likewise: sums of dy' and dy'*xhat, then grad_input.
+//  - Split path: the rows of a channel group are split over blocks (one wave, as many blocks as fit); each
+//    writes a partial state; the last block of the group to finish (atomic ticket on a per-stream counter
+//    that it resets to zero for the next call) combines them. A second kernel does the elementwise pass.
+//    Two kernels forward, two backward, no memset.
 #include "batch_norm_act_shape.h"
 #include "common.h"
 
@@ -19,95 +23,163 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <initializer_list>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 
 namespace hierpar::detail::bn {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 8;  // loads in flight per thread: the passes are latency-bound otherwise
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCols = 8;  // channels_last columns per block (vector path)
+constexpr int kUnroll = 4;   // vectors in flight per thread and stream
+constexpr int kBatch = 8;    // partial states loaded at once by the last block of a group
+constexpr unsigned kFull = 0xffffffffu;
 
-// Which rows a block owns and how to address element (row i, channel c).
-struct Tile {
-  int64_t C, L, M;  // channels, H*W, rows per channel (N*H*W)
-  int64_t chunk;    // rows per split
-  int splits;
-  at::cuda::detail::IntDivider<uint32_t> div_l;  // i -> (n, l) for NCHW
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
 };
 
-template <bool kCL>
-__device__ __forceinline__ int64_t offset_of(const Tile& t, int64_t c, uint32_t i) {
+// Rows of a channel column and how a block's rows are split.
+struct Tile {
+  int64_t C;      // channels
+  int64_t cols;   // channel columns: C / V (channels_last) or C (NCHW)
+  int64_t rows;   // vector rows per column: N*H*W (channels_last) or N*H*W / V (NCHW)
+  int64_t L;      // H*W (NCHW addressing)
+  int64_t chunk;  // rows per split
+  int splits;
+  at::cuda::detail::IntDivider<uint32_t> div_lv;  // NCHW: row -> (n, vector in the plane)
+};
+
+template <bool kCL, int V>
+__device__ __forceinline__ int64_t vec_offset(const Tile& t, int64_t col, int64_t r) {
   if constexpr (kCL) {
-    return static_cast<int64_t>(i) * t.C + c;
+    return r * t.C + col * V;
   } else {
-    auto nl = t.div_l.divmod(i);
-    return (static_cast<int64_t>(nl.div) * t.C + c) * t.L + nl.mod;
+    auto d = t.div_lv.divmod(static_cast<uint32_t>(r));
+    return (static_cast<int64_t>(d.div) * t.C + col) * t.L + static_cast<int64_t>(d.mod) * V;
   }
 }
 
-template <typename acc_t>
-struct Welford {
-  acc_t n, mean, m2;
-  __device__ __forceinline__ void add(acc_t v) {
-    n += acc_t(1);
-    const acc_t d = v - mean;
-    mean += d / n;
-    m2 += d * (v - mean);
+// Elements of one channel held by one lane of a row range: 1 per row (channels_last) or V (NCHW).
+template <bool kCL, int V>
+constexpr int kPerRow = kCL ? 1 : V;
+
+// Welford states of K channels sharing one count.
+template <typename acc_t, int K>
+struct WelfordK {
+  acc_t n;
+  acc_t mean[K], m2[K];
+  __device__ __forceinline__ void zero() {
+    n = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) mean[k] = m2[k] = 0;
   }
-  __device__ __forceinline__ void combine(const Welford& b) {
+  __device__ __forceinline__ void combine(const WelfordK& b) {
     if (b.n == acc_t(0)) return;
     if (n == acc_t(0)) {
       *this = b;
       return;
     }
-    const acc_t total = n + b.n, d = b.mean - mean, wb = b.n / total;
-    mean += d * wb;
-    m2 += b.m2 + d * d * n * wb;
+    const acc_t total = n + b.n, wb = b.n / total, nwb = n * wb;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const acc_t d = b.mean[k] - mean[k];
+      mean[k] += d * wb;
+      m2[k] += b.m2[k] + d * d * nwb;
+    }
     n = total;
   }
-};
-
-template <typename acc_t>
-struct Sums {
-  acc_t dy, dy_xhat;
-  __device__ __forceinline__ void combine(const Sums& b) {
-    dy += b.dy;
-    dy_xhat += b.dy_xhat;
+  __device__ __forceinline__ void combine_xor(int off) {
+    WelfordK o;
+    o.n = __shfl_xor_sync(kFull, n, off);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      o.mean[k] = __shfl_xor_sync(kFull, mean[k], off);
+      o.m2[k] = __shfl_xor_sync(kFull, m2[k], off);
+    }
+    combine(o);
   }
 };
 
-// Reduces `v` over threadIdx.y (for each threadIdx.x); the result is valid in threads with threadIdx.y == 0.
-// blockDim.y is a power of two. `smem` holds blockDim.x * blockDim.y states.
+// Backward sums of K channels: sum dy' and sum dy' * xhat.
+template <typename acc_t, int K>
+struct SumsK {
+  acc_t dy[K], dyx[K];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int k = 0; k < K; ++k) dy[k] = dyx[k] = 0;
+  }
+  __device__ __forceinline__ void combine(const SumsK& b) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      dy[k] += b.dy[k];
+      dyx[k] += b.dyx[k];
+    }
+  }
+  __device__ __forceinline__ void combine_xor(int off) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      dy[k] += __shfl_xor_sync(kFull, dy[k], off);
+      dyx[k] += __shfl_xor_sync(kFull, dyx[k], off);
+    }
+  }
+};
+
+// Reduces each column's state over the block's row lanes (threadIdx.y); the result is valid in the threads
+// with threadIdx.y == 0 (tid < blockDim.x). blockDim.x divides 32. `smem` holds kWarps * blockDim.x states.
 template <typename State>
-__device__ __forceinline__ State reduce_rows(State v, State* smem) {
-  const int idx = threadIdx.y * blockDim.x + threadIdx.x;
-  smem[idx] = v;
+__device__ __forceinline__ State reduce_columns(State s, State* smem) {
+  const int bx = blockDim.x;
+  for (int off = 16; off >= bx; off >>= 1) s.combine_xor(off);
+  const int tid = threadIdx.y * bx + threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (lane < bx) smem[warp * bx + lane] = s;
   __syncthreads();
-  for (int off = blockDim.y / 2; off > 0; off >>= 1) {
-    if (threadIdx.y < off) {
-      State other = smem[idx + off * blockDim.x];
-      v.combine(other);
-      smem[idx] = v;
+  if (tid < bx) {
+    s = smem[tid];
+    for (int w = 1; w < kWarps; ++w) s.combine(smem[w * bx + tid]);
+  }
+  __syncthreads();  // smem is reused by the caller
+  return s;
+}
+
+// Tree reduction over `parts` (a power of two) states of `ch` channels laid out [part][ch] in smem, valid
+// in smem[0..ch) afterwards. Every thread of the block calls it; thread tid holds smem[tid] on entry.
+template <typename State>
+__device__ __forceinline__ void reduce_parts(State* smem, int ch, int parts) {
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int part = tid / ch;
+  __syncthreads();
+  for (int off = parts / 2; off > 0; off >>= 1) {
+    if (part < off) {
+      State a = smem[tid];
+      a.combine(smem[tid + off * ch]);
+      smem[tid] = a;
     }
     __syncthreads();
   }
-  return v;
 }
 
-// After each block has written its partial state, returns true in the last block of this channel group to
-// arrive (all partials then visible to it).
+// After each block has written its partial state: true in the last block of this channel group to arrive,
+// which then sees every partial. It resets the group's counter for the next launch on this stream.
 __device__ __forceinline__ bool last_block_of_group(int* counters) {
   __shared__ bool last;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
     last = atomicAdd(&counters[blockIdx.x], 1) == static_cast<int>(gridDim.y) - 1;
+    if (last) counters[blockIdx.x] = 0;
   }
   __syncthreads();
   return last;
@@ -120,6 +192,18 @@ __device__ __forceinline__ acc_t activate(acc_t y, Act act, acc_t slope) {
   return y;
 }
 
+enum Mode : int { kStats = 1, kApply = 2 };
+
+// Shared-memory bytes for the reductions of a kernel whose thread state is `State` (kBx columns at most).
+template <typename State, typename State1, int kBx>
+constexpr size_t kReduceBytes = kWarps * kBx * sizeof(State) > kThreads * sizeof(State1)
+                                    ? kWarps * kBx * sizeof(State)
+                                    : kThreads * sizeof(State1);
+constexpr int kMaxChannelsPerBlock = 64;  // bx * K: <= 8 columns of 8 lanes, or 32 columns of 1
+
+template <bool kCL, int V>
+constexpr int kBxMax = kCL ? (V == 1 ? 32 : kMaxCols) : 1;
+
 template <typename acc_t>
 struct ForwardArgs {
   const acc_t* weight;  // nullable: 1
@@ -129,111 +213,203 @@ struct ForwardArgs {
   acc_t* save_mean;
   acc_t* save_invstd;
   acc_t* partial;  // [2, splits, C]: mean, m2 (split path)
-  int* counters;   // [channel groups], zeroed (split path)
+  int* counters;   // [channel groups], zero between launches (split path)
   acc_t momentum, eps, slope;
   Act act;
   bool training;
+
+  // Writes the statistics of channel ch from its state over all rows and updates the running stats;
+  // returns the affine map (scale, shift) of the normalisation.
+  __device__ __forceinline__ void finalize(int64_t ch, acc_t n, acc_t mean, acc_t m2, acc_t& scale,
+                                           acc_t& shift) const {
+    const acc_t var = m2 / n;
+    const acc_t invstd = acc_t(1) / sqrt(var + eps);
+    save_mean[ch] = mean;
+    save_invstd[ch] = invstd;
+    if (running_mean) {
+      const acc_t unbiased = var * (n / (n - acc_t(1)));
+      running_mean[ch] = (acc_t(1) - momentum) * running_mean[ch] + momentum * mean;
+      running_var[ch] = (acc_t(1) - momentum) * running_var[ch] + momentum * unbiased;
+    }
+    affine(ch, mean, invstd, scale, shift);
+  }
+  __device__ __forceinline__ void affine(int64_t ch, acc_t mean, acc_t invstd, acc_t& scale, acc_t& shift) const {
+    const acc_t gamma = weight ? weight[ch] : acc_t(1), beta = bias ? bias[ch] : acc_t(0);
+    scale = gamma * invstd;
+    shift = beta - mean * scale;
+  }
 };
 
-enum Mode : int { kStats = 1, kApply = 2 };
-
-template <typename scalar_t, typename acc_t, bool kCL>
+template <typename scalar_t, typename acc_t, bool kCL, int V>
 __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ out, Tile t, ForwardArgs<acc_t> a, int mode) {
-  __shared__ Welford<acc_t> smem[kThreads];
-  __shared__ acc_t s_mean[32], s_invstd[32];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = c < t.C;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
-  const int64_t i1 = min(t.M, i0 + t.chunk);
-  const int64_t step = blockDim.y;
-
-  // Writes the statistics of channel c (from a state over all M rows) and updates the running stats.
-  auto finalize = [&](const Welford<acc_t>& w) {
-    const acc_t var = w.m2 / w.n;
-    const acc_t invstd = acc_t(1) / sqrt(var + a.eps);
-    a.save_mean[c] = w.mean;
-    a.save_invstd[c] = invstd;
-    if (a.running_mean) {
-      const acc_t unbiased = var * (w.n / (w.n - acc_t(1)));
-      a.running_mean[c] = (acc_t(1) - a.momentum) * a.running_mean[c] + a.momentum * w.mean;
-      a.running_var[c] = (acc_t(1) - a.momentum) * a.running_var[c] + a.momentum * unbiased;
-    }
-    s_mean[threadIdx.x] = w.mean;
-    s_invstd[threadIdx.x] = invstd;
-  };
+  constexpr int K = kCL ? V : 1;  // channels per thread
+  using W = WelfordK<acc_t, K>;
+  using W1 = WelfordK<acc_t, 1>;
+  using VecT = Vec<scalar_t, V>;
+  __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<W, W1, kBxMax<kCL, V>>];
+  __shared__ acc_t s_scale[kMaxChannelsPerBlock], s_shift[kMaxChannelsPerBlock];
+  const int bx = blockDim.x, by = blockDim.y, tx = threadIdx.x;
+  const int tid = threadIdx.y * bx + tx;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
+  const bool active = col < t.cols;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
+  const int64_t r1 = min(t.rows, r0 + t.chunk);
+  auto channel = [&](int k) { return kCL ? col * V + k : col; };
+  auto load = [&](int64_t r) { return *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r)); };
 
   if (mode & kStats) {
-    Welford<acc_t> w{0, 0, 0};
-    if (active) {
-      int64_t i = i0 + threadIdx.y;
-      for (; i + (kUnroll - 1) * step < i1; i += kUnroll * step) {
-        acc_t v[kUnroll];
+    // Welford per lane; the lanes share the count, so one division per vector.
+    acc_t n = 0, mean[V], m2[V];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = static_cast<acc_t>(x[offset_of<kCL>(t, c, i + u * step)]);
+    for (int u = 0; u < V; ++u) mean[u] = m2[u] = 0;
+    auto add = [&](const VecT& v) {
+      n += acc_t(1);
+      const acc_t inv = acc_t(1) / n;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) w.add(v[u]);
+      for (int u = 0; u < V; ++u) {
+        const acc_t xv = static_cast<acc_t>(v.v[u]);
+        const acc_t d = xv - mean[u];
+        mean[u] += d * inv;
+        m2[u] += d * (xv - mean[u]);
       }
-      for (; i < i1; i += step) w.add(static_cast<acc_t>(x[offset_of<kCL>(t, c, i)]));
+    };
+    if (active) {
+      int64_t r = r0 + threadIdx.y;
+      for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
+        VecT v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = load(r + u * by);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) add(v[u]);
+      }
+      for (; r < r1; r += by) add(load(r));
     }
-    w = reduce_rows(w, smem);
+    W w;
+    if constexpr (kCL) {
+      w.n = n;
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        w.mean[u] = mean[u];
+        w.m2[u] = m2[u];
+      }
+    } else {  // V lanes of one channel with equal counts: exact merge
+      acc_t m = 0;
+#pragma unroll
+      for (int u = 0; u < V; ++u) m += mean[u];
+      m /= acc_t(V);
+      acc_t q = 0, d2 = 0;
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        q += m2[u];
+        d2 += (mean[u] - m) * (mean[u] - m);
+      }
+      w.n = n * acc_t(V);
+      w.mean[0] = m;
+      w.m2[0] = q + n * d2;
+    }
+    w = reduce_columns(w, reinterpret_cast<W*>(smem_raw));
     if (t.splits == 1) {
-      if (threadIdx.y == 0 && active) finalize(w);
+      if (tid < bx && active) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) a.finalize(channel(k), w.n, w.mean[k], w.m2[k], s_scale[tx * K + k], s_shift[tx * K + k]);
+      }
     } else {
-      if (threadIdx.y == 0 && active) {
-        a.partial[static_cast<int64_t>(blockIdx.y) * t.C + c] = w.mean;
-        a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + c] = w.m2;
+      if (tid < bx && active) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          a.partial[static_cast<int64_t>(blockIdx.y) * t.C + channel(k)] = w.mean[k];
+          a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = w.m2[k];
+        }
       }
       if (last_block_of_group(a.counters)) {
-        Welford<acc_t> total{0, 0, 0};
-        if (active) {
-          for (int s = threadIdx.y; s < t.splits; s += blockDim.y) {
-            const int64_t rows = min(t.M, (s + 1) * t.chunk) - s * t.chunk;
-            Welford<acc_t> part{static_cast<acc_t>(rows), __ldcg(&a.partial[static_cast<int64_t>(s) * t.C + c]),
-                                __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + s) * t.C + c])};
-            total.combine(part);
+        // Threads = (channel of the group) x (part of the splits); Chan's formula, then a tree over parts.
+        const int chb = bx * K, parts = kThreads / chb;
+        const int lc = tid % chb, part = tid / chb;
+        const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
+        W1 total;
+        total.zero();
+        if (ch < t.C) {
+          // kBatch partials loaded before combining: this block runs alone at the end, latency is its cost.
+          for (int s0 = part; s0 < t.splits; s0 += kBatch * parts) {
+            acc_t pm[kBatch], pq[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+              const int s = s0 + j * parts;
+              if (s < t.splits) {
+                pm[j] = __ldcg(&a.partial[static_cast<int64_t>(s) * t.C + ch]);
+                pq[j] = __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + s) * t.C + ch]);
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+              const int s = s0 + j * parts;
+              if (s < t.splits) {
+                W1 p;
+                p.n = static_cast<acc_t>((min(t.rows, (s + 1) * t.chunk) - s * t.chunk) * kPerRow<kCL, V>);
+                p.mean[0] = pm[j];
+                p.m2[0] = pq[j];
+                total.combine(p);
+              }
+            }
           }
         }
-        total = reduce_rows(total, smem);
-        if (threadIdx.y == 0 && active) finalize(total);
+        W1* sm = reinterpret_cast<W1*>(smem_raw);
+        sm[tid] = total;
+        reduce_parts(sm, chb, parts);
+        if (tid < chb && ch < t.C) {
+          acc_t scale, shift;
+          a.finalize(ch, sm[tid].n, sm[tid].mean[0], sm[tid].m2[0], scale, shift);
+        }
       }
-    }
-  } else if (threadIdx.y == 0 && active) {
-    if (a.training) {  // split path: the statistics kernel wrote them
-      s_mean[threadIdx.x] = a.save_mean[c];
-      s_invstd[threadIdx.x] = a.save_invstd[c];
-    } else {  // eval: the running statistics
-      const acc_t mean = a.running_mean[c], invstd = acc_t(1) / sqrt(a.running_var[c] + a.eps);
-      if (blockIdx.y == 0) {
-        a.save_mean[c] = mean;
-        a.save_invstd[c] = invstd;
-      }
-      s_mean[threadIdx.x] = mean;
-      s_invstd[threadIdx.x] = invstd;
     }
   }
   if (!(mode & kApply)) return;
-  __syncthreads();
-  if (!active) return;
-  const acc_t gamma = a.weight ? a.weight[c] : acc_t(1), beta = a.bias ? a.bias[c] : acc_t(0);
-  const acc_t scale = gamma * s_invstd[threadIdx.x];
-  const acc_t shift = beta - s_mean[threadIdx.x] * scale;
-  int64_t i = i0 + threadIdx.y;
-  for (; i + (kUnroll - 1) * step < i1; i += kUnroll * step) {
-    int64_t off[kUnroll];
-    acc_t v[kUnroll];
+  acc_t scale[V], shift[V];
+  if (mode & kStats) {
+    __syncthreads();
+    if (!active) return;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      off[u] = offset_of<kCL>(t, c, i + u * step);
-      v[u] = static_cast<acc_t>(x[off[u]]);
+    for (int u = 0; u < V; ++u) {
+      scale[u] = s_scale[kCL ? tx * V + u : 0];
+      shift[u] = s_shift[kCL ? tx * V + u : 0];
     }
+  } else {
+    // Elementwise kernel: every thread reads its channels' statistics itself (no barrier before the
+    // first loads).
+    if (!active) return;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) out[off[u]] = static_cast<scalar_t>(activate(v[u] * scale + shift, a.act, a.slope));
+    for (int u = 0; u < V; ++u) {
+      const int64_t ch = channel(kCL ? u : 0);
+      if (a.training) {  // split path: the statistics kernel wrote them
+        a.affine(ch, a.save_mean[ch], a.save_invstd[ch], scale[u], shift[u]);
+      } else {  // eval: the running statistics
+        const acc_t mean = a.running_mean[ch], invstd = acc_t(1) / sqrt(a.running_var[ch] + a.eps);
+        if (blockIdx.y == 0 && threadIdx.y == 0 && (kCL || u == 0)) {
+          a.save_mean[ch] = mean;
+          a.save_invstd[ch] = invstd;
+        }
+        a.affine(ch, mean, invstd, scale[u], shift[u]);
+      }
+    }
   }
-  for (; i < i1; i += step) {
-    const int64_t off = offset_of<kCL>(t, c, i);
-    out[off] = static_cast<scalar_t>(activate(static_cast<acc_t>(x[off]) * scale + shift, a.act, a.slope));
+  auto apply = [&](const VecT& v, int64_t r) {
+    VecT o;
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
+    }
+    *reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, r)) = o;
+  };
+  int64_t r = r0 + threadIdx.y;
+  for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
+    VecT v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(r + u * by);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) apply(v[u], r + u * by);
   }
+  for (; r < r1; r += by) apply(load(r), r);
 }
 
 template <typename acc_t>
@@ -247,182 +423,315 @@ struct BackwardArgs {
   acc_t* partial;      // [2, splits, C] (split path)
   int* counters;
   acc_t slope;
+  acc_t inv_count;  // 1 / (N*H*W)
   Act act;
   bool training;
 };
 
 // dy' (the gradient at the pre-activation) and xhat of one element. The activation's derivative comes
-// from the output's sign (out > 0 exactly when y > 0, slope > 0); xhat from the input when it is given,
-// otherwise by inverting the activation (y = out / slope for out <= 0) and the affine map.
-template <typename scalar_t, typename acc_t>
-struct ElementGrad {
-  const scalar_t* __restrict__ out;
-  const scalar_t* __restrict__ dy;
-  const scalar_t* __restrict__ x;  // nullable
-  acc_t mean, invstd, beta, inv_gamma, slope;
-  Act act;
-  __device__ __forceinline__ void operator()(int64_t off, acc_t& g, acc_t& xhat) const {
-    const acc_t o = static_cast<acc_t>(out[off]);
-    g = static_cast<acc_t>(dy[off]);
-    if (act == Act::relu) g = o > acc_t(0) ? g : acc_t(0);
-    else if (act == Act::leaky_relu) g = o > acc_t(0) ? g : g * slope;
-    if (x) {
-      xhat = (static_cast<acc_t>(x[off]) - mean) * invstd;
-    } else {
-      const acc_t y = (act == Act::leaky_relu && !(o > acc_t(0))) ? o / slope : o;
-      xhat = (y - beta) * inv_gamma;
-    }
-  }
-};
+// from the output's sign (out > 0 exactly when y > 0, slope > 0); xhat = (src - sub) * mul with src the
+// input when given (sub = mean, mul = invstd), otherwise the pre-activation recovered by inverting the
+// activation (y = out / slope for out <= 0; sub = beta, mul = 1 / gamma).
+template <typename acc_t>
+__device__ __forceinline__ void element_grad(acc_t o, acc_t d, acc_t xv, bool has_x, Act act, acc_t slope,
+                                             acc_t& g, acc_t& src) {
+  const bool pos = o > acc_t(0);
+  g = d;
+  if (act == Act::relu) g = pos ? g : acc_t(0);
+  else if (act == Act::leaky_relu) g = pos ? g : g * slope;
+  src = has_x ? xv : ((act == Act::leaky_relu && !pos) ? o / slope : o);
+}
 
-template <typename scalar_t, typename acc_t, bool kCL>
+template <typename scalar_t, typename acc_t, bool kCL, int V>
 __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     const scalar_t* __restrict__ dy, const scalar_t* __restrict__ out, const scalar_t* __restrict__ x,
     scalar_t* __restrict__ dx, Tile t, BackwardArgs<acc_t> a, int mode) {
-  __shared__ Sums<acc_t> smem[kThreads];
-  __shared__ acc_t s_mean_dy[32], s_mean_dy_xhat[32];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = c < t.C;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
-  const int64_t i1 = min(t.M, i0 + t.chunk);
-  const int64_t step = blockDim.y;
-  const acc_t gamma = active && a.weight ? a.weight[c] : acc_t(1);
-  ElementGrad<scalar_t, acc_t> eg{out,
-                                  dy,
-                                  x,
-                                  active ? a.save_mean[c] : acc_t(0),
-                                  active ? a.save_invstd[c] : acc_t(0),
-                                  active && a.bias ? a.bias[c] : acc_t(0),
-                                  // gamma == 0: xhat is not recoverable; it enters grad_input only times
-                                  // gamma (0 is exact there) and grad_weight (NaN, below).
-                                  gamma != acc_t(0) ? acc_t(1) / gamma : acc_t(0),
-                                  a.slope,
-                                  a.act};
-  const acc_t inv_m = acc_t(1) / static_cast<acc_t>(t.M);
-  auto finalize = [&](const Sums<acc_t>& s) {
-    a.grad_bias[c] = s.dy;
-    a.grad_weight[c] = (gamma == acc_t(0) && !x) ? std::numeric_limits<acc_t>::quiet_NaN() : s.dy_xhat;
-    s_mean_dy[threadIdx.x] = s.dy * inv_m;
-    s_mean_dy_xhat[threadIdx.x] = s.dy_xhat * inv_m;
+  constexpr int K = kCL ? V : 1;
+  using S = SumsK<acc_t, K>;
+  using S1 = SumsK<acc_t, 1>;
+  using VecT = Vec<scalar_t, V>;
+  __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<S, S1, kBxMax<kCL, V>>];
+  __shared__ acc_t s_mean_dy[kMaxChannelsPerBlock], s_mean_dyx[kMaxChannelsPerBlock];
+  const int bx = blockDim.x, by = blockDim.y, tx = threadIdx.x;
+  const int tid = threadIdx.y * bx + tx;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
+  const bool active = col < t.cols;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
+  const int64_t r1 = min(t.rows, r0 + t.chunk);
+  const bool has_x = x != nullptr;
+  auto channel = [&](int k) { return kCL ? col * V + k : col; };
+
+  // Per-channel constants of this thread's lanes.
+  acc_t gamma[K], sub[K], mul[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t ch = active ? channel(k) : 0;
+    gamma[k] = active && a.weight ? a.weight[ch] : acc_t(1);
+    const acc_t invstd = active ? a.save_invstd[ch] : acc_t(0);
+    if (has_x) {
+      sub[k] = active ? a.save_mean[ch] : acc_t(0);
+      mul[k] = invstd;
+    } else {
+      sub[k] = active && a.bias ? a.bias[ch] : acc_t(0);
+      // gamma == 0: xhat is not recoverable; it enters grad_input only times gamma (0 is exact there)
+      // and grad_weight (NaN, below).
+      mul[k] = gamma[k] != acc_t(0) ? acc_t(1) / gamma[k] : acc_t(0);
+    }
+  }
+  struct Loaded {
+    VecT dy, out, x;
+  };
+  auto load = [&](int64_t r) {
+    Loaded l;
+    const int64_t off = vec_offset<kCL, V>(t, col, r);
+    l.dy = *reinterpret_cast<const VecT*>(dy + off);
+    l.out = *reinterpret_cast<const VecT*>(out + off);
+    if (has_x) l.x = *reinterpret_cast<const VecT*>(x + off);
+    return l;
   };
 
   if (mode & kStats) {
-    Sums<acc_t> s{0, 0};
+    acc_t sdy[V], sdyx[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) sdy[u] = sdyx[u] = 0;
+    auto add = [&](const Loaded& l) {
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const int k = kCL ? u : 0;
+        acc_t g, src;
+        element_grad(static_cast<acc_t>(l.out.v[u]), static_cast<acc_t>(l.dy.v[u]),
+                     has_x ? static_cast<acc_t>(l.x.v[u]) : acc_t(0), has_x, a.act, a.slope, g, src);
+        sdy[u] += g;
+        sdyx[u] += g * ((src - sub[k]) * mul[k]);
+      }
+    };
     if (active) {
-      int64_t i = i0 + threadIdx.y;
-      for (; i + (kUnroll - 1) * step < i1; i += kUnroll * step) {
-        acc_t g[kUnroll], xh[kUnroll];
+      int64_t r = r0 + threadIdx.y;
+      for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
+        Loaded l[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) eg(offset_of<kCL>(t, c, i + u * step), g[u], xh[u]);
+        for (int u = 0; u < kUnroll; ++u) l[u] = load(r + u * by);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          s.dy += g[u];
-          s.dy_xhat += g[u] * xh[u];
-        }
+        for (int u = 0; u < kUnroll; ++u) add(l[u]);
       }
-      for (; i < i1; i += step) {
-        acc_t g, xh;
-        eg(offset_of<kCL>(t, c, i), g, xh);
-        s.dy += g;
-        s.dy_xhat += g * xh;
-      }
+      for (; r < r1; r += by) add(load(r));
     }
-    s = reduce_rows(s, smem);
+    S s;
+    s.zero();
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      s.dy[kCL ? u : 0] += sdy[u];
+      s.dyx[kCL ? u : 0] += sdyx[u];
+    }
+    s = reduce_columns(s, reinterpret_cast<S*>(smem_raw));
+    auto finalize = [&](int64_t ch, acc_t sum_dy, acc_t sum_dyx, acc_t gam, int idx) {
+      a.grad_bias[ch] = sum_dy;
+      a.grad_weight[ch] = (gam == acc_t(0) && !has_x) ? std::numeric_limits<acc_t>::quiet_NaN() : sum_dyx;
+      s_mean_dy[idx] = sum_dy * a.inv_count;
+      s_mean_dyx[idx] = sum_dyx * a.inv_count;
+    };
     if (t.splits == 1) {
-      if (threadIdx.y == 0 && active) finalize(s);
+      if (tid < bx && active) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) finalize(channel(k), s.dy[k], s.dyx[k], gamma[k], tx * K + k);
+      }
     } else {
-      if (threadIdx.y == 0 && active) {
-        a.partial[static_cast<int64_t>(blockIdx.y) * t.C + c] = s.dy;
-        a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + c] = s.dy_xhat;
+      if (tid < bx && active) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          a.partial[static_cast<int64_t>(blockIdx.y) * t.C + channel(k)] = s.dy[k];
+          a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = s.dyx[k];
+        }
       }
       if (last_block_of_group(a.counters)) {
-        Sums<acc_t> total{0, 0};
-        if (active) {
-          for (int sp = threadIdx.y; sp < t.splits; sp += blockDim.y) {
-            total.dy += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + c]);
-            total.dy_xhat += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + c]);
+        const int chb = bx * K, parts = kThreads / chb;
+        const int lc = tid % chb, part = tid / chb;
+        const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
+        S1 total;
+        total.zero();
+        if (ch < t.C) {
+#pragma unroll 8
+          for (int sp = part; sp < t.splits; sp += parts) {
+            total.dy[0] += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + ch]);
+            total.dyx[0] += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + ch]);
           }
         }
-        total = reduce_rows(total, smem);
-        if (threadIdx.y == 0 && active) finalize(total);
+        S1* sm = reinterpret_cast<S1*>(smem_raw);
+        sm[tid] = total;
+        reduce_parts(sm, chb, parts);
+        if (tid < chb && ch < t.C) {
+          finalize(ch, sm[tid].dy[0], sm[tid].dyx[0], a.weight ? a.weight[ch] : acc_t(1), 0);
+        }
       }
     }
-  } else if (threadIdx.y == 0 && active && a.training) {  // split path: the reduction kernel's sums
-    s_mean_dy[threadIdx.x] = a.grad_bias[c] * inv_m;
-    s_mean_dy_xhat[threadIdx.x] = a.grad_weight[c] * inv_m;
   }
   if (!(mode & kApply)) return;
-  __syncthreads();
+  if (mode & kStats) __syncthreads();
   if (!active) return;
-  const acc_t k = gamma * eg.invstd;
-  const acc_t mean_dy = a.training ? s_mean_dy[threadIdx.x] : acc_t(0);
-  // NaN (gamma == 0, from the output) must not reach grad_input: xhat is 0 there and k is 0.
-  acc_t mean_dy_xhat = a.training ? s_mean_dy_xhat[threadIdx.x] : acc_t(0);
-  if (mean_dy_xhat != mean_dy_xhat) mean_dy_xhat = acc_t(0);
-  int64_t i = i0 + threadIdx.y;
-  for (; i + (kUnroll - 1) * step < i1; i += kUnroll * step) {
-    int64_t off[kUnroll];
-    acc_t g[kUnroll], xh[kUnroll];
+  // grad_input = k * (dy' - mean(dy') - xhat * mean(dy' xhat)) = k * dy' - k_mean_dy - c * (src - sub).
+  // The elementwise kernel (split path) reads the reduction kernel's sums itself, without a barrier.
+  acc_t kk[K], k_mean_dy[K], c[K];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      off[u] = offset_of<kCL>(t, c, i + u * step);
-      eg(off[u], g[u], xh[u]);
+  for (int k = 0; k < K; ++k) {
+    kk[k] = gamma[k] * a.save_invstd[channel(k)];
+    const bool own = mode & kStats;
+    const acc_t mean_dy = !a.training ? acc_t(0) : own ? s_mean_dy[tx * K + k] : a.grad_bias[channel(k)] * a.inv_count;
+    // NaN (gamma == 0, from the output) must not reach grad_input: xhat is 0 there and k is 0.
+    acc_t mean_dyx = !a.training ? acc_t(0) : own ? s_mean_dyx[tx * K + k] : a.grad_weight[channel(k)] * a.inv_count;
+    if (mean_dyx != mean_dyx) mean_dyx = acc_t(0);
+    k_mean_dy[k] = kk[k] * mean_dy;
+    c[k] = kk[k] * mean_dyx * mul[k];
+  }
+  auto apply = [&](const Loaded& l, int64_t r) {
+    VecT o;
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const int k = kCL ? u : 0;
+      acc_t g, src;
+      element_grad(static_cast<acc_t>(l.out.v[u]), static_cast<acc_t>(l.dy.v[u]),
+                   has_x ? static_cast<acc_t>(l.x.v[u]) : acc_t(0), has_x, a.act, a.slope, g, src);
+      o.v[u] = static_cast<scalar_t>(kk[k] * g - k_mean_dy[k] - c[k] * (src - sub[k]));
     }
+    *reinterpret_cast<VecT*>(dx + vec_offset<kCL, V>(t, col, r)) = o;
+  };
+  int64_t r = r0 + threadIdx.y;
+  for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
+    Loaded l[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dx[off[u]] = static_cast<scalar_t>(k * (g[u] - mean_dy - xh[u] * mean_dy_xhat));
+    for (int u = 0; u < kUnroll; ++u) l[u] = load(r + u * by);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) apply(l[u], r + u * by);
   }
-  for (; i < i1; i += step) {
-    const int64_t off = offset_of<kCL>(t, c, i);
-    acc_t g, xh;
-    eg(off, g, xh);
-    dx[off] = static_cast<scalar_t>(k * (g - mean_dy - xh * mean_dy_xhat));
-  }
+  for (; r < r1; r += by) apply(load(r), r);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Block shape and the split of the rows; see the file comment.
 struct Plan {
-  dim3 block;
-  int64_t groups;
+  dim3 block, grid;
   Tile tile;
 };
 
-Plan plan_for(const Geometry& g, bool channels_last) {
-  Plan p;
-  int bx = 1;
-  if (channels_last) {
-    while (bx < 32 && bx < g.c) bx *= 2;
-  }
-  p.block = dim3(bx, kThreads / bx);
-  p.groups = ceil_div(g.c, bx);
+Plan plan_for(const Geometry& g, bool channels_last, int V, int blocks_per_sm) {
   const int64_t M = g.reduce();
   TORCH_CHECK(M < (int64_t(1) << 31), "hierpar::batch_norm_act: input: at most 2^31 - 1 elements per channel "
               "(N*H*W), got ", M);
+  Tile t;
+  t.C = g.c;
+  t.L = g.l;
+  t.cols = channels_last ? g.c / V : g.c;
+  t.rows = channels_last ? M : M / V;
+  int bx = 1;
+  if (channels_last) {
+    const int bx_max = V == 1 ? 32 : kMaxCols;
+    while (bx < bx_max && bx < t.cols) bx *= 2;
+  }
+  const int by = kThreads / bx;
+  const int64_t groups = ceil_div(t.cols, bx);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t splits = 1;
-  // One block per channel group only when that block has little to do (<= 4096 elements) or the groups
-  // alone fill the GPU; otherwise aim at ~8 blocks per SM, each with >= 4096 elements.
-  if (M * bx > 4096 && p.groups < 2 * sms) {
-    const int64_t min_rows = std::max<int64_t>(4096 / bx, p.block.y);
-    splits = std::max<int64_t>(1, std::min(ceil_div(8 * sms, p.groups), ceil_div(M, min_rows)));
-    splits = std::min<int64_t>(splits, 65535);
+  // One block per channel group while each thread has at most 8 vectors; beyond, one wave of blocks
+  // (as many as fit) with at least 4 vectors per thread each.
+  if (t.rows > 8 * by) {
+    splits = std::min(ceil_div(blocks_per_sm * sms, groups), ceil_div(t.rows, 4 * by));
+    splits = std::clamp<int64_t>(splits, 1, 65535);
   }
-  const int64_t chunk = ceil_div(M, splits);
-  splits = ceil_div(M, chunk);
-  p.tile = Tile{g.c, g.l, M, chunk, static_cast<int>(splits),
-                at::cuda::detail::IntDivider<uint32_t>(static_cast<uint32_t>(std::max<int64_t>(g.l, 1)))};
+  t.chunk = ceil_div(t.rows, splits);
+  t.splits = static_cast<int>(ceil_div(t.rows, t.chunk));
+  t.div_lv = at::cuda::detail::IntDivider<uint32_t>(
+      static_cast<uint32_t>(channels_last ? 1 : std::max<int64_t>(g.l / V, 1)));
+  Plan p;
+  p.block = dim3(bx, by);
+  p.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(t.splits));
+  p.tile = t;
   return p;
 }
 
-// A [C] parameter as a contiguous tensor of the accumulation type (a no-op when it already is one).
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel) {
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  return std::max(n, 1);
+}
+
+// The split path's per-group arrival counters: one zeroed buffer per (device, stream), which the last
+// block of each group resets, so calls need no memset. While a stream is being captured into a CUDA graph
+// the counters are a fresh zeroed tensor (a memset node in the graph) instead.
+at::Tensor group_counters(int64_t groups, const at::TensorOptions& options) {
+  const auto int_options = options.dtype(at::kInt);
+  if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
+    return at::zeros({groups}, int_options);
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  static std::mutex mutex;
+  // Never destroyed: freeing CUDA memory during static destruction may outlive the driver.
+  static auto* buffers = new std::unordered_map<int64_t, at::Tensor>();
+  const int64_t key = (static_cast<int64_t>(stream.device_index()) << 56) ^ static_cast<int64_t>(stream.id());
+  std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& buffer = (*buffers)[key];
+  if (!buffer.defined() || buffer.numel() < groups) buffer = at::zeros({std::max<int64_t>(groups, 1024)}, int_options);
+  return buffer;
+}
+
+// A [C] parameter as a contiguous tensor of the accumulation type: itself when it already is one.
 at::Tensor as_acc(const std::optional<at::Tensor>& p, c10::ScalarType acc) {
-  return present(p) ? p->to(acc).contiguous() : at::Tensor();
+  if (!present(p)) return at::Tensor();
+  if (p->scalar_type() == acc && p->is_contiguous()) return *p;
+  return p->to(acc).contiguous();
 }
 
 template <typename T>
 T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+bool aligned16(const at::Tensor& t) {
+  return !t.defined() || reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// The vector width for this shape: 16 bytes when the channels (channels_last) or the plane (NCHW) hold a
+// whole number of vectors and every tensor is 16-byte aligned, else 1.
+template <typename scalar_t>
+bool use_vectors(const Geometry& g, bool channels_last, std::initializer_list<const at::Tensor*> tensors) {
+  constexpr int V = 16 / sizeof(scalar_t);
+  if ((channels_last ? g.c : g.l) % V != 0) return false;
+  for (const at::Tensor* t : tensors) {
+    if (!aligned16(*t)) return false;
+  }
+  return true;
+}
+
+template <typename scalar_t>
+constexpr int kVec = 16 / sizeof(scalar_t);
+
+template <typename scalar_t, typename acc_t, bool kCL, int V>
+void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out, ForwardArgs<acc_t> args,
+                    bool training, cudaStream_t stream) {
+  auto kernel = batch_norm_act_forward_kernel<scalar_t, acc_t, kCL, V>;
+  static const int occupancy = blocks_per_sm(kernel);
+  Plan plan = plan_for(g, kCL, V, occupancy);
+  const bool split = training && plan.tile.splits > 1;
+  at::Tensor partial, counters;
+  if (split) {
+    partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    counters = group_counters(plan.grid.x, input.options());
+    args.partial = partial.data_ptr<acc_t>();
+    args.counters = counters.data_ptr<int>();
+  }
+  auto launch = [&](int mode) {
+    kernel<<<plan.grid, plan.block, 0, stream>>>(input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+                                                 plan.tile, args, mode);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (!training) {
+    launch(kApply);
+  } else if (!split) {
+    launch(kStats | kApply);
+  } else {
+    launch(kStats);
+    launch(kApply);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
@@ -433,7 +742,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope);
   c10::cuda::CUDAGuard guard(input_.device());
   auto layout = layout_of(input_);
-  const bool cl = layout == c10::MemoryFormat::ChannelsLast;
+  // With H*W == 1 both layouts are the row-major [N, C] matrix: address it as channels_last (coalesced).
+  const bool cl = layout == c10::MemoryFormat::ChannelsLast || g.l == 1;
   at::Tensor input = input_.contiguous(layout);
   const auto acc = stats_dtype(input.scalar_type());
   at::Tensor out = new_output(input.sizes(), input.options(), layout);
@@ -447,52 +757,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
 
   at::Tensor w = as_acc(weight, acc), b = as_acc(bias, acc);
   at::Tensor rm = as_acc(running_mean, acc), rv = as_acc(running_var, acc);
-  Plan plan = plan_for(g, cl);
-  const bool split = training && plan.tile.splits > 1;
-  at::Tensor partial, counters;
-  if (split) {
-    partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(acc));
-    counters = at::zeros({plan.groups}, input.options().dtype(at::kInt));
-  }
-  const dim3 grid(static_cast<unsigned>(plan.groups), static_cast<unsigned>(plan.tile.splits));
   auto stream = at::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, input.scalar_type(), "batch_norm_act_cuda", [&] {
     using acc_t = at::acc_type<scalar_t, true>;
     ForwardArgs<acc_t> args{ptr_or_null<acc_t>(w),
                             ptr_or_null<acc_t>(b),
-                            training ? ptr_or_null<acc_t>(rm) : nullptr,
-                            training ? ptr_or_null<acc_t>(rv) : nullptr,
+                            ptr_or_null<acc_t>(rm),  // training: updated when given; eval: read
+                            ptr_or_null<acc_t>(rv),
                             save_mean.data_ptr<acc_t>(),
                             save_invstd.data_ptr<acc_t>(),
-                            ptr_or_null<acc_t>(partial),
-                            ptr_or_null<int>(counters),
+                            nullptr,
+                            nullptr,
                             static_cast<acc_t>(momentum),
                             static_cast<acc_t>(eps),
                             static_cast<acc_t>(slope),
                             act,
                             training};
-    if (!training) {  // eval reads the running statistics
-      args.running_mean = rm.data_ptr<acc_t>();
-      args.running_var = rv.data_ptr<acc_t>();
-    }
-    auto launch = [&](int mode) {
-      const scalar_t* xp = input.const_data_ptr<scalar_t>();
-      scalar_t* op = out.mutable_data_ptr<scalar_t>();
-      if (cl) {
-        batch_norm_act_forward_kernel<scalar_t, acc_t, true><<<grid, plan.block, 0, stream>>>(xp, op, plan.tile, args, mode);
-      } else {
-        batch_norm_act_forward_kernel<scalar_t, acc_t, false><<<grid, plan.block, 0, stream>>>(xp, op, plan.tile, args, mode);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (!training) {
-      launch(kApply);
-    } else if (!split) {
-      launch(kStats | kApply);
+    const bool vec = use_vectors<scalar_t>(g, cl, {&input, &out});
+    if (cl) {
+      if (vec) launch_forward<scalar_t, acc_t, true, kVec<scalar_t>>(g, input, out, args, training, stream);
+      else launch_forward<scalar_t, acc_t, true, 1>(g, input, out, args, training, stream);
     } else {
-      launch(kStats);
-      launch(kApply);
+      if (vec) launch_forward<scalar_t, acc_t, false, kVec<scalar_t>>(g, input, out, args, training, stream);
+      else launch_forward<scalar_t, acc_t, false, 1>(g, input, out, args, training, stream);
     }
   });
 
@@ -501,6 +789,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     if (!rv.is_same(*running_var)) running_var->copy_(rv);
   }
   return {out, save_mean, save_invstd};
+}
+
+template <typename scalar_t, typename acc_t, bool kCL, int V>
+void launch_backward(const Geometry& g, const at::Tensor& grad_output, const at::Tensor& output,
+                     const at::Tensor& input, at::Tensor& grad_input, BackwardArgs<acc_t> args, bool need_sums,
+                     bool apply, cudaStream_t stream) {
+  auto kernel = batch_norm_act_backward_kernel<scalar_t, acc_t, kCL, V>;
+  static const int occupancy = blocks_per_sm(kernel);
+  Plan plan = plan_for(g, kCL, V, occupancy);
+  const bool split = need_sums && plan.tile.splits > 1;
+  at::Tensor partial, counters;
+  if (split) {
+    partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    counters = group_counters(plan.grid.x, output.options());
+    args.partial = partial.data_ptr<acc_t>();
+    args.counters = counters.data_ptr<int>();
+  }
+  auto launch = [&](int mode) {
+    kernel<<<plan.grid, plan.block, 0, stream>>>(
+        grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
+        input.defined() ? input.const_data_ptr<scalar_t>() : nullptr,
+        grad_input.defined() ? grad_input.mutable_data_ptr<scalar_t>() : nullptr, plan.tile, args, mode);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (!need_sums) {
+    launch(kApply);
+  } else if (!split) {
+    launch(kStats | (apply ? kApply : 0));
+  } else {
+    launch(kStats);
+    if (apply) launch(kApply);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -512,7 +832,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   Geometry g = check_backward(grad_output_, output_, input_, weight, bias, save_mean, save_invstd, eps, act, slope);
   c10::cuda::CUDAGuard guard(output_.device());
   auto layout = layout_of(output_);
-  const bool cl = layout == c10::MemoryFormat::ChannelsLast;
+  const bool cl = layout == c10::MemoryFormat::ChannelsLast || g.l == 1;
   at::Tensor output = output_.contiguous(layout);
   at::Tensor grad_output = grad_output_.contiguous(layout);
   at::Tensor input = present(input_) ? input_->contiguous(layout) : at::Tensor();
@@ -532,14 +852,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
       sum_dy_xhat.zero_();
     }
   } else if (need_sums || output_mask[0]) {
-    Plan plan = plan_for(g, cl);
-    const bool split = need_sums && plan.tile.splits > 1;
-    at::Tensor partial, counters;
-    if (split) {
-      partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(acc));
-      counters = at::zeros({plan.groups}, output.options().dtype(at::kInt));
-    }
-    const dim3 grid(static_cast<unsigned>(plan.groups), static_cast<unsigned>(plan.tile.splits));
     auto stream = at::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, output.scalar_type(), "batch_norm_act_backward_cuda", [&] {
       using acc_t = at::acc_type<scalar_t, true>;
@@ -549,31 +861,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                                invstd.data_ptr<acc_t>(),
                                ptr_or_null<acc_t>(sum_dy_xhat),
                                ptr_or_null<acc_t>(sum_dy),
-                               ptr_or_null<acc_t>(partial),
-                               ptr_or_null<int>(counters),
+                               nullptr,
+                               nullptr,
                                static_cast<acc_t>(slope),
+                               acc_t(1) / static_cast<acc_t>(g.reduce()),
                                act,
                                training};
-      auto launch = [&](int mode) {
-        const scalar_t* dyp = grad_output.const_data_ptr<scalar_t>();
-        const scalar_t* op = output.const_data_ptr<scalar_t>();
-        const scalar_t* xp = input.defined() ? input.const_data_ptr<scalar_t>() : nullptr;
-        scalar_t* dxp = grad_input.defined() ? grad_input.mutable_data_ptr<scalar_t>() : nullptr;
-        if (cl) {
-          batch_norm_act_backward_kernel<scalar_t, acc_t, true><<<grid, plan.block, 0, stream>>>(dyp, op, xp, dxp, plan.tile, args, mode);
+      const bool vec = use_vectors<scalar_t>(g, cl, {&grad_output, &output, &input, &grad_input});
+      if (cl) {
+        if (vec) {
+          launch_backward<scalar_t, acc_t, true, kVec<scalar_t>>(g, grad_output, output, input, grad_input, args,
+                                                                 need_sums, output_mask[0], stream);
         } else {
-          batch_norm_act_backward_kernel<scalar_t, acc_t, false><<<grid, plan.block, 0, stream>>>(dyp, op, xp, dxp, plan.tile, args, mode);
+          launch_backward<scalar_t, acc_t, true, 1>(g, grad_output, output, input, grad_input, args, need_sums,
+                                                    output_mask[0], stream);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      const int apply = output_mask[0] ? kApply : 0;
-      if (!need_sums) {
-        launch(kApply);
-      } else if (!split) {
-        launch(kStats | apply);
       } else {
-        launch(kStats);
-        if (apply) launch(kApply);
+        if (vec) {
+          launch_backward<scalar_t, acc_t, false, kVec<scalar_t>>(g, grad_output, output, input, grad_input, args,
+                                                                  need_sums, output_mask[0], stream);
+        } else {
+          launch_backward<scalar_t, acc_t, false, 1>(g, grad_output, output, input, grad_input, args, need_sums,
+                                                     output_mask[0], stream);
+        }
       }
     });
   }
