@@ -8,11 +8,6 @@
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/pooling.h>
 
-// While the hierpar layers are being written, a layer whose models/nn/<layer>.cpp is not compiled into
-// this build (CMake defines HIERPAR_BUILT_NN_<LAYER> for those that are) falls back to its stock
-// equivalent. This file is the only place that knows: once every layer has landed, delete the #if
-// branches, hierpar_layers_not_built() and the CMake loop that defines the macros.
-
 namespace hierpar::models {
 namespace {
 
@@ -24,19 +19,13 @@ Layer wrap(Holder holder) {
 }  // namespace
 
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
-#ifdef HIERPAR_BUILT_NN_CONV_TRANSPOSE
   if (layers == LayerSet::hierpar) return wrap(nn::ConvTranspose2d(options));
-#endif
-  (void)layers;
   return wrap(torch::nn::ConvTranspose2d(options));
 }
 
 Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activation activation,
                             double negative_slope) {
-#ifdef HIERPAR_BUILT_NN_BATCH_NORM
   if (layers == LayerSet::hierpar) return wrap(nn::BatchNormAct2d(num_features, activation, negative_slope));
-#endif
-  (void)layers;
   torch::nn::BatchNorm2d norm(num_features);
   return {norm.ptr(), [norm, activation, negative_slope](const torch::Tensor& x) mutable {
             auto y = norm->forward(x);
@@ -50,27 +39,8 @@ Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activatio
 }
 
 Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options) {
-#ifdef HIERPAR_BUILT_NN_MAX_POOL
   if (layers == LayerSet::hierpar) return wrap(nn::MaxPool2d(options));
-#endif
-  (void)layers;
   return wrap(torch::nn::MaxPool2d(options));
-}
-
-std::string hierpar_layers_not_built() {
-  std::string missing;
-  auto add = [&](const char* name) { missing += (missing.empty() ? "" : ", ") + std::string(name); };
-#ifndef HIERPAR_BUILT_NN_CONV_TRANSPOSE
-  add("ConvTranspose2d");
-#endif
-#ifndef HIERPAR_BUILT_NN_BATCH_NORM
-  add("BatchNormAct2d");
-#endif
-#ifndef HIERPAR_BUILT_NN_MAX_POOL
-  add("MaxPool2d");
-#endif
-  (void)add;
-  return missing;
 }
 
 }  // namespace hierpar::models

@@ -39,12 +39,7 @@ int run(int argc, char** argv) {
   hierpar::models::SeedCNN model(set);
   model->to(device);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(lr));
-  const std::string missing = hierpar::models::hierpar_layers_not_built();
-  std::cerr << "data: " << train.description << "; model: seed CNN, layers " << layers
-            << (set == hierpar::LayerSet::hierpar && missing.find("MaxPool2d") != std::string::npos
-                    ? " (MaxPool2d not built yet, using torch::nn::MaxPool2d)"
-                    : "")
-            << ", device " << device.str() << ", batch " << batch_size << "\n";
+  std::cerr << "data: " << train.description << "; model: seed CNN, layers " << layers << ", device " << device.str() << ", batch " << batch_size << "\n";
 
   // Both sets live on the device for the whole run (60000 x 28 x 28 bytes).
   auto train_x = train.images.to(device), train_y = train.labels.to(device);

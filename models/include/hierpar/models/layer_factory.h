@@ -28,8 +28,4 @@ Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activatio
                             double negative_slope);
 Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options);
 
-// The hierpar layers this build lacks, which the hierpar layer set replaces with their torch::nn
-// equivalents, as "MaxPool2d, ConvTranspose2d"; empty once every layer is built.
-std::string hierpar_layers_not_built();
-
 }  // namespace hierpar::models
