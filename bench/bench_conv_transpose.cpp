@@ -1,7 +1,7 @@
 // Suite "conv_transpose": hierpar::conv_transpose2d forward + backward against stock ATen/cuDNN
 // (at::conv_transpose2d + at::convolution_backward, cudnn.benchmark on, TF32 allowed for convolutions) on
-// the DCGAN generator's five layers, at batch 64 fp32 NCHW and batch 1024 bf16 channels_last. Both sides
-// call the ops directly (no autograd), with the same gradient mask: the first layer's input (the noise)
+// the DCGAN generator's five layers, at batch 64 fp32 (NCHW and channels_last) and batch 1024 bf16
+// channels_last; each pass of the k4s2p1 layers is also timed alone. Both sides call the ops directly (no autograd), with the same gradient mask: the first layer's input (the noise)
 // needs no gradient. Also a row timing the five layers back to back, and achieved TFLOP/s.
 #include "bench.h"
 
@@ -13,6 +13,7 @@
 #include <ATen/ops/rand.h>
 #include <ATen/TensorOperators.h>
 
+#include <array>
 #include <vector>
 
 namespace {
@@ -74,7 +75,8 @@ void run_suite(Report& report, const Options& options) {
     at::ScalarType dtype;
     bool channels_last;
   };
-  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{1024, at::kBFloat16, true}}) {
+  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
+                           Setting{1024, at::kBFloat16, true}}) {
     std::vector<Operands> layers;
     for (size_t i = 0; i < kGenerator.size(); ++i)
       layers.push_back(make(kGenerator[i], s.batch, s.dtype, s.channels_last, i == 0));
@@ -98,6 +100,39 @@ void run_suite(Report& report, const Options& options) {
                  Config().set("tflops", flops(o) / stock.median_us * 1e-6));
       report.add("conv_transpose2d_fwd_bwd", "hierpar", config, ours,
                  Config().set("tflops", flops(o) / ours.median_us * 1e-6));
+    }
+    // Each pass alone on the k4s2p1 layers (where the time goes): forward, grad_input, grad_weight.
+    for (size_t i = 1; i < layers.size(); ++i) {
+      const auto& o = layers[i];
+      const auto& l = o.layer;
+      for (int pass = 0; pass < 3; ++pass) {
+        static const char* kPass[3] = {"forward", "grad_input", "grad_weight"};
+        Config config;
+        config.set("shape", std::vector<int64_t>{s.batch, l.cin, l.hw, l.hw})
+            .set("out_channels", l.cout)
+            .set("dtype", dtype)
+            .set("layout", layout)
+            .set("pass", kPass[pass]);
+        const std::array<bool, 3> mask{pass == 1, pass == 2, false};
+        auto stock = [&] {
+          if (pass == 0)
+            at::conv_transpose2d(o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding});
+          else
+            at::convolution_backward(o.go, o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding},
+                                     {1, 1}, true, {0, 0}, 1, mask);
+        };
+        auto ours = [&] {
+          if (pass == 0)
+            hierpar::ops::conv_transpose2d(o.x, o.w, std::nullopt, {l.stride, l.stride}, {l.padding, l.padding});
+          else
+            hierpar::ops::conv_transpose2d_backward(o.go, o.x, o.w, {l.stride, l.stride}, {l.padding, l.padding},
+                                                    {0, 0}, 1, {1, 1}, mask);
+        };
+        const double f = flops(o) / (o.needs_input_grad ? 3 : 2);
+        const Timing ts = time_cuda(stock, warmup, repeats), th = time_cuda(ours, warmup, repeats);
+        report.add("conv_transpose2d_pass", "stock", config, ts, Config().set("tflops", f / ts.median_us * 1e-6));
+        report.add("conv_transpose2d_pass", "hierpar", config, th, Config().set("tflops", f / th.median_us * 1e-6));
+      }
     }
     Config config;
     config.set("batch", s.batch).set("dtype", dtype).set("layout", layout).set("layers", int64_t(layers.size()));

@@ -351,6 +351,51 @@ TEST(ConvTransposeCuda, DcganLayersEveryLayoutAndDtype) {
   }
 }
 
+TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
+  HIERPAR_REQUIRE_CUDA();
+  // Kernel 4, stride 2, padding 1, no bias, groups 1, C_out >= 16: the phase-decomposed implicit-GEMM path
+  // (ops/cuda/conv_transpose_k4s2p1.cu) for fp32 (TF32 on), bf16 and fp16; float64 and C_out < 16 take the
+  // general path (compared the same way).
+  // Random batch (1, odd), channel counts that are and are not multiples of 8 (16-byte vector loads or the
+  // scalar fallback), non-square sizes, all input layouts, both weight layouts; plus fixed shapes that cover
+  // every tile width (GEMM N > 64, 33..64, 17..32, <= 16), grids large enough not to split K and small
+  // ones that do (fp32 workspace), and the DCGAN layers at a small batch.
+  auto channels = [] { return coin() ? 8 * rand_int(2, 24) : rand_int(16, 70); };
+  std::vector<Case> cases;
+  for (int trial = 0; trial < 10; ++trial) {
+    const int64_t batch = trial == 0 ? 1 : rand_int(1, 9);
+    cases.push_back(Case{batch, channels(), channels(), rand_int(1, 9), rand_int(1, 9), 1, {4, 4}, {2, 2}, {1, 1},
+                         {0, 0}, {1, 1}, false, static_cast<Layout>(rand_int(0, 2)), coin(), rand_int(0, 5) == 0});
+  }
+  for (auto [batch, cin, cout, hw] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {41, 32, 16, 16}, {3, 256, 128, 4}, {5, 128, 64, 8}, {2, 32, 3, 32}, {17, 100, 40, 12}, {3, 7, 17, 5}}) {
+    for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+      cases.push_back(Case{batch, cin, cout, hw, hw, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, coin(),
+                           false});
+    }
+  }
+  for (const Case& c : cases) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      const std::string what = std::string("CUDA k4s2p1 ") + c10::toString(dtype) + " " + c.describe();
+      const auto got = run(c, t, /*aten=*/false);
+      compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
+      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
+        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
+        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
+      }
+      // Each gradient alone (the backward computes only what is asked for).
+      const auto only_weight = hierpar::ops::conv_transpose2d_backward(
+          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
+          {false, true, false});
+      EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
+      // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
+      expect_close(std::get<1>(only_weight), got.grad_weight, scaled(rel_tolerance(dtype, true), got.grad_weight),
+                   what + " grad_weight alone");
+    }
+  }
+}
+
 TEST(ConvTransposeCuda, Fp32FollowsTheConvolutionTf32Flag) {
   HIERPAR_REQUIRE_CUDA();
   // With TF32 off for convolutions, fp32 is full fp32: the CPU's tolerance holds.

@@ -1,6 +1,7 @@
 // CUDA kernels of hierpar::conv_transpose2d and its backward: cuBLAS GEMMs on the tensor cores plus
 // hierpar's own col2im gather (forward, no atomics) and im2col (backward) kernels. No cuDNN, no
-// at::convolution.
+// at::convolution. Kernel 4 / stride 2 / padding 1 without bias (DCGAN's upsampling layers) takes the
+// phase-decomposed implicit-GEMM path of conv_transpose_k4s2p1.cu instead; this general path does the rest.
 //
 // Layouts, natively (no NCHW<->NHWC conversion of activations):
 //  - channels_last (and any input whose [N*H*W, C_in] row view is dense, e.g. 1x1 spatial): the input IS a
@@ -19,6 +20,7 @@
 // multiply on the tensor cores with fp32 accumulation. col2im sums in fp32 (fp64 for double).
 #include "common.h"
 #include "conv_transpose_shape.h"
+#include "cuda/conv_transpose_k4s2p1.h"
 
 #include <ATen/Context.h>
 #include <ATen/Dispatch.h>
@@ -176,9 +178,13 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
   at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(), layout);
   if (out.numel() == 0) return unbatched ? out.squeeze(0) : out;
 
-  const at::Tensor x = input4.contiguous(layout);  // a no-op unless input is a non-dense view
   const bool has_bias = bias.has_value() && bias->defined();
   const bool out_cl = layout == c10::MemoryFormat::ChannelsLast;
+  if (!has_bias && k4s2p1_fast_path_applies(g, input.scalar_type())) {
+    k4s2p1_forward(g, input4, weight, out, out_cl);
+    return unbatched ? out.squeeze(0) : out;
+  }
+  const at::Tensor x = input4.contiguous(layout);  // a no-op unless input is a non-dense view
   const bool direct = is_direct_1x1(g, has_bias) && is_row_matrix(x);
   const at::Tensor w = weight_matrix(weight, /*tap_major=*/!direct || out_cl);
   const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
@@ -249,6 +255,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
     if (g.in_pixels() == 0 || g.out_channels == 0) {
       if (output_mask[0]) grad_input.zero_();
       if (output_mask[1]) grad_weight.zero_();
+    } else if (k4s2p1_fast_path_applies(g, input.scalar_type())) {
+      k4s2p1_backward(g, go, input4, weight, grad_input, layout == c10::MemoryFormat::ChannelsLast, grad_weight);
     } else {
       const at::Tensor x = input4.contiguous(layout);
       const bool x_rows = is_row_matrix(x);
