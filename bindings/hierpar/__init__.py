@@ -1,0 +1,40 @@
+"""hierpar's operators and layers for PyTorch.
+
+Importing the package loads the operator library (libhierpar_ops.so), which registers torch.ops.hierpar.*
+with the dispatcher: CPU and CUDA kernels, Meta kernels (shape inference: FakeTensor, torch.compile,
+torch.export) and Autograd kernels whose backward is the registered *_backward op. The functions below and
+hierpar.nn's layers are thin, TorchScript-compatible calls of those ops.
+
+The library is looked for in $HIERPAR_OPS_LIBRARY (e.g. a CMake build tree's libhierpar_ops.so), then next
+to this file (where `pip install ./bindings` puts it).
+"""
+
+import os as _os
+
+import torch as _torch
+
+
+def _find_library() -> str:
+    path = _os.environ.get("HIERPAR_OPS_LIBRARY")
+    if path:
+        if not _os.path.isfile(path):
+            raise ImportError(f"hierpar: HIERPAR_OPS_LIBRARY={path!r} is not a file")
+        return path
+    path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "libhierpar_ops.so")
+    if not _os.path.isfile(path):
+        raise ImportError(
+            f"hierpar: the operator library {path} is missing. Install the package with "
+            "`pip install --no-build-isolation ./bindings`, or point HIERPAR_OPS_LIBRARY at a built "
+            "libhierpar_ops.so")
+    return path
+
+
+library_path: str = _find_library()
+"""The libhierpar_ops.so that was loaded (C++ programs load the same file to run TorchScript using it)."""
+_torch.ops.load_library(library_path)
+
+from ._functional import batch_norm_act, conv_transpose2d, max_pool2d, max_pool2d_with_indices  # noqa: E402
+from . import nn  # noqa: E402
+
+__all__ = ["batch_norm_act", "conv_transpose2d", "max_pool2d", "max_pool2d_with_indices", "nn", "library_path"]
+__version__ = "0.1.0"

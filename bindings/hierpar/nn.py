@@ -1,0 +1,117 @@
+"""Drop-in replacements for torch.nn.MaxPool2d, BatchNorm2d and ConvTranspose2d, and BatchNormAct2d (BatchNorm2d
+with the following ReLU/LeakyReLU fused in), on torch.ops.hierpar.
+
+Each is a subclass of the torch.nn class (BatchNormAct2d: of torch.nn's batch-norm base) that replaces only
+forward: the constructor arguments, initialisation, parameters, buffers (num_batches_tracked included), state_dict
+keys, repr and TorchScript-ability are torch.nn's, so checkpoints and optimisers interchange with the stock
+layers. Gradients come from the ops' Autograd kernels (the registered backward ops).
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._functional import batch_norm_act, conv_transpose2d, max_pool2d
+
+__all__ = ["MaxPool2d", "BatchNorm2d", "BatchNormAct2d", "ConvTranspose2d"]
+
+_ACTIVATIONS = ("identity", "relu", "leaky_relu")
+
+
+class MaxPool2d(torch.nn.MaxPool2d):
+    """torch.nn.MaxPool2d on hierpar::max_pool2d. With return_indices=True the indices are torch's (int64
+    offsets into each input plane, for MaxUnpool2d)."""
+
+    def forward(self, input: Tensor):
+        return max_pool2d(
+            input,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            ceil_mode=self.ceil_mode,
+            return_indices=self.return_indices,
+        )
+
+
+class _BatchNormActForward(_BatchNorm):
+    """torch.nn's batch-norm forward (momentum=None: cumulative average; eval without running statistics:
+    batch statistics) on hierpar::batch_norm_act with self.activation fused in."""
+
+    activation: str
+    negative_slope: float
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        average_factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.add_(1)
+                if self.momentum is None:
+                    average_factor = 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        # Training without tracking passes no running statistics (none are updated), like torch.
+        pass_running_stats = not self.training or self.track_running_stats
+        return batch_norm_act(
+            input,
+            self.running_mean if pass_running_stats else None,
+            self.running_var if pass_running_stats else None,
+            self.weight,
+            self.bias,
+            use_batch_stats,
+            average_factor,
+            self.eps,
+            self.activation,
+            self.negative_slope,
+        )
+
+
+class BatchNorm2d(_BatchNormActForward, torch.nn.BatchNorm2d):
+    """torch.nn.BatchNorm2d on hierpar::batch_norm_act (no activation)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.activation = "identity"
+        self.negative_slope = 0.01
+
+
+class BatchNormAct2d(_BatchNormActForward):
+    """BatchNorm2d followed by an activation in one op: activation "relu" (default), "leaky_relu" (with
+    negative_slope > 0) or "identity". Same parameters, buffers and state_dict keys as torch.nn.BatchNorm2d, so
+    a BatchNorm2d + ReLU pair's weights load into it."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None, *, activation: str = "relu",
+                 negative_slope: float = 0.01) -> None:
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"BatchNormAct2d: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+        if activation == "leaky_relu" and not negative_slope > 0:
+            raise ValueError(
+                f"BatchNormAct2d: negative_slope must be > 0 (the backward inverts the activation), got {negative_slope}")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.activation = activation
+        self.negative_slope = float(negative_slope)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+
+    def extra_repr(self) -> str:
+        slope = f", negative_slope={self.negative_slope}" if self.activation == "leaky_relu" else ""
+        return f"{super().extra_repr()}, activation={self.activation}{slope}"
+
+
+class ConvTranspose2d(torch.nn.ConvTranspose2d):
+    """torch.nn.ConvTranspose2d on hierpar::conv_transpose2d (padding_mode "zeros" only, as torch's)."""
+
+    def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError("Only `zeros` padding mode is supported for ConvTranspose2d")
+        assert isinstance(self.padding, tuple)
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)
+        return conv_transpose2d(
+            input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation)

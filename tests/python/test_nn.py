@@ -1,0 +1,292 @@
+"""hierpar.nn's layers are drop-in replacements of torch.nn's: same constructor arguments, initialisation,
+state_dict keys and, on random shapes and layouts, the same forward and gradients."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hierpar
+from conftest import DEVICES, random_tensor
+
+# (rtol, atol) per dtype, hierpar against torch.nn. The two sum in different orders (batch-norm statistics,
+# transposed-convolution taps), so results differ by rounding: a few units in the last place of float64 and
+# float32 after sums of up to a few thousand terms; bfloat16 (8-bit mantissa) and float16 (11-bit) also
+# round the output itself, one ulp being 2**-8 and 2**-11 relative.
+TOLERANCE = {
+    torch.float64: (1e-9, 1e-9),
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.float16: (4e-3, 4e-3),
+}
+LAYOUTS = ["contiguous", "channels_last", "strided"]
+
+
+def assert_close(actual, expected, what):
+    rtol, atol = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def magnitude_atol(stock, input, upstream_like):
+    """For bfloat16/float16: each output (and gradient) element is a sum of products that either side may round
+    a few times at 2**-8 (bfloat16) or 2**-11 (float16) relative to the terms, not to the sum (which cancels).
+    Returns absolute tolerances from the sums of |terms|: the float64 module with |weights| on |input|, backward
+    from |upstream|: (output, grad_input, [grad of each parameter])."""
+    unit = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[input.dtype]
+    magnitude = copy.deepcopy(stock).double()
+    with torch.no_grad():
+        for p in magnitude.parameters():
+            p.abs_()
+    x = input.detach().double().abs().requires_grad_()
+    out = magnitude(x)
+    out.backward(upstream_like.double().abs())
+    tol = lambda t: 4 * unit * float(t.abs().max()) + 1e-6
+    return tol(out), tol(x.grad), [tol(p.grad) for p in magnitude.parameters()]
+
+
+def check_same_module(hp, stock, input, what, grad=True, param_grad_atol=None):
+    """Forward (and backward from the same random upstream gradient) of hp and stock on copies of input;
+    compares outputs, input gradients and parameter gradients (param_grad_atol(upstream): a per-element
+    absolute tolerance instead of the dtype's)."""
+    x_hp = input.detach().clone().requires_grad_(grad)
+    x_stock = input.detach().clone().requires_grad_(grad)
+    out_hp, out_stock = hp(x_hp), stock(x_stock)
+    upstream = torch.randn_like(out_stock)
+    sums = isinstance(stock, torch.nn.ConvTranspose2d) and input.dtype in (torch.bfloat16, torch.float16)
+    if sums:
+        out_atol, input_grad_atol, param_atols = magnitude_atol(stock, input, upstream)
+        torch.testing.assert_close(out_hp, out_stock, rtol=0, atol=out_atol, msg=lambda m: f"{what}: output: {m}")
+    else:
+        assert_close(out_hp, out_stock, f"{what}: output")
+    if not grad:
+        return
+    out_hp.backward(upstream)
+    out_stock.backward(upstream)
+    if sums:
+        torch.testing.assert_close(x_hp.grad, x_stock.grad, rtol=0, atol=input_grad_atol,
+                                   msg=lambda m: f"{what}: grad_input: {m}")
+    else:
+        assert_close(x_hp.grad, x_stock.grad, f"{what}: grad_input")
+    for i, ((name, p_hp), (_, p_stock)) in enumerate(zip(hp.named_parameters(), stock.named_parameters())):
+        if sums:
+            torch.testing.assert_close(p_hp.grad, p_stock.grad, rtol=0, atol=param_atols[i],
+                                       msg=lambda m: f"{what}: grad of {name}: {m}")
+        elif param_grad_atol is None:
+            assert_close(p_hp.grad, p_stock.grad, f"{what}: grad of {name}")
+        else:
+            torch.testing.assert_close(p_hp.grad, p_stock.grad, rtol=0, atol=param_grad_atol(upstream),
+                                       msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
+def check_state_dict_round_trip(hp, stock):
+    assert list(hp.state_dict().keys()) == list(stock.state_dict().keys())
+    for key, value in stock.state_dict().items():  # same initialisation
+        torch.testing.assert_close(hp.state_dict()[key], value, rtol=0, atol=0, msg=f"initial {key}")
+    changed = {k: (v + torch.rand_like(v.double()).to(v.dtype) + 1 if v.is_floating_point() else v + 3)
+               for k, v in stock.state_dict().items()}
+    hp.load_state_dict(changed, strict=True)
+    stock_again = copy.deepcopy(stock)
+    stock_again.load_state_dict(hp.state_dict(), strict=True)
+    for key, value in changed.items():
+        assert torch.equal(stock_again.state_dict()[key], value), key
+
+
+# ---- MaxPool2d ---------------------------------------------------------------------------------------------
+
+def random_pool(rng):
+    """Random MaxPool2d arguments, and the (height, width) an input needs at least."""
+    kernel = (rng.randint(1, 4), rng.randint(1, 4))
+    padding = (rng.randint(0, kernel[0] // 2), rng.randint(0, kernel[1] // 2))
+    stride = None if rng.random() < 0.3 else (rng.randint(1, 3), rng.randint(1, 3))
+    dilation = (rng.randint(1, 2), rng.randint(1, 2))
+    args = dict(kernel_size=kernel, stride=stride, padding=padding, dilation=dilation, ceil_mode=rng.random() < 0.5)
+    if rng.random() < 0.5 and kernel[0] == kernel[1] and padding[0] == padding[1]:  # the int spelling too
+        args.update(kernel_size=kernel[0], padding=padding[0])
+    return args, [dilation[i] * (kernel[i] - 1) + 1 for i in range(2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_max_pool2d_matches_torch(seeded, device, dtype, layout):
+    rng = seeded
+    exact = dtype in (torch.float32, torch.float64)  # bfloat16/float16 inputs have ties: either index is right
+    for trial in range(3):
+        args, reach = random_pool(rng)
+        return_indices = rng.random() < 0.5
+        hp = hierpar.nn.MaxPool2d(**args, return_indices=return_indices)
+        stock = torch.nn.MaxPool2d(**args, return_indices=return_indices)
+        assert repr(hp) == repr(stock)
+        sizes = [rng.choice([1, rng.randint(1, 4)]), rng.choice([1, rng.randint(1, 6)]),
+                 rng.randint(reach[0], reach[0] + 9), rng.randint(reach[1], reach[1] + 9)]
+        if rng.random() < 0.2:
+            sizes = sizes[1:]  # unbatched (C, H, W)
+        x = random_tensor(sizes, dtype, device, layout)
+        what = f"MaxPool2d({args}, return_indices={return_indices}) on {tuple(sizes)} {dtype} {layout}"
+        if return_indices:
+            (out_hp, idx_hp), (out_stock, idx_stock) = hp(x), stock(x)
+            assert torch.equal(out_hp, out_stock), what
+            assert idx_hp.dtype == torch.int64 and idx_hp.shape == idx_stock.shape, what
+            if exact:
+                assert torch.equal(idx_hp, idx_stock), what
+        else:
+            check_same_module(hp, stock, x, what, grad=exact)
+
+
+# ---- BatchNorm2d / BatchNormAct2d ------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "identity": lambda t, s: t,
+    "relu": lambda t, s: F.relu(t),
+    "leaky_relu": lambda t, s: F.leaky_relu(t, s),
+}
+
+
+class StockBatchNormAct(torch.nn.BatchNorm2d):
+    """torch.nn.BatchNorm2d followed by the activation: the reference for hierpar.nn.BatchNormAct2d."""
+
+    def __init__(self, *args, activation="relu", negative_slope=0.01, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.act = lambda t: ACTIVATIONS[activation](t, negative_slope)
+
+    def forward(self, input):
+        return self.act(super().forward(input))
+
+
+def bn_pair(rng, num_features, dtype, device, activation):
+    kwargs = dict(eps=rng.choice([1e-5, 1e-3]), momentum=rng.choice([0.1, 0.3, None]), affine=rng.random() < 0.8,
+                  track_running_stats=rng.random() < 0.8, device=device)
+    if dtype == torch.float64:
+        kwargs["dtype"] = dtype  # low-precision inputs keep float32 parameters, as with autocast
+    slope = rng.choice([0.01, 0.2])
+    if activation == "identity" and rng.random() < 0.5:
+        hp = hierpar.nn.BatchNorm2d(num_features, **kwargs)
+    else:
+        hp = hierpar.nn.BatchNormAct2d(num_features, **kwargs, activation=activation, negative_slope=slope)
+    stock = StockBatchNormAct(num_features, **kwargs, activation=activation, negative_slope=slope)
+    with torch.no_grad():  # non-trivial affine parameters and running statistics, the same in both
+        if stock.affine:
+            stock.weight.copy_(torch.rand_like(stock.weight) + 0.5)
+            stock.bias.copy_(torch.rand_like(stock.bias) * 3 - 1.5)
+        if stock.track_running_stats:
+            stock.running_mean.copy_(torch.randn_like(stock.running_mean))
+            stock.running_var.copy_(torch.rand_like(stock.running_var) + 0.5)
+    hp.load_state_dict(stock.state_dict())
+    return hp, stock, kwargs
+
+
+def low_precision_bn_param_grad_atol(upstream):
+    """grad_weight[c] = sum(upstream * xhat) over the channel's elements. hierpar's backward recovers xhat from
+    the saved bfloat16 OUTPUT z = weight * xhat + bias (rounded to 2**-8 relative) where torch's uses the input,
+    so xhat may be off by 2**-8 * |z| / |weight|: with |xhat| <= ~4, |bias| <= ~1.5 and weight in [0.5, 1.5]
+    (bn_pair's draws), at most 15 * 2**-8 per unit of |upstream|. Bound the sum by that, per channel (not
+    relative to the sum, which cancels)."""
+    per_channel = upstream.double().abs().transpose(0, 1).flatten(1).sum(1)
+    return float(per_channel.max()) * 16 * 2**-8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_batch_norm_matches_torch(seeded, device, dtype, activation):
+    rng = seeded
+    for trial in range(2):
+        c = rng.choice([1, rng.randint(2, 9)])
+        hp, stock, kwargs = bn_pair(rng, c, dtype, device, activation)
+        what = f"{type(hp).__name__}({c}, {kwargs}, {activation})"
+        for step in range(3):  # training steps: running statistics and num_batches_tracked evolve
+            sizes = [rng.choice([1, 2, rng.randint(2, 6)]), c, rng.randint(1, 7), rng.randint(2, 7)]
+            x = random_tensor(sizes, dtype, device, rng.choice(LAYOUTS)) * 2 + 0.5
+            check_same_module(hp, stock, x, f"{what} train step {step} on {tuple(sizes)}",
+                              param_grad_atol=low_precision_bn_param_grad_atol if dtype == torch.bfloat16 else None)
+            for key, value in stock.state_dict().items():
+                torch.testing.assert_close(hp.state_dict()[key], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{what}: {key} after step {step}: {m}")
+        hp.eval(), stock.eval()
+        x = random_tensor([2, c, 5, 3], dtype, device, rng.choice(LAYOUTS))
+        check_same_module(hp, stock, x, f"{what} eval",
+                          param_grad_atol=low_precision_bn_param_grad_atol if dtype == torch.bfloat16 else None)
+
+
+def test_batch_norm_act_loads_batch_norm_weights():
+    """A stock BatchNorm2d's checkpoint loads into BatchNormAct2d and BatchNorm2d (same keys, same version)."""
+    stock = torch.nn.BatchNorm2d(4)
+    for hp in (hierpar.nn.BatchNorm2d(4), hierpar.nn.BatchNormAct2d(4)):
+        check_state_dict_round_trip(hp, stock)
+        assert hp.state_dict()._metadata[""]["version"] == stock.state_dict()._metadata[""]["version"]
+    assert isinstance(hierpar.nn.BatchNorm2d(4), torch.nn.BatchNorm2d)
+
+
+def test_batch_norm_rejects_wrong_dimensions_like_torch():
+    for layer in (hierpar.nn.BatchNorm2d(3), hierpar.nn.BatchNormAct2d(3)):
+        with pytest.raises(ValueError, match="expected 4D input"):
+            layer(torch.randn(2, 3, 4))
+
+
+# ---- ConvTranspose2d -------------------------------------------------------------------------------------
+
+def random_conv_transpose(rng):
+    groups = rng.choice([1, 1, 2, 3])
+    stride = (rng.randint(1, 3), rng.randint(1, 3))
+    dilation = (rng.randint(1, 2), rng.randint(1, 2))
+    return dict(
+        in_channels=groups * rng.randint(1, 4), out_channels=groups * rng.randint(1, 4),
+        kernel_size=(rng.randint(1, 4), rng.randint(1, 4)), stride=stride,
+        padding=(rng.randint(0, 2), rng.randint(0, 2)),
+        output_padding=tuple(rng.randint(0, max(stride[i], dilation[i]) - 1) for i in range(2)),
+        groups=groups, bias=rng.random() < 0.7, dilation=dilation)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conv_transpose2d_matches_torch(seeded, device, dtype, layout):
+    rng = seeded
+    for trial in range(3):
+        args = random_conv_transpose(rng)
+        torch.manual_seed(trial)
+        hp = hierpar.nn.ConvTranspose2d(**args, device=device, dtype=dtype)
+        torch.manual_seed(trial)
+        stock = torch.nn.ConvTranspose2d(**args, device=device, dtype=dtype)
+        assert repr(hp).replace("hierpar.nn.", "") == repr(stock)
+        check_state_dict_round_trip(hp, stock)
+        stock.load_state_dict(hp.state_dict())
+        # The smallest input size whose output size is positive, and up to 6 more.
+        smallest = [1 - min(0, ((args["dilation"][i] * (args["kernel_size"][i] - 1) + args["output_padding"][i] -
+                                 2 * args["padding"][i]) // args["stride"][i])) for i in range(2)]
+        sizes = [rng.choice([1, rng.randint(1, 3)]), args["in_channels"], rng.randint(smallest[0], smallest[0] + 6),
+                 rng.randint(smallest[1], smallest[1] + 6)]
+        if rng.random() < 0.2:
+            sizes = sizes[1:]
+        x = random_tensor(sizes, dtype, device, layout)
+        check_same_module(hp, stock, x, f"ConvTranspose2d({args}) on {tuple(sizes)} {dtype} {layout}",
+                          grad=dtype != torch.float16 or device != "cpu")
+
+
+def test_conv_transpose2d_output_size_picks_the_same_size():
+    hp = hierpar.nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)
+    stock = torch.nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)
+    stock.load_state_dict(hp.state_dict())
+    x = torch.randn(2, 3, 5, 6)
+    for size in ([9, 11], [10, 12]):
+        out = hp(x, output_size=size)
+        assert list(out.shape[-2:]) == size
+        assert_close(out, stock(x, output_size=size), f"output_size={size}")
+
+
+def test_functional_forms_match_torch():
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    assert torch.equal(hierpar.max_pool2d(x, 3, 2, 1), F.max_pool2d(x, 3, 2, 1))
+    out, idx = hierpar.max_pool2d(x, 2, return_indices=True)
+    ref_out, ref_idx = F.max_pool2d(x, 2, return_indices=True)
+    assert torch.equal(out, ref_out) and torch.equal(idx, ref_idx)
+    w, b = torch.randn(3, 4, 3, 3, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    assert_close(hierpar.conv_transpose2d(x, w, b, 2, 1, 1), F.conv_transpose2d(x, w, b, 2, 1, 1), "conv_t")
+    mean, var = torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5
+    mean2, var2 = mean.clone(), var.clone()
+    out = hierpar.batch_norm_act(x, mean, var, training=True, momentum=0.2, activation="leaky_relu",
+                                 negative_slope=0.1)
+    ref = F.leaky_relu(F.batch_norm(x, mean2, var2, training=True, momentum=0.2), 0.1)
+    assert_close(out, ref, "batch_norm_act")
+    assert_close(mean, mean2, "running_mean")
+    assert_close(var, var2, "running_var")
