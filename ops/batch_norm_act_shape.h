@@ -67,7 +67,8 @@ inline Geometry check_input(const at::Tensor& input, const char* op, const char*
 inline void check_channel_param(const std::optional<at::Tensor>& p, const char* name, const at::Tensor& input,
                                 int64_t channels, const char* op) {
   if (!p.has_value() || !p->defined()) return;
-  TORCH_CHECK(p->dim() == 1 && p->numel() == channels, op, ": ", name, ": expected ", channels,
+  // size(0), not numel(): FakeTensors with symbolic sizes (torch.compile, opcheck) answer the former only.
+  TORCH_CHECK(p->dim() == 1 && p->size(0) == channels, op, ": ", name, ": expected ", channels,
               " elements (input channels), got ", p->numel(), " (shape ", p->sizes(), ")");
   TORCH_CHECK(p->device() == input.device(), op, ": ", name, ": expected a tensor on ", input.device(),
               " (the input's device), got one on ", p->device());
@@ -134,7 +135,7 @@ inline Geometry check_backward(const at::Tensor& grad_output, const at::Tensor& 
   auto st = stats_dtype(output.scalar_type());
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{save_mean, "save_mean"},
                                 std::pair<const at::Tensor&, const char*>{save_invstd, "save_invstd"}}) {
-    TORCH_CHECK(t.defined() && t.dim() == 1 && t.numel() == g.c && t.scalar_type() == st &&
+    TORCH_CHECK(t.defined() && t.dim() == 1 && t.size(0) == g.c && t.scalar_type() == st &&
                     t.device() == output.device(),
                 op, ": ", name, ": expected ", st, " [", g.c, "] on ", output.device(), ", got ",
                 t.defined() ? t.toString() : std::string("undefined"), " ",

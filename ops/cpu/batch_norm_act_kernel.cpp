@@ -107,7 +107,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
     running_mean->copy_(new_mean);
     running_var->copy_(new_var);
   }
-  at::Tensor save_mean = mean.to(stats_type);
+  // A copy even when the dtypes agree: in eval mode `mean` may be running_mean itself, and the schema
+  // promises outputs that alias no input.
+  at::Tensor save_mean = mean.to(stats_type, /*non_blocking=*/false, /*copy=*/true);
   at::Tensor save_invstd = var.add(eps).rsqrt().to(stats_type);
   return {out, save_mean, save_invstd};
 }
