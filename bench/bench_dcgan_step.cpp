@@ -1,0 +1,492 @@
+// Suite "dcgan_step": one whole training step of the seed's DCGAN (64x64x3 images, nz 100) on one GPU, stock
+// torch::nn layers against hierpar's (LayerSet), eager and as one CUDA graph, in TF32 and in bf16 autocast with
+// channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager).
+//
+// The step is the anchor's recipe (shared/anchors/dcgan_torch.py), identical for both layer sets:
+//   z = randn; D.zero_grad; e_real = BCE(D(real), 1); fake = G(z); e_fake = BCE(D(fake.detach()), 0);
+//   (e_real + e_fake).backward(); D.step; G.zero_grad; e_g = BCE(D(fake), 1); e_g.backward(); G.step
+// with BCE-with-logits, Adam(2e-4, 0.5, 0.999). Two choices differ from the anchor's code but not its results,
+// and apply to stock and hierpar alike: G's backward is restricted to G's parameters (the anchor also computes
+// D's weight gradients there, which D's next zero_grad discards), and zero_grad sets gradients to none (so no
+// zero fill and no accumulation add runs). Both use hierpar::strategy::FusedAdam (ATen's fused Adam kernel,
+// capturable), so the optimiser is not part of the comparison.
+//
+// Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
+// for the bf16 rows, CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
+//
+// extra: ms_per_step, images_per_s, kernels_per_step and gpu_busy_us_per_step (kineto/CUPTI profile of 3
+// steps), layout_conversions_per_step (cuDNN NCHW<->NHWC kernels in that profile), graph_kernel_nodes
+// (kernel nodes of the captured graph, cudaGraphGetNodes: a cross-check of the profile for graph rows),
+// peak_mem_mb (caching allocator's peak allocated bytes over the timed steps, less what was allocated before
+// the row's models were built; the peak is reset after warm-up so cuDNN's benchmark search is not counted; a
+// graph's private pool is allocated memory and counts).
+// HIERPAR_STEP_PROFILE=<file> writes each row's top kernels by GPU time there.
+#include "bench.h"
+
+#include "hierpar/models/cnn.h"
+#include "hierpar/models/dcgan.h"
+#include "hierpar/strategy/fused_adam.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <kineto/ActivityType.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace hierpar::bench;
+using hierpar::LayerSet;
+using hierpar::strategy::FusedAdam;
+
+const char* name_of(LayerSet layers) { return layers == LayerSet::stock ? "stock" : "hierpar"; }
+
+// torch.autocast(device_type="cuda", dtype=torch.bfloat16) as a scope: enables bf16 autocast and, leaving the
+// outermost scope, drops the cached bf16 copies of the weights (they go stale once the optimiser steps).
+class AutocastScope {
+ public:
+  explicit AutocastScope(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    was_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    was_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!enabled_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCUDA, was_enabled_);
+    at::autocast::set_autocast_dtype(at::kCUDA, was_dtype_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool enabled_, was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
+
+void to_channels_last(torch::nn::Module& module) {
+  for (auto& p : module.parameters()) {
+    if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+  }
+}
+
+torch::optim::AdamOptions dcgan_adam() { return torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}); }
+
+// A training step that can run eagerly or be captured: owns its models, optimisers and static buffers.
+class TrainingStep {
+ public:
+  virtual ~TrainingStep() = default;
+  virtual void run() = 0;
+};
+
+class DcganStep : public TrainingStep {
+ public:
+  DcganStep(LayerSet layers, int64_t batch, bool bf16_channels_last) : bf16_(bf16_channels_last) {
+    hierpar::models::DCGANOptions options;
+    options.layers = layers;
+    generator_ = hierpar::models::Generator(options);
+    discriminator_ = hierpar::models::Discriminator(options);
+    generator_->to(at::kCUDA);
+    discriminator_->to(at::kCUDA);
+    if (bf16_) {
+      to_channels_last(*generator_);
+      to_channels_last(*discriminator_);
+    }
+    generator_params_ = generator_->parameters();
+    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam());
+    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam());
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    real_ = at::rand({batch, options.channels, options.image_size, options.image_size}, cuda) * 2 - 1;
+    if (bf16_) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
+    ones_ = at::ones({batch}, cuda);
+    zeros_ = at::zeros({batch}, cuda);
+    noise_sizes_ = {batch, options.nz, 1, 1};
+  }
+
+  void run() override {
+    at::Tensor fake, e_real, e_fake, e_g;
+    {
+      AutocastScope autocast(bf16_);
+      const auto z = at::randn(noise_sizes_, real_.options());  // the default CUDA generator: graph-safe
+      optimizer_d_->zero_grad();
+      e_real = at::binary_cross_entropy_with_logits(discriminator_->forward(real_).to(at::kFloat), ones_);
+      fake = generator_->forward(z);
+      e_fake = at::binary_cross_entropy_with_logits(discriminator_->forward(fake.detach()).to(at::kFloat), zeros_);
+    }
+    const auto loss_d = e_real + e_fake;
+    loss_d.backward();
+    // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
+    // AccumulateGrad nodes from the warm-up stream, and autograd then syncs streams (and warns) every step.
+    loss_d_ = loss_d.detach();
+    optimizer_d_->step();
+    optimizer_g_->zero_grad();
+    {
+      AutocastScope autocast(bf16_);
+      e_g = at::binary_cross_entropy_with_logits(discriminator_->forward(fake).to(at::kFloat), ones_);
+    }
+    torch::autograd::backward({e_g}, {}, std::nullopt, false, generator_params_);
+    optimizer_g_->step();
+    loss_g_ = e_g.detach();
+  }
+
+ private:
+  bool bf16_;
+  hierpar::models::Generator generator_{nullptr};
+  hierpar::models::Discriminator discriminator_{nullptr};
+  std::vector<at::Tensor> generator_params_;
+  std::unique_ptr<FusedAdam> optimizer_g_, optimizer_d_;
+  at::Tensor real_, ones_, zeros_, loss_d_, loss_g_;
+  std::vector<int64_t> noise_sizes_;
+};
+
+class CnnStep : public TrainingStep {
+ public:
+  CnnStep(LayerSet layers, int64_t batch) : model_(layers) {
+    model_->to(at::kCUDA);
+    optimizer_ = std::make_unique<FusedAdam>(model_->parameters(), torch::optim::AdamOptions(1e-3));
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    images_ = at::rand({batch, 1, 28, 28}, cuda);
+    labels_ = at::randint(0, 10, {batch}, cuda.dtype(at::kLong));
+  }
+  void run() override {
+    optimizer_->zero_grad();
+    const auto loss = at::cross_entropy_loss(model_->forward(images_), labels_);
+    loss.backward();
+    loss_ = loss.detach();
+    optimizer_->step();
+  }
+
+ private:
+  hierpar::models::SeedCNN model_;
+  std::unique_ptr<FusedAdam> optimizer_;
+  at::Tensor images_, labels_, loss_;
+};
+
+// What the profiler saw over `steps` steps.
+struct Profile {
+  double kernels = 0, busy_us = 0, conversions = 0;  // per step
+  std::vector<std::pair<std::string, std::pair<int64_t, double>>> top;  // name -> (count, total us), by time
+  // Eager steps only (a graph replay runs no operators): each aten::copy_ by the innermost operator around it
+  // that is not a copy/conversion itself, with the copy's input shapes: where layout copies come from.
+  std::map<std::string, int64_t> copies_by_caller;
+  bool available = false;
+};
+
+Profile profile(const std::function<void()>& step, int steps) {
+  using namespace torch::autograd::profiler;
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  at::cuda::getCurrentCUDAStream().synchronize();
+  prepareProfiler(config, activities);
+  enableProfiler(config, activities);
+  for (int i = 0; i < steps; ++i) step();
+  at::cuda::getCurrentCUDAStream().synchronize();
+  auto result = disableProfiler();
+  Profile p;
+  std::map<std::string, std::pair<int64_t, double>> by_name;
+  for (const auto& e : result->events()) {
+    if (e.activityType() != static_cast<uint8_t>(libkineto::ActivityType::CONCURRENT_KERNEL)) continue;
+    const std::string name = e.name();
+    auto& entry = by_name[name];
+    entry.first += 1;
+    entry.second += e.durationNs() / 1e3;
+    p.kernels += 1;
+    p.busy_us += e.durationNs() / 1e3;
+    if (name.find("nchwToNhwc") != std::string::npos || name.find("nhwcToNchw") != std::string::npos) p.conversions += 1;
+  }
+  p.available = p.kernels > 0;
+  const std::set<std::string> copy_like{"aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy",
+                                        "aten::copy", "aten::empty_like", "aten::empty_strided"};
+  const auto& events = result->events();
+  for (const auto& copy : events) {
+    if (copy.deviceType() != c10::DeviceType::CPU || copy.name() != "aten::copy_") continue;
+    const torch::autograd::profiler::KinetoEvent* caller = nullptr;
+    for (const auto& e : events) {
+      if (e.deviceType() != c10::DeviceType::CPU || e.startThreadId() != copy.startThreadId() ||
+          copy_like.count(e.name()) || e.startNs() > copy.startNs() || e.endNs() < copy.endNs())
+        continue;
+      if (!caller || e.durationNs() < caller->durationNs()) caller = &e;
+    }
+    std::ostringstream key;
+    key << (caller ? caller->name() : std::string("(no enclosing operator)")) << " <- copy_";
+    if (copy.hasShapes()) {
+      for (const auto& shape : copy.shapes()) key << " " << c10::IntArrayRef(shape);
+    }
+    p.copies_by_caller[key.str()] += 1;
+  }
+  p.kernels /= steps;
+  p.busy_us /= steps;
+  p.conversions /= steps;
+  p.top.assign(by_name.begin(), by_name.end());
+  std::sort(p.top.begin(), p.top.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  return p;
+}
+
+int64_t graph_kernel_nodes(at::cuda::CUDAGraph& graph) {
+  cudaGraph_t raw = graph.raw_cuda_graph();
+  size_t count = 0;
+  C10_CUDA_CHECK(cudaGraphGetNodes(raw, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  C10_CUDA_CHECK(cudaGraphGetNodes(raw, nodes.data(), &count));
+  int64_t kernels = 0;
+  for (auto node : nodes) {
+    cudaGraphNodeType type;
+    C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    kernels += type == cudaGraphNodeTypeKernel;
+  }
+  return kernels;
+}
+
+// The caching allocator's allocated bytes (current or peak), in MiB.
+double allocated_mb(bool peak) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+  const auto& stat = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+  return (peak ? stat.peak : stat.current) / 1048576.0;
+}
+
+// One side stream for every row's warm-up and capture, so cuBLAS's per-stream workspaces are allocated once,
+// before the first row (warm_side_stream), not charged to whichever row first used a new stream.
+c10::cuda::CUDAStream side_stream() {
+  static const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
+  return stream;
+}
+
+struct Row {
+  std::string bench, impl, precision, layout, graphs;
+  int64_t batch;
+  double ms, images_per_s, kernels, busy_us, conversions, peak;
+  int64_t graph_nodes;
+};
+
+// Warms `step` up, optionally captures it, times `steps_per_sample` steps per CUDA-event sample, profiles
+// and records one row.
+Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t batch, bool bf16, bool graphs,
+            TrainingStep& step, double allocated_before_mb, const Options& options, std::ofstream* profile_out) {
+  const int steps_per_sample = batch <= 256 ? 50 : batch <= 1024 ? 20 : 10;
+  const int samples = options.quick ? 3 : 5;
+  // Warm-up on a side stream (cuDNN's benchmark search, lazy initialisation, the optimiser's first steps),
+  // as torch.cuda.graph's recipe asks before a capture.
+  const c10::cuda::CUDAStream side = side_stream();
+  at::cuda::getCurrentCUDAStream().synchronize();
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    for (int i = 0; i < 5; ++i) step.run();
+  }
+  side.synchronize();
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  int64_t nodes = -1;
+  double capture_peak = 0;
+  if (graphs) {
+    // A replay allocates nothing (the graph's private pool was filled while capturing), so a graph row's
+    // memory is the peak allocated while capturing, which the pool keeps reserved from then on.
+    c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+    graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true);
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      graph->capture_begin();
+      step.run();
+      graph->capture_end();
+    }
+    side.synchronize();
+    capture_peak = allocated_mb(true);
+    graph->instantiate();
+    nodes = graph_kernel_nodes(*graph);
+  }
+  const std::function<void()> one_step = graphs ? std::function<void()>([&] { graph->replay(); })
+                                                : std::function<void()>([&] { step.run(); });
+  one_step();  // the first replay uploads the graph
+  at::cuda::getCurrentCUDAStream().synchronize();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+  Timing t = time_cuda([&] { for (int i = 0; i < steps_per_sample; ++i) one_step(); }, 1, samples);
+  // Less what was allocated before the row's models were built (cuBLAS workspaces of earlier rows' streams,
+  // which stay allocated for the process), so rows run later are not charged for earlier ones.
+  const double peak = std::max(allocated_mb(true), capture_peak) - allocated_before_mb;
+  t.median_us /= steps_per_sample;
+  t.min_us /= steps_per_sample;
+  const Profile prof = profile(one_step, 3);
+
+  Row row{bench, name_of(layers), bf16 ? "bf16" : "tf32", bf16 ? "channels_last" : "nchw", graphs ? "on" : "off",
+          batch, t.median_us / 1e3, batch * 1e6 / t.median_us, prof.kernels, prof.busy_us, prof.conversions, peak,
+          nodes};
+  Config config;
+  config.set("batch", batch)
+      .set("precision", row.precision)
+      .set("layout", row.layout)
+      .set("graphs", row.graphs)
+      .set("strategy", "single")
+      .set("gpus", int64_t{1})
+      .set("reduce", "none");
+  Config extra;
+  extra.set("ms_per_step", row.ms).set("images_per_s", row.images_per_s).set("peak_mem_mb", peak);
+  extra.set("steps_per_sample", int64_t{steps_per_sample}).set("allocated_before_row_mb", allocated_before_mb);
+  if (prof.available) {
+    extra.set("kernels_per_step", prof.kernels)
+        .set("gpu_busy_us_per_step", prof.busy_us)
+        .set("layout_conversions_per_step", prof.conversions)
+        .set("kernels_source", "kineto profile of 3 steps");
+  }
+  if (graphs) extra.set("graph_kernel_nodes", nodes);
+  report.add(bench, row.impl, config, t, extra);
+  if (profile_out) {
+    *profile_out << "== " << bench << " " << row.impl << " batch " << batch << " " << row.precision << " " << row.layout
+                 << " graphs " << row.graphs << ": " << std::fixed << std::setprecision(3) << row.ms << " ms/step, "
+                 << std::setprecision(1) << prof.kernels << " kernels/step, GPU busy " << prof.busy_us
+                 << " us/step, NCHW<->NHWC conversions " << prof.conversions << "/step";
+    if (graphs) *profile_out << ", graph kernel nodes " << nodes;
+    *profile_out << "\n";
+    for (size_t i = 0; i < std::min<size_t>(prof.top.size(), 12); ++i) {
+      const auto& [name, cu] = prof.top[i];
+      *profile_out << "  " << std::setw(9) << std::setprecision(1) << cu.second / 3 << " us/step " << std::setw(5)
+                   << std::setprecision(1) << cu.first / 3.0 << "x  " << name.substr(0, 140) << "\n";
+    }
+    for (const auto& [caller, count] : prof.copies_by_caller) {
+      *profile_out << "  copy " << std::setprecision(1) << count / 3.0 << "x/step  " << caller << "\n";
+    }
+    profile_out->unsetf(std::ios::fixed);
+  }
+  return row;
+}
+
+void warm_side_stream() {
+  const auto a = at::rand({64, 64}, at::TensorOptions().device(at::kCUDA));
+  at::mm(a, a);
+  {
+    c10::cuda::CUDAStreamGuard guard(side_stream());
+    at::mm(a, a);
+    at::mm(a.to(at::kBFloat16), a.to(at::kBFloat16));
+  }
+  at::mm(a.to(at::kBFloat16), a.to(at::kBFloat16));
+  at::cuda::device_synchronize();
+}
+
+void release_memory() {
+  at::cuda::getCurrentCUDAStream().synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+void print_rows(const std::vector<Row>& rows) {
+  // Each hierpar row against the stock row of the same configuration and against stock's best mode
+  // (eager or graph) of the same batch and precision.
+  auto find = [&](const Row& like, const char* impl, const std::string& graphs) -> const Row* {
+    for (const auto& r : rows) {
+      if (r.bench == like.bench && r.impl == impl && r.batch == like.batch && r.precision == like.precision &&
+          r.graphs == graphs)
+        return &r;
+    }
+    return nullptr;
+  };
+  std::cout << "\n" << std::left << std::setw(11) << "bench" << std::setw(8) << "impl" << std::right << std::setw(6)
+            << "batch" << std::setw(6) << "prec" << std::setw(7) << "graph" << std::setw(10) << "ms/step" << std::setw(11)
+            << "img/s" << std::setw(9) << "kernels" << std::setw(8) << "conv" << std::setw(10) << "busy us"
+            << std::setw(10) << "peak MB" << std::setw(12) << "stock/this" << std::setw(12) << "best stock/"
+            << "\n";
+  for (const auto& r : rows) {
+    const Row* same = find(r, "stock", r.graphs);
+    const Row* eager = find(r, "stock", "off");
+    const Row* graph = find(r, "stock", "on");
+    double best = 0;
+    if (eager) best = eager->ms;
+    if (graph) best = best > 0 ? std::min(best, graph->ms) : graph->ms;
+    std::cout << std::left << std::setw(11) << r.bench << std::setw(8) << r.impl << std::right << std::setw(6) << r.batch
+              << std::setw(6) << r.precision << std::setw(7) << r.graphs << std::fixed << std::setprecision(3)
+              << std::setw(10) << r.ms << std::setprecision(0) << std::setw(11) << r.images_per_s << std::setprecision(1)
+              << std::setw(9) << r.kernels << std::setw(8) << r.conversions << std::setw(10) << r.busy_us
+              << std::setw(10) << r.peak << std::setprecision(2) << std::setw(11) << (same ? same->ms / r.ms : NAN)
+              << "x" << std::setw(11) << (best > 0 ? best / r.ms : NAN) << "x\n";
+    std::cout.unsetf(std::ios::fixed);
+  }
+}
+
+void check_target(const std::vector<Row>& rows, const char* what, int64_t batch, const char* precision,
+                  double limit_ms) {
+  const Row* best = nullptr;
+  for (const auto& r : rows) {
+    if (r.bench == "dcgan_step" && r.impl == std::string("hierpar") && r.batch == batch && r.precision == precision &&
+        (!best || r.ms < best->ms))
+      best = &r;
+  }
+  if (!best) return;
+  std::cout << "target " << what << ": hierpar best " << std::fixed << std::setprecision(3) << best->ms
+            << " ms/step (graphs " << best->graphs << ") vs <= " << limit_ms << ": "
+            << (best->ms <= limit_ms ? "MET" : "NOT MET") << "\n";
+  std::cout.unsetf(std::ios::fixed);
+}
+
+void dcgan_step_suite(Report& report, const Options& options) {
+  at::globalContext().setAllowTF32CuDNN(true);
+  at::globalContext().setAllowTF32CuBLAS(true);
+  const char* profile_path = std::getenv("HIERPAR_STEP_PROFILE");
+  std::unique_ptr<std::ofstream> profile_out;
+  if (profile_path) profile_out = std::make_unique<std::ofstream>(profile_path);
+  const std::vector<int64_t> batches = options.quick ? std::vector<int64_t>{64, 1024}
+                                                     : std::vector<int64_t>{64, 256, 1024, 4096};
+  std::vector<Row> rows;
+  warm_side_stream();
+  for (int64_t batch : batches) {
+    for (bool bf16 : {false, true}) {
+      for (bool graphs : {false, true}) {
+        for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+          at::manual_seed(0);
+          {
+            const double before = allocated_mb(false);
+            DcganStep step(layers, batch, bf16);
+            rows.push_back(
+                measure(report, "dcgan_step", layers, batch, bf16, graphs, step, before, options, profile_out.get()));
+          }
+          release_memory();
+        }
+      }
+    }
+  }
+  for (int64_t batch : {8, 128}) {
+    for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+      at::manual_seed(0);
+      {
+        const double before = allocated_mb(false);
+        CnnStep step(layers, batch);
+        rows.push_back(measure(report, "cnn_step", layers, batch, false, false, step, before, options, profile_out.get()));
+      }
+      release_memory();
+    }
+  }
+  print_rows(rows);
+  check_target(rows, "batch 64 tf32 <= 1.0 ms", 64, "tf32", 1.0);
+  check_target(rows, "batch 1024 bf16+channels_last <= 4.0 ms", 1024, "bf16", 4.0);
+  for (const auto& stock : rows) {
+    if (stock.bench != "dcgan_step" || stock.impl != "stock" || stock.batch != 1024 || stock.precision != "bf16") continue;
+    for (const auto& ours : rows) {
+      if (ours.bench == stock.bench && ours.impl == "hierpar" && ours.batch == 1024 && ours.precision == "bf16" &&
+          ours.graphs == stock.graphs) {
+        std::cout << "target peak memory at batch 1024 bf16, graphs " << ours.graphs << ": hierpar " << std::fixed
+                  << std::setprecision(1) << ours.peak << " MB vs stock " << stock.peak << " MB: "
+                  << (ours.peak <= stock.peak ? "MET" : "NOT MET") << "\n";
+        std::cout.unsetf(std::ios::fixed);
+      }
+    }
+  }
+}
+
+HIERPAR_BENCH_SUITE("dcgan_step", dcgan_step_suite);
+
+}  // namespace

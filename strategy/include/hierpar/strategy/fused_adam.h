@@ -1,0 +1,58 @@
+// Adam over a fixed list of parameters whose step is two multi-tensor kernel launches per (device, dtype)
+// group: one adds 1 to every parameter's step counter, one (ATen's at::_fused_adam_) updates every
+// parameter and both moments. Nothing in step() or zero_grad() reads a value on the host or allocates,
+// so both can be captured into a CUDA graph: the step counters are device tensors (float32, as ATen's
+// fused kernels expect) and the moments are allocated in the constructor, not on the first step (a
+// first step inside a capture would otherwise record their zero fill into the graph).
+//
+// The update is torch::optim::Adam's (L2 weight decay added to the gradient, optional AMSGrad), so the
+// two agree to rounding; options are torch::optim::AdamOptions. The learning rate is read when step() is
+// called: a graph captured with one learning rate keeps it.
+//
+// Usage:
+//   hierpar::strategy::FusedAdam opt(model->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
+//   opt.zero_grad();  loss.backward();  opt.step();
+#pragma once
+
+#include <torch/optim/adam.h>
+
+#include <vector>
+
+namespace hierpar::strategy {
+
+class FusedAdam {
+ public:
+  // Every parameter must be a dense floating-point leaf; parameters may live on several devices and
+  // dtypes (each (device, dtype) group is updated by its own launches).
+  explicit FusedAdam(std::vector<torch::Tensor> parameters,
+                     torch::optim::AdamOptions options = torch::optim::AdamOptions());
+
+  // Updates every parameter that has a gradient (a parameter without one is skipped and its step counter
+  // stays, as in torch::optim::Adam). A gradient must have its parameter's strides, which autograd
+  // guarantees for the gradients it creates.
+  void step();
+
+  // set_to_none (the default) launches nothing: the next backward creates the gradients, so no zero fill
+  // and no accumulation add runs. set_to_none=false zeroes the existing gradients with one multi-tensor
+  // kernel per group (their storage stays put, for code that holds on to it).
+  void zero_grad(bool set_to_none = true);
+
+  const std::vector<torch::Tensor>& parameters() const { return parameters_; }
+  const torch::optim::AdamOptions& options() const { return options_; }
+  torch::optim::AdamOptions& options() { return options_; }
+
+  // State of parameter i (in the constructor's order): its step counter (a 0-dim float32 tensor on its
+  // device), first and second moments, and the running maximum of the second moment (AMSGrad only).
+  const torch::Tensor& step_count(size_t i) const { return steps_.at(i); }
+  const torch::Tensor& exp_avg(size_t i) const { return exp_avgs_.at(i); }
+  const torch::Tensor& exp_avg_sq(size_t i) const { return exp_avg_sqs_.at(i); }
+  const torch::Tensor& max_exp_avg_sq(size_t i) const { return max_exp_avg_sqs_.at(i); }
+
+ private:
+  std::vector<torch::Tensor> parameters_;
+  torch::optim::AdamOptions options_;
+  std::vector<torch::Tensor> steps_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_;
+  std::vector<std::vector<size_t>> groups_;  // parameter indices sharing a device and dtype
+};
+
+}  // namespace hierpar::strategy

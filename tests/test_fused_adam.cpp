@@ -1,0 +1,201 @@
+// hierpar::strategy::FusedAdam against torch::optim::Adam: the same parameters, fed the same random
+// gradients for K steps, must end with the same parameters and moments (CPU in float64 and float32, CUDA
+// in float32 with channels_last parameters), a captured CUDA graph of step() replayed K times must equal K
+// eager steps, and bad input is refused with a message naming the argument.
+//
+// Tolerances: both implementations compute the same update in the same precision, in a different order of
+// operations (the fused kernel folds the bias corrections into one expression). Each step's update is
+// m / (sqrt(v) + eps) * lr with m, v exact to a few rounding units, so after K steps the parameters agree
+// to a few units of the dtype's rounding of their O(1) values: tolerance_for(dtype) (float64 1e-10
+// relative, float32 1e-5 relative / 1e-6 absolute). The graph replay runs the very same kernels on the
+// same data as eager steps, so it must agree exactly.
+#include "testing.h"
+
+#include "hierpar/strategy/fused_adam.h"
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <sstream>
+
+namespace {
+
+using namespace hierpar::testing;
+using hierpar::strategy::FusedAdam;
+
+// A few parameters of random shapes, the last one 4-d (a convolution weight), in the given layout.
+std::vector<torch::Tensor> random_parameters(const torch::TensorOptions& options, Layout conv_layout) {
+  std::vector<torch::Tensor> params;
+  const int64_t count = rand_int(2, 5);
+  for (int64_t i = 0; i < count; ++i) {
+    std::vector<int64_t> shape;
+    const int64_t dims = rand_int(1, 2);
+    for (int64_t d = 0; d < dims; ++d) shape.push_back(rand_int(1, 37));
+    params.push_back(random_tensor(shape, options));
+  }
+  params.push_back(random_tensor({rand_int(1, 9), rand_int(1, 9), 4, 4}, options, conv_layout));
+  return params;
+}
+
+std::vector<torch::Tensor> leaf_copies(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().requires_grad_(true));  // clone keeps strides
+  return out;
+}
+
+torch::optim::AdamOptions random_options() {
+  auto options = torch::optim::AdamOptions(1e-2).betas({coin() ? 0.5 : 0.9, 0.999}).eps(1e-8);
+  options.weight_decay(coin() ? 0.0 : 0.01);
+  options.amsgrad(coin());
+  return options;
+}
+
+std::string describe(const torch::optim::AdamOptions& o) {
+  std::ostringstream s;
+  s << "lr " << o.lr() << " betas (" << std::get<0>(o.betas()) << ", " << std::get<1>(o.betas()) << ") weight_decay "
+    << o.weight_decay() << " amsgrad " << o.amsgrad() << " (seed " << run_seed() << ")";
+  return s.str();
+}
+
+// Steps FusedAdam and torch::optim::Adam K times on the same gradients and compares the results.
+void compare_with_torch_adam(const torch::TensorOptions& options, Layout conv_layout, int steps) {
+  const auto adam_options = random_options();
+  const auto initial = random_parameters(options, conv_layout);
+  auto fused_params = leaf_copies(initial), torch_params = leaf_copies(initial);
+  FusedAdam fused(fused_params, adam_options);
+  torch::optim::Adam reference(torch_params, adam_options);
+  for (int k = 0; k < steps; ++k) {
+    fused.zero_grad();
+    reference.zero_grad();
+    for (size_t i = 0; i < initial.size(); ++i) {
+      // Autograd gives a gradient its parameter's strides; so does empty_like + copy_ here.
+      auto grad = random_tensor(initial[i].sizes(), options);
+      fused_params[i].mutable_grad() = torch::empty_like(fused_params[i]).copy_(grad);
+      torch_params[i].mutable_grad() = torch::empty_like(torch_params[i]).copy_(grad);
+    }
+    fused.step();
+    reference.step();
+    if (k == 0) {
+      // The parameters move (so the comparison below is not of untouched copies): Adam's first step moves
+      // every element by lr * sign(grad) (|grad| >> eps here).
+      for (size_t i = 0; i < initial.size(); ++i) {
+        EXPECT_GT((fused_params[i] - initial[i]).abs().min().item<double>(), adam_options.lr() / 2);
+      }
+    }
+  }
+  const auto what = describe(adam_options) + " " + to_string(conv_layout);
+  for (size_t i = 0; i < initial.size(); ++i) {
+    expect_close(fused_params[i], torch_params[i], what + " parameter " + std::to_string(i));
+    const auto& state =
+        static_cast<const torch::optim::AdamParamState&>(*reference.state().at(torch_params[i].unsafeGetTensorImpl()));
+    expect_close(fused.exp_avg(i), state.exp_avg(), what + " exp_avg " + std::to_string(i));
+    expect_close(fused.exp_avg_sq(i), state.exp_avg_sq(), what + " exp_avg_sq " + std::to_string(i));
+    if (adam_options.amsgrad()) {
+      expect_close(fused.max_exp_avg_sq(i), state.max_exp_avg_sq(), what + " max_exp_avg_sq " + std::to_string(i));
+    }
+    EXPECT_EQ(fused.step_count(i).item<double>(), steps) << what;
+    EXPECT_EQ(fused.exp_avg(i).strides(), fused_params[i].strides()) << what << ": moments keep the layout";
+  }
+}
+
+TEST(FusedAdam, MatchesTorchAdamOnCpuDouble) {
+  compare_with_torch_adam(torch::dtype(torch::kDouble), coin() ? Layout::channels_last : Layout::contiguous, 7);
+}
+
+TEST(FusedAdam, MatchesTorchAdamOnCpuFloat) {
+  compare_with_torch_adam(torch::dtype(torch::kFloat), coin() ? Layout::channels_last : Layout::contiguous, 7);
+}
+
+TEST(FusedAdam, MatchesTorchAdamOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  compare_with_torch_adam(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::contiguous, 9);
+  compare_with_torch_adam(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::channels_last, 9);
+}
+
+// step() and zero_grad(false) captured into one CUDA graph, replayed K times with new gradients copied into
+// the static gradient tensors before each replay, equal K eager steps bit for bit.
+TEST(FusedAdam, CapturedStepEqualsEagerSteps) {
+  HIERPAR_REQUIRE_CUDA();
+  const auto options = torch::dtype(torch::kFloat).device(torch::kCUDA);
+  const auto adam_options = random_options();
+  const auto initial = random_parameters(options, Layout::channels_last);
+  auto eager_params = leaf_copies(initial), graph_params = leaf_copies(initial);
+  FusedAdam eager(eager_params, adam_options), graphed(graph_params, adam_options);
+  for (auto& p : graph_params) p.mutable_grad() = torch::zeros_like(p);
+
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  torch::cuda::synchronize();  // the parameters were written on the current stream
+  at::cuda::CUDAGraph graph;
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    graph.capture_begin();
+    graphed.step();
+    graph.capture_end();
+  }
+  torch::cuda::synchronize();
+  // Capturing ran nothing: the parameters and the step counters are untouched.
+  for (size_t i = 0; i < initial.size(); ++i) {
+    EXPECT_TRUE(torch::equal(graph_params[i], initial[i]));
+    EXPECT_EQ(graphed.step_count(i).item<double>(), 0);
+  }
+  const int steps = 6;
+  for (int k = 0; k < steps; ++k) {
+    for (size_t i = 0; i < initial.size(); ++i) {
+      auto grad = random_tensor(initial[i].sizes(), options);
+      graph_params[i].mutable_grad().copy_(grad);
+      eager_params[i].mutable_grad() = torch::empty_like(eager_params[i]).copy_(grad);
+    }
+    graph.replay();
+    eager.step();
+  }
+  const auto what = describe(adam_options);
+  for (size_t i = 0; i < initial.size(); ++i) {
+    expect_close(graph_params[i], eager_params[i], Tolerance{0, 0}, what + " parameter " + std::to_string(i));
+    expect_close(graphed.exp_avg_sq(i), eager.exp_avg_sq(i), Tolerance{0, 0}, what + " exp_avg_sq " + std::to_string(i));
+    EXPECT_EQ(graphed.step_count(i).item<double>(), steps) << what;
+  }
+}
+
+TEST(FusedAdam, SkipsParametersWithoutGradient) {
+  auto params = leaf_copies(random_parameters(torch::dtype(torch::kFloat), Layout::contiguous));
+  const auto untouched = params[0].detach().clone();
+  FusedAdam fused(params, torch::optim::AdamOptions(1e-2));
+  for (size_t i = 1; i < params.size(); ++i) params[i].mutable_grad() = random_tensor(params[i].sizes(), params[i].options());
+  fused.step();
+  EXPECT_TRUE(torch::equal(params[0], untouched));
+  EXPECT_EQ(fused.step_count(0).item<double>(), 0);
+  EXPECT_EQ(fused.step_count(1).item<double>(), 1);
+}
+
+TEST(FusedAdam, ZeroGrad) {
+  auto params = leaf_copies(random_parameters(torch::dtype(torch::kFloat), Layout::contiguous));
+  FusedAdam fused(params);
+  for (auto& p : params) p.mutable_grad() = random_tensor(p.sizes(), p.options());
+  const void* storage = params[0].grad().data_ptr();
+  fused.zero_grad(/*set_to_none=*/false);
+  for (const auto& p : params) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_EQ(p.grad().abs().max().item<double>(), 0);
+  }
+  EXPECT_EQ(params[0].grad().data_ptr(), storage) << "zero_grad(false) zeroes in place";
+  fused.zero_grad();
+  for (const auto& p : params) EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(FusedAdam, RejectsBadInput) {
+  auto p = torch::randn({3, 4}).requires_grad_(true);
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({}), "parameters: expected at least one tensor");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p}, torch::optim::AdamOptions(-1.0)), "lr: expected a non-negative");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p}, torch::optim::AdamOptions().betas({0.5, 1.0})), "betas: expected both in [0, 1)");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p}, torch::optim::AdamOptions().eps(-1.0)), "eps: expected a non-negative");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p}, torch::optim::AdamOptions().weight_decay(-1.0)),
+                           "weight_decay: expected a non-negative");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p, torch::ones({2}, torch::kLong)}), "parameters[1]: expected a defined, dense");
+  HIERPAR_EXPECT_THROW_MSG(FusedAdam({p, torch::randn({3, 8}).slice(1, 0, 8, 2)}), "parameters[1]: expected a defined, dense");
+  FusedAdam fused({p});
+  p.mutable_grad() = torch::randn({4, 3}).t();  // right shape, transposed strides
+  HIERPAR_EXPECT_THROW_MSG(fused.step(), "the gradient of parameters[0]: expected a dense");
+}
+
+}  // namespace
