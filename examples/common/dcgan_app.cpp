@@ -197,12 +197,7 @@ int train_dcgan(DCGANTrainConfig config) {
         std::to_string(state.global_step));
   }
 
-  const std::string missing = models::hierpar_layers_not_built();
-  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
-      (config.model.layers == LayerSet::hierpar && !missing.empty()
-           ? " (not built yet, using torch::nn instead: " + missing + ")"
-           : "") +
-      "; generator " + std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
+  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " + std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
       std::to_string(count_parameters(*discriminator)) + "; device " + device.str() + ", data " +
       (loader.resident() ? "resident on the device" : "streamed through host memory"));
   say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
