@@ -1,6 +1,7 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
@@ -264,9 +265,27 @@ StepLosses AdversarialTrainer::step(const torch::Tensor& real, const torch::Tens
   return run_step(reals, noises);
 }
 
+StepLosses AdversarialTrainer::step_shares(const std::vector<torch::Tensor>& reals,
+                                           const std::vector<torch::Tensor>& noises) {
+  const int64_t parts = placement_.local_replicas();
+  TORCH_CHECK(static_cast<int64_t>(reals.size()) == parts, "step_shares: expected one real batch per local replica (",
+              parts, "), got ", reals.size());
+  TORCH_CHECK(noises.empty() || noises.size() == reals.size(), "step_shares: expected no noise or one per local "
+              "replica (", parts, "), got ", noises.size());
+  for (int64_t i = 0; i < parts; ++i) {
+    TORCH_CHECK(reals[i].defined() && reals[i].dim() >= 1 && reals[i].size(0) > 0, "step_shares: reals[", i,
+                "] must be a batch (dim 0 the samples)");
+    TORCH_CHECK(noises.empty() || (noises[i].dim() >= 1 && noises[i].size(0) == reals[i].size(0)), "step_shares: "
+                "noises[", i, "] must have the batch size of reals[", i, "] (", reals[i].size(0), ")");
+  }
+  return run_step(reals, noises.empty() ? std::vector<torch::Tensor>(reals.size()) : noises);
+}
+
 StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises) {
   StepLosses losses;
   losses.discriminator.resize(reals.size());
+  losses.discriminator_real.resize(reals.size());
+  losses.discriminator_fake.resize(reals.size());
   losses.generator.resize(reals.size());
   workers_->run([&](int64_t i) { step_replica(i, reals[i], noises[i], losses); }, averager_.get(), placement_);
   return losses;
@@ -296,10 +315,14 @@ void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_s
   r.discriminator_optimizer->zero_grad();
   torch::Tensor d_real = r.discriminator.forward<torch::Tensor>(real);
   torch::Tensor d_fake = r.discriminator.forward<torch::Tensor>(fake_on_d.detach());
-  torch::Tensor d_loss = loss(d_real, true) + loss(d_fake, false);
+  torch::Tensor d_loss_real = loss(d_real, true), d_loss_fake = loss(d_fake, false);
+  torch::Tensor d_loss = d_loss_real + d_loss_fake;
   d_loss.backward();
   if (averager_) averager_->average(local, Network::discriminator, gradients_of(r.discriminator_parameters));
   r.discriminator_optimizer->step();
+  // Under autocast, the casts of D's weights cached by the forwards above are stale after the update;
+  // the cache is per thread, so each replica's thread clears its own.
+  at::autocast::clear_cache();
 
   r.generator_optimizer->zero_grad();
   torch::Tensor g_loss;
@@ -310,8 +333,11 @@ void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_s
   }
   if (averager_) averager_->average(local, Network::generator, gradients_of(r.generator_parameters));
   r.generator_optimizer->step();
+  at::autocast::clear_cache();
 
   out.discriminator[local] = d_loss.detach();
+  out.discriminator_real[local] = d_loss_real.detach();
+  out.discriminator_fake[local] = d_loss_fake.detach();
   out.generator[local] = g_loss.detach();
 }
 

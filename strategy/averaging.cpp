@@ -118,7 +118,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const Placement& placement, std::chro
   if (!placement.launch.multi_process()) return c10::make_intrusive<c10d::HashStore>();
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(placement.launch.master_port);
-  options.isServer = placement.launch.rank == 0;
+  options.isServer = placement.launch.rank == 0 && !placement.launch.agent_store;
   options.numWorkers = static_cast<size_t>(placement.launch.world_size);
   options.waitWorkers = false;  // the process groups' own rendezvous waits, with their timeout
   options.timeout = timeout;
@@ -135,6 +135,12 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
 #ifdef USE_C10D_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
+    // The replica threads of one process construct their ranks one at a time: the constructor touches
+    // process-wide state (monitoring threads, allocator hooks) and needs no peer (NCCL's communicator is
+    // created at the first collective, by all ranks concurrently). A segfault was seen once on 2 H200s
+    // when two in-process ranks started; its cause is not established and this serialisation is a guess.
+    static std::mutex construction;
+    std::lock_guard<std::mutex> lock(construction);
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), options);
 #else
     TORCH_CHECK(false, "--reduce nccl on CUDA devices needs hierpar built with NCCL (USE_C10D_NCCL); this build has "
@@ -157,10 +163,17 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
 }
 
 // Waits for a collective, turning a failure or timeout into an error that says what was being averaged.
+// On CUDA tensors NCCL's wait() only makes the current stream wait; given an explicit timeout it would
+// also block the host until the all-reduce ends, so there the process group's own timeout (its watchdog)
+// bounds the wait instead.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& who, const char* what,
-              std::chrono::milliseconds timeout) {
+              std::chrono::milliseconds timeout, bool device_side = false) {
   try {
-    work->wait(timeout);
+    if (device_side) {
+      work->wait();
+    } else {
+      work->wait(timeout);
+    }
   } catch (const std::exception& e) {
     TORCH_CHECK(false, who, ": ", what, " failed or timed out after at most ", timeout.count(),
                 " ms (a peer replica may have failed or died): ", e.what());
@@ -308,7 +321,8 @@ class CollectiveAverager final : public GradientAverager {
     options.reduceOp = c10d::ReduceOp::SUM;
     options.timeout = options_.timeout;
     // For NCCL, wait() makes the current stream wait for the all-reduce; the host does not.
-    wait_for(groups_[n][local]->allreduce(buffers, options), who, "all-reducing the gradients", options_.timeout);
+    wait_for(groups_[n][local]->allreduce(buffers, options), who, "all-reducing the gradients", options_.timeout,
+             flat.is_cuda());
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }

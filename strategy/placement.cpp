@@ -57,6 +57,9 @@ Launch Launch::from_env() {
   launch.local_rank = env_int("LOCAL_RANK", launch.rank);
   if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != '\0') launch.master_addr = addr;
   launch.master_port = env_int("MASTER_PORT", launch.master_port);
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr) {
+    launch.agent_store = std::string(agent) == "True";
+  }
   TORCH_CHECK(launch.world_size >= 1, "WORLD_SIZE must be at least 1, got ", launch.world_size);
   TORCH_CHECK(launch.rank >= 0 && launch.rank < launch.world_size, "RANK must be in [0, WORLD_SIZE=",
               launch.world_size, "), got ", launch.rank);

@@ -493,4 +493,80 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
             (std::vector<int64_t>{2, 3, 32, 32})) << "synthetic data defaults to 3 channels";
 }
 
+
+// ---- the training strategy flags (hierpar::strategy) ----------------------------------------------------------
+
+TEST(Examples, StrategyFlagsParseAndValidate) {
+  TempDir dir;
+  auto config = tiny_training(dir / "out");
+  config.strategy = "data";
+  config.gpus = 2;
+  EXPECT_EQ(dcgan_placement(config).to_string(), "data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu; reduce=host");
+  config.strategy = "task";
+  config.gpus = 0;  // the scheme's own count
+  config.reduce = "nccl";
+  EXPECT_EQ(dcgan_placement(config).to_string(), "task: replica 0: G cpu, D cpu; reduce=nccl");
+  config.strategy = "hierarchical";
+  EXPECT_EQ(dcgan_placement(config).global_replicas(), 1);
+  config.gpus = 4;
+  EXPECT_EQ(dcgan_placement(config).global_replicas(), 2);
+
+  const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
+  expect_one_line_error(run_dcgan(base + "--strategy model", dir), "--strategy must be one of single, task, data, hierarchical; got \"model\"", "strategy name");
+  expect_one_line_error(run_dcgan(base + "--reduce mpi", dir), "--reduce must be host or nccl; got \"mpi\"", "reduce name");
+  expect_one_line_error(run_dcgan(base + "--strategy hierarchical --gpus 3", dir), "needs an even --gpus", "odd hierarchical");
+  expect_one_line_error(run_dcgan(base + "--strategy task --gpus 3", dir), "uses exactly 2 devices", "task on 3");
+  expect_one_line_error(run_dcgan(base + "--strategy single --gpus 2", dir), "uses exactly 1 device", "single on 2");
+  expect_one_line_error(run_dcgan(base + "--gpus -1", dir), "--gpus: expected an integer >= 0, got -1", "negative gpus");
+  expect_one_line_error(run_dcgan(base + "--strategy data --gpus 4 --batch-size 18", dir),
+                        "--batch-size 18 does not split evenly over the 4 replicas", "uneven split");
+  EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+}
+
+// Two replicas of the program on CPU "devices" (threads, host averaging): the checkpoint (replica 0's
+// networks and optimisers) resumes under data to the same weights as a straight run, and under single.
+TEST(Examples, DataParallelCpuRunResumesUnderDataAndSingle) {
+  TempDir dir;
+  const std::string common = "train --device cpu --data synthetic --limit 64 --image-size 32 --width 0.25 --channels 1 "
+                             "--batch-size 16 --samples 4 --seed 7 --epochs 2 ";
+  const std::string data2 = common + "--strategy data --gpus 2 --reduce host ";
+  auto run = [&](const std::string& args, const std::string& what) {
+    auto r = run_dcgan(args, dir);
+    EXPECT_EQ(r.status, 0) << what << ":\n" << c10::Join("\n", r.stderr_lines);
+    return r;
+  };
+  // 6 steps straight (an epoch has 4: this crosses an epoch boundary), and 3 + 3 with a resume.
+  auto straight = run(data2 + "--max-steps 6 --out " + (dir / "straight"), "straight data run");
+  EXPECT_NE(c10::Join("\n", straight.stderr_lines).find("strategy: data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu; reduce=host; global batch 16 = 2 replica(s) x 8"),
+            std::string::npos) << c10::Join("\n", straight.stderr_lines);
+  run(data2 + "--max-steps 3 --out " + (dir / "resumed"), "first half");
+  ASSERT_EQ(read_checkpoint_state(dir / "resumed/checkpoint.pt").global_step, 3);
+  fs::create_directories(dir.path / "single");
+  fs::copy_file(dir / "resumed/checkpoint.pt", dir / "single/checkpoint.pt");
+  run(data2 + "--max-steps 6 --resume --out " + (dir / "resumed"), "resumed data run");
+  EXPECT_TRUE(fs::exists(dir / "resumed/samples/epoch_000001.png"));
+  EXPECT_TRUE(fs::exists(dir / "resumed/losses.csv"));
+
+  auto a = trained_generator(dir / "straight/checkpoint.pt"), b = trained_generator(dir / "resumed/checkpoint.pt");
+  auto pa = a->named_parameters();
+  for (const auto& p : b->named_parameters()) hierpar::testing::expect_close(p.value(), pa[p.key()], "resumed data " + p.key());
+  auto sa = read_checkpoint_state(dir / "straight/checkpoint.pt"), sb = read_checkpoint_state(dir / "resumed/checkpoint.pt");
+  EXPECT_EQ(sb.global_step, 6);
+  hierpar::testing::expect_close(sb.history, sa.history, "loss history");
+
+  // The 2-replica checkpoint at step 3 continues on one device.
+  auto at3 = trained_generator(dir / "single/checkpoint.pt");
+  run(common + "--strategy single --max-steps 5 --resume --out " + (dir / "single"), "resumed under single");
+  const auto s = read_checkpoint_state(dir / "single/checkpoint.pt");
+  EXPECT_EQ(s.global_step, 5);
+  EXPECT_EQ(s.history.size(0), 5);
+  auto p3 = at3->named_parameters();
+  int moved = 0;
+  for (const auto& p : trained_generator(dir / "single/checkpoint.pt")->named_parameters()) {
+    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
+    moved += !p.value().equal(p3[p.key()]);
+  }
+  EXPECT_EQ(moved, static_cast<int>(p3.size())) << "every generator parameter should move in the 2 single steps";
+}
+
 }  // namespace

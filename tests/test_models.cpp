@@ -204,7 +204,15 @@ TEST(Models, StockAndHierparDCGANAgreeCpu) { expect_same_dcgan(torch::kCPU); }
 
 TEST(Models, StockAndHierparDCGANAgreeCuda) {
   HIERPAR_REQUIRE_CUDA();
+  // TF32 off: stock's cuDNN convolutions and hierpar's transposed convolution then both compute in full
+  // fp32, so the two layer sets are compared at fp32's tolerance (TF32 is tested per operator).
+  auto& context = at::globalContext();
+  const bool cudnn_tf32 = context.allowTF32CuDNN(), cublas_tf32 = context.allowTF32CuBLAS();
+  context.setAllowTF32CuDNN(false);
+  context.setAllowTF32CuBLAS(false);
   expect_same_dcgan(torch::kCUDA);
+  context.setAllowTF32CuDNN(cudnn_tf32);
+  context.setAllowTF32CuBLAS(cublas_tf32);
 }
 
 TEST(Models, StockAndHierparCNNAgreeCpu) {

@@ -400,6 +400,10 @@ TEST(StrategyPlacement, ReadsTheLaunchEnvironment) {
   EXPECT_EQ(launch.local_rank, 1);
   EXPECT_EQ(launch.master_addr, "10.0.0.7");
   EXPECT_EQ(launch.master_port, 29555);
+  EXPECT_FALSE(launch.agent_store);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's agent serves the store
+  EXPECT_TRUE(hs::Launch::from_env().agent_store);
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
   ::setenv("RANK", "4", 1);
   HIERPAR_EXPECT_THROW_MSG(hs::Launch::from_env(), "RANK must be in [0, WORLD_SIZE=4)");
   ::setenv("WORLD_SIZE", "two", 1);

@@ -51,7 +51,8 @@ torch::serialize::InputArchive open_checkpoint(const std::string& path) {
   if (!fs::exists(path)) throw Error(path + ": no such checkpoint");
   torch::serialize::InputArchive archive;
   try {
-    archive.load_from(path);
+    // Onto the CPU: a checkpoint from any device loads anywhere; the program moves what it loaded.
+    archive.load_from(path, torch::kCPU);
     if (read_string(archive, "format") != kFormat) throw Error(path + ": not a hierpar checkpoint");
   } catch (const c10::Error& e) {
     throw Error(path + ": not a readable hierpar checkpoint (" +

@@ -41,6 +41,8 @@ CheckpointState read_checkpoint_state(const std::string& path);
 void require_config(const std::string& path, const Config& found, const Config& expected);
 
 // Loads the named modules and optimisers (and RNG states unless `restore_rng` is false) from `path`.
+// Tensors are read onto the CPU: a module's parameters on another device take the CPU values' device
+// (load into CPU modules and move them), and optimiser state tensors are CPU tensors.
 // Checks the configuration with require_config; throws Error if the file cannot be read.
 CheckpointState load_checkpoint(const std::string& path, const Config& expected, const NamedModules& modules,
                                 const NamedOptimizers& optimizers, torch::Device device, bool restore_rng = true);

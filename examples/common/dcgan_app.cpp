@@ -3,11 +3,11 @@
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/images.h"
+#include "hierpar/strategy/adversarial_trainer.h"
 
 #include <torch/csrc/jit/frontend/resolver.h>
 #include <torch/csrc/jit/frontend/sugared_value.h>
 #include <torch/cuda.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -139,13 +139,68 @@ Config checkpoint_config(const DCGANTrainConfig& config) {
           {"seed", std::to_string(config.seed)}};
 }
 
+hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
+  namespace hs = hierpar::strategy;
+  hs::Scheme scheme;
+  hs::Reduce reduce;
+  try {
+    scheme = hs::parse_scheme(config.strategy);
+    reduce = hs::parse_reduce(config.reduce);
+  } catch (const c10::Error& e) {
+    throw FlagError(e.what_without_backtrace());
+  }
+  const hs::Launch launch = hs::Launch::from_env();
+  const torch::Device device = parse_device(config.device);
+  const bool indexed = device.is_cuda() && config.device.find(':') != std::string::npos;
+  if (indexed && (scheme != hs::Scheme::single || launch.multi_process()))
+    throw FlagError("--device " + config.device + " picks one GPU, which only --strategy single in one process "
+                    "uses; give --device cuda (or nothing) and --gpus");
+  const int64_t per_replica = scheme == hs::Scheme::task || scheme == hs::Scheme::hierarchical ? 2 : 1;
+  const int64_t gpus = config.gpus > 0 ? config.gpus : per_replica * launch.world_size;
+  hs::Placement placement;
+  try {
+    placement = hs::Placement::make(scheme, gpus, reduce, device.type(), launch);
+  } catch (const c10::Error& e) {
+    throw Error(e.what_without_backtrace());
+  }
+  if (indexed) placement.replicas[0] = {0, device, device};  // --device cuda:N with single
+  return placement;
+}
+
+namespace {
+
+// Adam's state tensors are read onto the CPU (checkpoints load there); each goes to its parameter's device.
+void move_adam_state_to_parameters(torch::optim::Adam& optimizer) {
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      auto it = optimizer.state().find(p.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;
+      auto& s = static_cast<torch::optim::AdamParamState&>(*it->second);
+      s.exp_avg(s.exp_avg().to(p.device()));
+      s.exp_avg_sq(s.exp_avg_sq().to(p.device()));
+      if (s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(s.max_exp_avg_sq().to(p.device()));
+    }
+  }
+}
+
+}  // namespace
+
 int train_dcgan(DCGANTrainConfig config) {
+  namespace hs = hierpar::strategy;
   if (config.batch_size < 1) throw Error("batch size must be at least 1, got " + std::to_string(config.batch_size));
   if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
   config.model.validate();
-  const torch::Device device = parse_device(config.device);
+  const hs::Placement placement = dcgan_placement(config);
+  const int64_t rank = placement.launch.rank, world = placement.launch.world_size;
+  const bool writer = rank == 0;  // only rank 0 prints and writes files
+  if (config.batch_size % placement.global_replicas() != 0)
+    throw Error("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over the " +
+                std::to_string(placement.global_replicas()) + " replicas of " + placement.to_string());
+  // This process's replica 0: its D device receives the batches, its G device draws the noise.
+  const torch::Device data_device = placement.replicas[0].discriminator;
+  const torch::Device noise_device = placement.replicas[0].generator;
   auto say = [&](const std::string& line) {
-    if (!config.quiet) std::cerr << line << "\n";
+    if (!config.quiet && writer) std::cerr << line << "\n";
   };
 
   const std::string checkpoint = config.out + "/checkpoint.pt";
@@ -167,42 +222,68 @@ int train_dcgan(DCGANTrainConfig config) {
       std::to_string(config.model.image_size));
 
   torch::manual_seed(static_cast<uint64_t>(config.seed));
-  if (device.is_cuda()) {
+  if (data_device.is_cuda()) {
     torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
     at::globalContext().setBenchmarkCuDNN(true);
   }
+  // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
   models::Generator generator(config.model);
   models::Discriminator discriminator(config.model);
-  generator->to(device);
-  discriminator->to(device);
-  const auto adam = torch::optim::AdamOptions(config.lr).betas({config.beta1, 0.999});
-  torch::optim::Adam optimizer_g(generator->parameters(), adam);
-  torch::optim::Adam optimizer_d(discriminator->parameters(), adam);
-  const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
-  const NamedOptimizers optimizers{{"generator", &optimizer_g}, {"discriminator", &optimizer_d}};
 
-  BatchLoader loader(images, device, config.batch_size, parse_placement(config.placement),
+  // Every rank draws the same global batches (same seed) and keeps its own rows of each.
+  BatchLoader loader(images, data_device, config.batch_size, parse_placement(config.placement),
                      static_cast<uint64_t>(config.seed));
+  const int64_t share = config.batch_size / world;
   auto fixed_noise = torch::randn({config.samples, config.model.nz},
                                   at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
-                         .to(device);
+                         .to(noise_device);
 
+  // Replica 0's state, read on the CPU before the trainer copies it to every replica (here and, by its
+  // broadcast, in the other processes); the optimisers' state and the RNG states are loaded below, once
+  // the trainer exists: cloning replicas re-runs the modules' initialisation, which draws random numbers.
   if (config.resume) {
-    auto loaded = load_checkpoint(checkpoint, state.config, modules, optimizers, device);
+    auto loaded = load_checkpoint(checkpoint, state.config,
+                                  {{"generator", generator.get()}, {"discriminator", discriminator.get()}}, {},
+                                  noise_device, /*restore_rng=*/false);
     state.epoch = loaded.epoch;
     state.epoch_step = loaded.epoch_step;
     state.global_step = loaded.global_step;
     state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
+  }
+
+  hs::AdversarialOptions options;
+  options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
+  options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
+  options.noise_shape = {config.model.nz};
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator), placement,
+                                 options);
+  if (config.resume) {
+    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+      load_checkpoint(checkpoint, state.config, {},
+                      {{"generator", &trainer.generator_optimizer(i)},
+                       {"discriminator", &trainer.discriminator_optimizer(i)}},
+                      noise_device, /*restore_rng=*/i == 0);
+      move_adam_state_to_parameters(trainer.generator_optimizer(i));
+      move_adam_state_to_parameters(trainer.discriminator_optimizer(i));
+    }
     say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
         std::to_string(state.global_step));
   }
+  // What a checkpoint saves: replica 0 (every replica holds the same networks after each step).
+  const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
+  const NamedOptimizers optimizers{{"generator", &trainer.generator_optimizer(0)},
+                                   {"discriminator", &trainer.discriminator_optimizer(0)}};
 
-  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " + std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
-      std::to_string(count_parameters(*discriminator)) + "; device " + device.str() + ", data " +
-      (loader.resident() ? "resident on the device" : "streamed through host memory"));
+  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " +
+      std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
+      std::to_string(count_parameters(*discriminator)) + "; data " +
+      (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));
+  say("strategy: " + placement.to_string() + "; global batch " + std::to_string(config.batch_size) + " = " +
+      std::to_string(placement.global_replicas()) + " replica(s) x " +
+      std::to_string(config.batch_size / placement.global_replicas()));
   say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
 
-  std::vector<torch::Tensor> pending;  // per-step losses not yet read back
+  std::vector<torch::Tensor> pending;  // per-step losses not yet read back (on the data device)
   auto flush_losses = [&] {
     if (pending.empty()) return;
     state.history = torch::cat({state.history, torch::stack(pending).to(torch::kCPU, torch::kFloat)});
@@ -210,39 +291,35 @@ int train_dcgan(DCGANTrainConfig config) {
   };
   auto save = [&] {
     flush_losses();
-    save_checkpoint(checkpoint, state, modules, optimizers, device);
+    if (!writer) return;
+    save_checkpoint(checkpoint, state, modules, optimizers, noise_device);  // the noise's RNG state
     write_losses(config.out, state.history, loader.batches_per_epoch());
   };
+  // The mean over this process's replicas of each loss, on the data device (no host sync).
+  auto step_record = [&](const hs::StepLosses& losses) {
+    std::vector<torch::Tensor> rows;
+    for (size_t i = 0; i < losses.generator.size(); ++i) {
+      rows.push_back(torch::stack({losses.discriminator_real[i], losses.discriminator_fake[i], losses.generator[i]})
+                         .to(data_device, /*non_blocking=*/true));
+    }
+    return torch::stack(rows).mean(0);
+  };
 
-  namespace F = torch::nn::functional;
   bool stopped = false, interrupted = false;
   const int64_t steps_per_epoch = loader.batches_per_epoch();
   while (state.epoch < config.epochs && !stopped) {
     loader.start_epoch(state.epoch, state.epoch_step);
     std::unique_ptr<Progress> progress;
-    if (!config.quiet)
+    if (!config.quiet && writer)
       progress = std::make_unique<Progress>("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(config.epochs),
                                             steps_per_epoch, config.batch_size);
     const auto epoch_start = std::chrono::steady_clock::now();
     const int64_t first_step = state.epoch_step;
-    for (auto real = loader.next(); real.defined(); real = loader.next()) {
-      const int64_t b = real.size(0);
-      auto ones = torch::ones({b}, real.options()), zeros = torch::zeros({b}, real.options());
-      auto noise = torch::randn({b, config.model.nz}, real.options());
-
-      optimizer_d.zero_grad();
-      auto loss_real = F::binary_cross_entropy_with_logits(discriminator->forward(real), ones);
-      auto fake = generator->forward(noise);
-      auto loss_fake = F::binary_cross_entropy_with_logits(discriminator->forward(fake.detach()), zeros);
-      (loss_real + loss_fake).backward();
-      optimizer_d.step();
-
-      optimizer_g.zero_grad();
-      auto loss_g = F::binary_cross_entropy_with_logits(discriminator->forward(fake), ones);
-      loss_g.backward();
-      optimizer_g.step();
-
-      pending.push_back(torch::stack({loss_real, loss_fake, loss_g}).detach());
+    for (auto batch = loader.next(); batch.defined(); batch = loader.next()) {
+      // The same global noise on every rank (same seed, same draws); each rank keeps its rows.
+      auto noise = torch::randn({batch.size(0), config.model.nz}, torch::TensorOptions().device(noise_device));
+      auto real = batch.narrow(0, rank * share, share);
+      pending.push_back(step_record(trainer.step(real, noise.narrow(0, rank * share, share))));
       ++state.epoch_step;
       ++state.global_step;
       const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
@@ -263,7 +340,10 @@ int train_dcgan(DCGANTrainConfig config) {
         save();
     }
     if (progress) progress->finish();
-    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    for (const auto& r : placement.replicas) {
+      for (const torch::Device& d : {r.generator, r.discriminator})
+        if (d.is_cuda()) torch::cuda::synchronize(d.index());
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
     const int64_t steps_done = state.epoch_step - first_step;
     std::string grid;
@@ -274,7 +354,7 @@ int train_dcgan(DCGANTrainConfig config) {
     } else {
       grid = sample_path(config.out, "step", state.global_step);
     }
-    write_samples(*generator, fixed_noise, grid);
+    if (writer) write_samples(*generator, fixed_noise, grid);
     save();
     std::ostringstream line;
     line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")

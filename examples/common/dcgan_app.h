@@ -5,6 +5,7 @@
 #include "common/checkpoint.h"
 #include "common/data.h"
 #include "hierpar/models/dcgan.h"
+#include "hierpar/strategy/placement.h"
 
 #include <torch/script.h>
 
@@ -19,7 +20,13 @@ struct DCGANTrainConfig {
   int64_t limit = 0;                   // use at most this many images (0: all)
   std::string placement = "auto";      // auto | device | stream
   models::DCGANOptions model;          // channels 0 below means: 1 for Fashion-MNIST, 3 otherwise
-  std::string device = "";             // "" picks cuda when available
+  std::string device = "";             // "" picks cuda when available; cpu runs every strategy on the CPU
+  // How G and D are placed and trained (hierpar::strategy): single | task | data | hierarchical over
+  // `gpus` devices in all (0: the scheme's own count, times WORLD_SIZE under a launcher), gradients
+  // averaged by host | nccl. batch_size is the global batch, split evenly over all replicas.
+  std::string strategy = "single";
+  int64_t gpus = 0;
+  std::string reduce = "host";
   int64_t epochs = 5;
   int64_t batch_size = 64;
   double lr = 2e-4, beta1 = 0.5;
@@ -39,7 +46,15 @@ struct DCGANTrainConfig {
 Config checkpoint_config(const DCGANTrainConfig& config);
 
 // Trains; returns 0, or 130 when should_stop() ended it early. Throws Error for bad input.
+// Under a launcher (torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) every process calls
+// it with the same flags: each reads its share of the same global batches, and only rank 0 prints and
+// writes samples, losses and checkpoints. A checkpoint holds replica 0's networks and optimisers, so
+// it resumes under any strategy and device count.
 int train_dcgan(DCGANTrainConfig config);
+
+// The placement that `config` asks for (strategy, gpus, reduce, device) in this process's launch;
+// throws FlagError naming the flag for unknown names and Error for impossible requests.
+hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config);
 
 // The generator stored in a checkpoint written by train_dcgan, built with `layers`, in eval mode.
 models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device);

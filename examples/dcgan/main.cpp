@@ -1,5 +1,7 @@
 // hierpar-dcgan: the seed paper's DCGAN, trained with stock torch::nn or hierpar layers (--layers).
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
+//                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl]
+//   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
 #include "common/cli.h"
@@ -37,8 +39,12 @@ int train(int argc, char** argv) {
       .add("limit", &config.limit, "use at most this many images (0: all)", 0)
       .add("layers", &layers, "stock (torch::nn) or hierpar")
       .add("device", &config.device, "cpu, cuda or cuda:N (default: cuda when available)")
+      .add("strategy", &config.strategy, "single, task (G and D on 2 GPUs), data (a replica per GPU) or "
+           "hierarchical (a G GPU and a D GPU per replica)")
+      .add("gpus", &config.gpus, "devices in all, over every process (0: the strategy's own count)", 0)
+      .add("reduce", &config.reduce, "gradient averaging across replicas: host (pinned memory, CPU threads) or nccl")
       .add("epochs", &config.epochs, "epochs to train", 1)
-      .add("batch-size", &config.batch_size, "images per step", 1)
+      .add("batch-size", &config.batch_size, "images per step over all replicas (the global batch)", 1)
       .add("image-size", &image_size, "32, 64 or 128", 1)
       .add("channels", &channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
       .add("width", &width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)

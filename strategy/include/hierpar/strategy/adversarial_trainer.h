@@ -51,7 +51,9 @@ struct AdversarialOptions {
 
 // The losses of one step: one 0-dim tensor per local replica, on its D device (reading them syncs).
 struct StepLosses {
-  std::vector<torch::Tensor> discriminator;
+  std::vector<torch::Tensor> discriminator;       // loss on real + loss on fake
+  std::vector<torch::Tensor> discriminator_real;  // its two terms, for logs
+  std::vector<torch::Tensor> discriminator_fake;
   std::vector<torch::Tensor> generator;
   // Means over this process's replicas, read on the host (a device sync: call it every N steps).
   std::pair<double, double> mean() const;
@@ -72,6 +74,10 @@ class AdversarialTrainer {
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
   // otherwise each replica draws its own. Throws, naming the replica, if any replica fails.
   StepLosses step(const torch::Tensor& real, const torch::Tensor& noise = {});
+  // The same with each local replica's share given by the caller (reals[i] for local replica i, ideally
+  // already on its D device, so that no share crosses devices inside the step); `noises` empty or one
+  // per replica.
+  StepLosses step_shares(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises = {});
 
   // Makes every replica (here and in other processes) equal to global replica 0: parameters and
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.

@@ -35,6 +35,9 @@ struct Launch {
   int64_t local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
+  // torchrun's agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT and says so with
+  // TORCHELASTIC_USE_AGENT_STORE=True: then every rank connects to it as a client (rank 0 must not bind).
+  bool agent_store = false;
 
   static Launch from_env();  // the variables above; missing ones keep the defaults
   bool multi_process() const { return world_size > 1; }

@@ -1,0 +1,206 @@
+// Suite "strategy": seed 000's Table 2 on the GPUs present. One DCGAN training step (the seed's network:
+// 64x64x3 images, 256-128-64-32 channels) through hierpar::strategy::AdversarialTrainer under each
+// placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
+// (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
+// global batches 64 (the seed's), 1024 and 4096. The stock row is the same trainer on one GPU with
+// torch::nn layers; every other row uses hierpar's layers.
+//
+// Timing: a run is K steps between device synchronisations of every GPU of the placement (host wall
+// clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
+// the median over several runs. Each replica's share of the batch is already on its D device (as a data
+// loader per replica would leave it), so no input crosses devices inside the timed step.
+// extra: images_per_s (global batch / step time) and epoch_s (seconds for the seed's epoch of 2944 images
+// at that rate). Rows needing more GPUs than present are skipped, and the output says so.
+#include "bench.h"
+
+#include "hierpar/models/dcgan.h"
+#include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/placement.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace hierpar::bench;
+namespace hs = hierpar::strategy;
+
+constexpr double kEpochImages = 2944;  // the seed's data set
+
+struct Row {
+  const char* strategy;
+  int64_t gpus;
+  const char* reduce;  // "none" where one replica has nothing to average
+  hierpar::LayerSet layers;
+};
+
+struct Precision {
+  bool bf16;  // autocast to bfloat16 (fp32 weights and optimiser) and channels_last activations/weights
+  const char* name() const { return bf16 ? "bf16" : "fp32"; }
+  const char* layout() const { return bf16 ? "channels_last" : "nchw"; }
+};
+
+void to_channels_last(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+std::vector<c10::Device> devices_of(const hs::Placement& placement) {
+  std::vector<c10::Device> devices;
+  for (const auto& r : placement.replicas) {
+    for (const c10::Device& d : {r.generator, r.discriminator})
+      if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+  }
+  return devices;
+}
+
+// Median and minimum microseconds per step over `runs` runs of `steps` steps, after `warmup` steps.
+Timing time_steps(hs::AdversarialTrainer& trainer, const std::vector<torch::Tensor>& reals, int warmup, int steps,
+                  int runs) {
+  const auto devices = devices_of(trainer.placement());
+  auto sync = [&] {
+    for (const auto& d : devices) torch::cuda::synchronize(d.index());
+  };
+  for (int i = 0; i < warmup; ++i) trainer.step_shares(reals);
+  sync();
+  std::vector<double> us;
+  for (int run = 0; run < runs; ++run) {
+    sync();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) trainer.step_shares(reals);
+    sync();
+    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / steps);
+  }
+  std::sort(us.begin(), us.end());
+  Timing t;
+  t.repeats = runs;
+  t.min_us = us.front();
+  t.median_us = runs % 2 ? us[runs / 2] : 0.5 * (us[runs / 2 - 1] + us[runs / 2]);
+  return t;
+}
+
+struct Result {
+  std::string label;
+  double seconds_per_epoch, images_per_s;
+};
+
+void strategy_suite(Report& report, const Options& options) {
+  const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
+  const std::vector<Row> rows = {
+      {"single", 1, "none", hierpar::LayerSet::stock},   {"single", 1, "none", hierpar::LayerSet::hierpar},
+      {"task", 2, "none", hierpar::LayerSet::hierpar},   {"data", 2, "host", hierpar::LayerSet::hierpar},
+      {"data", 2, "nccl", hierpar::LayerSet::hierpar},   {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
+      {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
+      {"data", 4, "nccl", hierpar::LayerSet::hierpar},
+  };
+  struct Case {
+    int64_t batch;
+    Precision precision;
+  };
+  std::vector<Case> cases = {{64, {false}}, {1024, {false}}, {4096, {false}}, {4096, {true}}};
+  if (options.quick) cases = {{64, {false}}, {1024, {false}}};
+  const int runs = options.quick ? 3 : 5;
+  hs::AdversarialOptions trainer_options;  // DCGAN's Adam (2e-4, beta1 0.5), BCE with logits
+
+  std::vector<Result> results;
+  std::vector<std::string> skipped;
+  for (const Case& c : cases) {
+    for (const Row& row : rows) {
+      const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
+                                (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce + ", " +
+                                (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
+                                std::to_string(c.batch) + " " + c.precision.name();
+      if (row.gpus > visible) {
+        skipped.push_back(label + ": needs " + std::to_string(row.gpus) + " GPUs, " + std::to_string(visible) +
+                          " present");
+        continue;
+      }
+      try {
+        const auto placement = hs::Placement::make(hs::parse_scheme(row.strategy), row.gpus,
+                                                   std::string(row.reduce) == "nccl" ? hs::Reduce::collective
+                                                                                     : hs::Reduce::host,
+                                                   c10::DeviceType::CUDA, hs::Launch{});
+        hierpar::models::DCGANOptions model;  // the seed's: nz 100, 64x64x3, width 1
+        model.layers = row.layers;
+        torch::manual_seed(0);
+        hierpar::models::Generator g(model);
+        hierpar::models::Discriminator d(model);
+        if (c.precision.bf16) {
+          to_channels_last(*g);
+          to_channels_last(*d);
+        }
+        trainer_options.noise_shape = {model.nz};
+        hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, trainer_options);
+        const int64_t share = c.batch / placement.global_replicas();
+        std::vector<torch::Tensor> reals;
+        for (const auto& r : placement.replicas) {
+          auto real = torch::rand({share, model.channels, model.image_size, model.image_size},
+                                  torch::TensorOptions().device(r.discriminator)) * 2 - 1;
+          reals.push_back(c.precision.bf16 ? real.contiguous(at::MemoryFormat::ChannelsLast) : real);
+        }
+        if (c.precision.bf16) {
+          at::autocast::set_autocast_enabled(at::kCUDA, true);
+          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        }
+        const int steps = static_cast<int>(std::clamp<int64_t>((8192 + c.batch - 1) / c.batch, 5, 30));
+        Timing t;
+        try {
+          t = time_steps(trainer, reals, /*warmup=*/5, steps, runs);
+        } catch (...) {
+          at::autocast::set_autocast_enabled(at::kCUDA, false);
+          at::autocast::clear_cache();
+          throw;
+        }
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        at::autocast::clear_cache();
+        // The losses must be finite: a broken step timed fast is no result.
+        auto [d_loss, g_loss] = trainer.step_shares(reals).mean();
+        TORCH_CHECK(std::isfinite(d_loss) && std::isfinite(g_loss), "non-finite losses after timing: D ", d_loss,
+                    ", G ", g_loss);
+        const double images_per_s = c.batch / (t.median_us * 1e-6);
+        const double epoch_s = kEpochImages / images_per_s;
+        Config config;
+        config.set("batch", c.batch)
+            .set("precision", c.precision.name())
+            .set("layout", c.precision.layout())
+            .set("graphs", "off")
+            .set("strategy", row.strategy)
+            .set("gpus", row.gpus)
+            .set("reduce", row.reduce);
+        Config extra;
+        extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
+        report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
+        results.push_back({label, epoch_s, images_per_s});
+        std::printf("  %-72s %9.3f ms/step %11.0f images/s %8.4f s/epoch\n", label.c_str(), t.median_us / 1000.0,
+                    images_per_s, epoch_s);
+        std::fflush(stdout);
+      } catch (const std::exception& e) {
+        std::string what = e.what();
+        what = what.substr(0, what.find('\n'));
+        skipped.push_back(label + ": FAILED: " + what);
+        std::printf("  %-72s FAILED: %s\n", label.c_str(), what.c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+  std::cout << "\nTable 2 (seed 000) on " << visible << " GPU(s): seconds per epoch of " << kEpochImages
+            << " images and images/s\n";
+  for (const auto& r : results)
+    std::printf("  %-72s %8.4f s/epoch %11.0f images/s\n", r.label.c_str(), r.seconds_per_epoch, r.images_per_s);
+  for (const auto& s : skipped) std::cout << "  skipped " << s << "\n";
+}
+
+}  // namespace
+
+HIERPAR_BENCH_SUITE("strategy", strategy_suite);
