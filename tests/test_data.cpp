@@ -91,7 +91,7 @@ void write_png(const std::string& path, int w, int h, int channels, const std::v
   ASSERT_TRUE(stbi_write_png(path.c_str(), w, h, channels, pixels.data(), w * channels)) << path;
 }
 
-bool have_fashion_mnist() { return fs::exists(std::string(kFashionMnistDir) + "/train-images-idx3-ubyte.gz"); }
+bool have_fashion_mnist() { return fs::exists(default_fashion_mnist_dir() + "/train-images-idx3-ubyte.gz"); }
 
 DCGANTrainConfig tiny_training(const std::string& out) {
   DCGANTrainConfig c;
@@ -140,8 +140,8 @@ TEST(Data, FashionMnistLayoutFromSmallFiles) {
 }
 
 TEST(Data, RealFashionMnistIfInstalled) {
-  if (!have_fashion_mnist()) GTEST_SKIP() << kFashionMnistDir << " not installed (Debian's dataset-fashion-mnist)";
-  auto test = load_fashion_mnist(kFashionMnistDir, false);
+  if (!have_fashion_mnist()) GTEST_SKIP() << default_fashion_mnist_dir() << " not installed (Debian's dataset-fashion-mnist)";
+  auto test = load_fashion_mnist(default_fashion_mnist_dir(), false);
   EXPECT_EQ(test.images.sizes(), (std::vector<int64_t>{10000, 1, 28, 28}));
   EXPECT_EQ(torch::bincount(test.labels).eq(1000).all().item<bool>(), true) << "the test split has 1000 per class";
 }

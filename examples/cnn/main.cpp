@@ -18,7 +18,7 @@ using namespace hierpar::examples;
 namespace {
 
 int run(int argc, char** argv) {
-  std::string layers = "hierpar", device_name, dir = kFashionMnistDir;
+  std::string layers = "hierpar", device_name, dir = default_fashion_mnist_dir();
   int64_t batch_size = 128, epochs = 3, seed = 0, limit = 0;
   double lr = 1e-3;
   Flags flags("hierpar-cnn");

@@ -18,6 +18,7 @@
 #include <stb/stb_image.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <cctype>
 #include <filesystem>
@@ -259,6 +260,11 @@ torch::Tensor BatchLoader::next() {
   }
   // The caching host allocator keeps `host` alive until the asynchronous copy has finished.
   return normalise(host.to(device_, /*non_blocking=*/true));
+}
+
+std::string default_fashion_mnist_dir() {
+  const char* dir = std::getenv("HIERPAR_DATA_DIR");
+  return dir && *dir ? dir : kFashionMnistDir;
 }
 
 }  // namespace hierpar::examples

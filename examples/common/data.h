@@ -14,6 +14,9 @@ namespace hierpar::examples {
 
 // Where Debian's dataset-fashion-mnist installs the files.
 inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+// Where Fashion-MNIST is looked for by default: $HIERPAR_DATA_DIR when set (a machine without the Debian
+// package, e.g. one that got the files carried by scripts/gpu-bundle), else kFashionMnistDir.
+std::string default_fashion_mnist_dir();
 
 // Images as uint8 [N, C, H, W]; labels int64 [N] when the source has them.
 struct Dataset {
