@@ -17,7 +17,7 @@ hierpar_build() {  # configure (once) and build the given targets (all when none
   echo "[build] configuring $HIERPAR_BUILD_DIR" >&2
   cmake -S "$HIERPAR_ROOT" -B "$HIERPAR_BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DHIERPAR_PYTHON="$HIERPAR_PYTHON" -DTORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" "${HIERPAR_CMAKE_ARGS[@]}" >&2
-  echo "[build] building ${*:-everything} with $HIERPAR_JOBS jobs (first build: ~10 min on 2 cores)" >&2
+  echo "[build] building ${*:-everything} with $HIERPAR_JOBS jobs (first build: ~7 min on 2 cores)" >&2
   local targets=()
   for t in "$@"; do targets+=(--target "$t"); done
   cmake --build "$HIERPAR_BUILD_DIR" -j "$HIERPAR_JOBS" "${targets[@]}" >&2
