@@ -192,10 +192,11 @@ std::vector<torch::Tensor> reference_per_part(bool batch_norm, const Data& data,
 
 // Parameters after kSteps on split batches vs on the whole batch, in fp32: the batch-mean reductions
 // (loss mean, conv weight-gradient sums over the batch) are summed in a different order, ~1e-7
-// relative; Adam's update lr * m / sqrt(v) is scale-free, so each step moves a parameter by at most
-// lr = 1e-3 with a relative error of the same order: after 3 steps that is ~1e-9 absolute. The
-// tolerance leaves a factor ~100 for gradient elements that are sums of cancelling terms.
-constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-7};
+// relative to the summed terms. Adam's update lr * m / sqrt(v) carries the relative error of the
+// gradient element itself, and an element that is a sum of cancelling terms has a much larger relative
+// error than 1e-7 (seen: 5e-7 absolute after 3 steps, seed 2879733906). The absolute tolerance, 1% of
+// lr = 1e-3, admits that and stays far below a wrong averaging, which moves parameters by O(lr) a step.
+constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-5};
 
 #define HIERPAR_REQUIRE_GLOO()                                                                        \
   do {                                                                                                \
