@@ -5,8 +5,10 @@
 //  - bench "batch_norm_act_fwd_bwd": through autograd, as a training step runs it. stock: at::batch_norm
 //    (cuDNN where ATen picks it) then the in-place activation (DCGAN's inplace=True), then
 //    torch::autograd::grad for input, weight and bias. hierpar: hierpar::ops::batch_norm_act, same grad.
-//  - bench "batch_norm_act_fwd_bwd_ops": the kernels alone, no autograd: stock at::native_batch_norm +
-//    activation + activation backward + at::native_batch_norm_backward; hierpar the two ops.
+//  - bench "batch_norm_act_fwd_bwd_ops": the kernels alone, no autograd: stock = batch norm forward +
+//    activation + activation backward + batch norm backward with the FASTER of ATen's native kernels
+//    (at::native_batch_norm[_backward]) and cuDNN's (at::cudnn_batch_norm[_backward]) at that shape, both
+//    timed, their medians in extra.stock_native_us / stock_cudnn_us; hierpar the two ops.
 // extra.saved_activation_bytes: the per-layer activation memory autograd keeps for the backward.
 //   stock: BN saves its input, the in-place activation its output: 2 tensors. hierpar: the output for
 //   leaky_relu/identity (1 tensor), input + output for relu (2 tensors; see docs/batch_norm_act.md).
@@ -15,9 +17,11 @@
 #include "hierpar/ops.h"
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -67,12 +71,27 @@ void batch_norm_act_suite(Report& report, const Options& options) {
       torch::autograd::grad({y}, {x, w, b}, {dy});
     };
     const at::Tensor xd = x.detach(), wd = w.detach(), bd = b.detach();
-    auto stock_ops = [&] {
+    auto stock_native_ops = [&] {
       auto [y, mean, invstd] = at::native_batch_norm(xd, wd, bd, rm, rv, true, momentum, eps);
       at::Tensor out = leaky ? at::leaky_relu(y, slope) : at::relu(y);
       at::Tensor dyp = leaky ? at::leaky_relu_backward(dy, out, slope, true) : at::threshold_backward(dy, out, 0);
       at::native_batch_norm_backward(dyp, xd, wd, rm, rv, mean, invstd, true, eps, {true, true, true});
     };
+    auto stock_cudnn_ops = [&] {
+      auto [y, mean, var, reserve] = at::cudnn_batch_norm(xd, wd, bd, rm, rv, true, momentum, eps);
+      at::Tensor out = leaky ? at::leaky_relu(y, slope) : at::relu(y);
+      at::Tensor dyp = leaky ? at::leaky_relu_backward(dy, out, slope, true) : at::threshold_backward(dy, out, 0);
+      at::cudnn_batch_norm_backward(xd, dyp, wd, rm, rv, mean, var, eps, reserve);
+    };
+    bool have_cudnn = true;
+    try {
+      stock_cudnn_ops();
+      c10::cuda::device_synchronize();
+    } catch (const c10::Error& e) {
+      have_cudnn = false;
+      std::cout << "  (cuDNN batch norm not available at " << c10::IntArrayRef(c.shape) << ": "
+                << e.what_without_backtrace() << ")\n";
+    }
     auto ours_ops = [&] {
       at::AutoDispatchBelowADInplaceOrView no_autograd;
       auto [out, mean, invstd] = hierpar::ops::batch_norm_act(xd, wd, bd, rm, rv, true, momentum, eps, c.activation, slope);
@@ -106,7 +125,21 @@ void batch_norm_act_suite(Report& report, const Options& options) {
     const Config ours_extra = Config().set("saved_activation_bytes", (leaky ? 1 : 2) * tensor_bytes);
     report.add("batch_norm_act_fwd_bwd", "stock", config, time_cuda(stock_autograd, 20, repeats), stock_extra);
     report.add("batch_norm_act_fwd_bwd", "hierpar", config, time_cuda(ours_autograd, 20, repeats), ours_extra);
-    report.add("batch_norm_act_fwd_bwd_ops", "stock", config, time_cuda(stock_ops, 20, repeats), stock_extra);
+    const Timing native = time_cuda(stock_native_ops, 20, repeats);
+    Config ops_extra = stock_extra;
+    ops_extra.set("stock_native_us", native.median_us);
+    Timing best = native;
+    std::string backend = "native";
+    if (have_cudnn) {
+      const Timing cudnn = time_cuda(stock_cudnn_ops, 20, repeats);
+      ops_extra.set("stock_cudnn_us", cudnn.median_us);
+      if (cudnn.median_us < native.median_us) {
+        best = cudnn;
+        backend = "cudnn";
+      }
+    }
+    ops_extra.set("stock_backend", backend);
+    report.add("batch_norm_act_fwd_bwd_ops", "stock", config, best, ops_extra);
     report.add("batch_norm_act_fwd_bwd_ops", "hierpar", config, time_cuda(ours_ops, 20, repeats), ours_extra);
   }
 }

@@ -10,6 +10,10 @@
 #include "hierpar/nn/batch_norm.h"
 #include "hierpar/ops.h"
 
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -581,7 +585,8 @@ TEST(BatchNormActLayer, PrettyPrintAndClone) {
 
 // ---- CUDA ---------------------------------------------------------------------------------------------
 
-// Random shapes (small ones: the one-kernel path; larger ones: the split path with a last-block combine)
+// Random shapes (small ones: the one-kernel path; larger ones: the split path, one cooperative launch with
+// a grid-wide combine)
 // against the float64 reference, and CUDA against the CPU kernels on the same input.
 TEST(BatchNormActCuda, MatchesAtenAndCpu) {
   HIERPAR_REQUIRE_CUDA();
@@ -662,11 +667,35 @@ int64_t pow2_at_least(int64_t n) {
   return p;
 }
 
+// The backward op called directly: with the input given (for identity/leaky_relu the kernels' variant that
+// reads the input, which autograd only uses for relu) and with only the parameter gradients asked for
+// (the sums-only launch, in which only the first block row of the split path writes them).
+void check_direct_backward(const Case& c, const Inputs& in, const Result& got, const Result& ref,
+                           const std::string& where) {
+  const std::string ctx = where + " " + c.describe();
+  const double rtol = scaled_rtol(c.dtype);
+  const torch::Tensor x = in.x.detach(), out = got.out.detach();
+  auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(
+      in.dy, out, x, opt(c.affine, in.w), opt(c.affine, in.b), got.save_mean, got.save_invstd, c.training, c.eps,
+      c.act, c.slope, {true, c.affine, c.affine});
+  expect_scaled(dx, ref.dx, rtol, "grad_input (input given), " + ctx, ref.dx_terms);
+  if (!c.affine) return;
+  expect_scaled(dw, ref.dw, rtol, "grad_weight (input given), " + ctx, ref.dw_terms);
+  expect_scaled(db, ref.db, rtol, "grad_bias (input given), " + ctx, ref.db_terms);
+  auto [no_dx, dw2, db2] = hierpar::ops::batch_norm_act_backward(
+      in.dy, out, c.act == "relu" ? std::optional<torch::Tensor>(x) : std::nullopt, in.w, in.b, got.save_mean,
+      got.save_invstd, c.training, c.eps, c.act, c.slope, {false, true, true});
+  EXPECT_FALSE(no_dx.defined()) << ctx;
+  expect_scaled(dw2, ref.dw, rtol, "grad_weight (sums only), " + ctx, ref.dw_terms);
+  expect_scaled(db2, ref.db, rtol, "grad_bias (sums only), " + ctx, ref.db_terms);
+}
+
 // Shapes drawn so that each CUDA path is taken (see ops/cuda/batch_norm_act_kernel.cu): channels_last and
 // NCHW addressing; 16-byte vectors (channels resp. H*W a multiple of 16 bytes' worth of elements) and the
 // scalar fallback (not a multiple, or a misaligned buffer); the one-kernel path (<= 8 vectors per thread
-// and channel group, 512 threads) and the split path with its last-block combine; every dtype, every
-// activation, training and eval.
+// and channel group, 512 threads) and the split path (one cooperative launch: partials, grid sync, every
+// block combining them), with one or several channel groups; the backward with and without the input and
+// with only the parameter gradients; every dtype, every activation, training and eval.
 TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
   HIERPAR_REQUIRE_CUDA();
   constexpr int64_t kThreads = 512;
@@ -688,7 +717,9 @@ TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
           c.running = !c.training || coin();
           int64_t C, H, W, rows_per_lane_limit;
           if (channels_last) {
-            C = vec_sizes ? V * rand_int(1, 6) : V * rand_int(0, 3) + rand_int(1, V - 1);
+            // Up to 20 vector columns (8 per block) resp. 10 * V - 1 scalar ones (32 per block): one to
+            // three channel groups.
+            C = vec_sizes ? V * rand_int(1, 20) : V * rand_int(0, 9) + rand_int(1, V - 1);
             H = rand_int(1, 7);
             W = rand_int(2, 7);
             const int64_t cols = vectors ? C / V : C;
@@ -718,28 +749,78 @@ TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
           compare(got, ref, c, scaled_rtol(c.dtype), where);
           check_branches(got, ref, c, where);
           expect_layout_kept(in.x, got.out, c.describe());
+          check_direct_backward(c, in, got, ref, where);
         }
       }
     }
   }
 }
 
-// Two calls in a row on the same stream reuse the split path's counters (reset by the kernels): the second
-// call must give the same result as the first.
+// The split path combines the partials in a fixed order in every block: two calls in a row give
+// bit-identical results (NCHW float32 and channels_last bfloat16 with several channel groups).
 TEST(BatchNormActCuda, SplitPathRepeatsExactly) {
   HIERPAR_REQUIRE_CUDA();
-  auto x = random_tensor({64, 24, 20, 20}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
-  auto dy = random_tensor(x.sizes().vec(), x.options());
-  auto w = random_tensor({24}, x.options()), b = random_tensor({24}, x.options());
-  auto once = [&] {
-    auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5,
-                                                            "leaky_relu", 0.2);
+  for (bool channels_last : {false, true}) {
+    const auto opts = torch::TensorOptions().dtype(channels_last ? torch::kBFloat16 : torch::kFloat).device(torch::kCUDA);
+    const std::vector<int64_t> shape = channels_last ? std::vector<int64_t>{256, 136, 8, 8} : std::vector<int64_t>{64, 24, 20, 20};
+    auto x = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
+    auto dy = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
+    auto popts = opts.dtype(torch::kFloat);
+    auto w = random_tensor({shape[1]}, popts), b = random_tensor({shape[1]}, popts);
+    auto once = [&] {
+      auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5,
+                                                              "leaky_relu", 0.2);
+      auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true,
+                                                                1e-5, "leaky_relu", 0.2, {true, true, true});
+      return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
+    };
+    auto first = once(), second = once();
+    for (size_t i = 0; i < first.size(); ++i) {
+      EXPECT_TRUE(torch::equal(first[i], second[i])) << "result " << i << " channels_last=" << channels_last;
+    }
+  }
+}
+
+// The split path is a cooperative launch: it must capture into a CUDA graph (the training step is
+// replayed as one) and the replay, with new input values copied in, must equal eager calls bit for bit.
+TEST(BatchNormActCuda, SplitPathReplaysFromACudaGraph) {
+  HIERPAR_REQUIRE_CUDA();
+  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const std::vector<int64_t> shape{256, 72, 8, 8};  // 9 vector columns: two channel groups, split rows
+  auto x = random_tensor(shape, opts, Layout::channels_last), dy = random_tensor(shape, opts, Layout::channels_last);
+  auto w = random_tensor({shape[1]}, opts.dtype(torch::kFloat)), b = random_tensor({shape[1]}, opts.dtype(torch::kFloat));
+  auto rm = torch::zeros({shape[1]}, w.options()), rv = torch::ones({shape[1]}, w.options());
+  auto step = [&](const torch::Tensor& rm_, const torch::Tensor& rv_) {
+    auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, rm_, rv_, true, 0.1, 1e-5, "leaky_relu", 0.2);
     auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true, 1e-5,
                                                               "leaky_relu", 0.2, {true, true, true});
     return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
   };
-  auto first = once(), second = once();
-  for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(torch::equal(first[i], second[i])) << "result " << i;
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  torch::cuda::synchronize();
+  at::cuda::CUDAGraph graph;
+  std::vector<torch::Tensor> captured;
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    graph.capture_begin();
+    captured = step(rm, rv);
+    graph.capture_end();
+  }
+  torch::cuda::synchronize();
+  auto rm_eager = torch::zeros_like(rm), rv_eager = torch::ones_like(rv);
+  for (int replay = 0; replay < 2; ++replay) {
+    x.copy_(random_tensor(shape, opts, Layout::channels_last));
+    dy.copy_(random_tensor(shape, opts, Layout::channels_last));
+    torch::cuda::synchronize();
+    graph.replay();
+    torch::cuda::synchronize();
+    auto eager = step(rm_eager, rv_eager);
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(torch::equal(captured[i], eager[i])) << "result " << i << ", replay " << replay;
+    }
+    EXPECT_TRUE(torch::equal(rm, rm_eager)) << "running_mean, replay " << replay;
+    EXPECT_TRUE(torch::equal(rv, rv_eager)) << "running_var, replay " << replay;
+  }
 }
 
 TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {

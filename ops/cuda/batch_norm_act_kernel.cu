@@ -12,10 +12,14 @@
 //  - One-kernel path (each channel group has <= 8 vectors per thread): one block per channel group does
 //    statistics, running-stat update and the elementwise pass (whose second read hits L1/L2). The backward
 //    likewise: sums of dy' and dy'*xhat, then grad_input.
-//  - Split path: the rows of a channel group are split over blocks (one wave, as many blocks as fit); each
-//    writes a partial state; the last block of the group to finish (atomic ticket on a per-stream counter
-//    that it resets to zero for the next call) combines them. A second kernel does the elementwise pass.
-//    Two kernels forward, two backward, no memset.
+//  - Split path: the rows of a channel group are split over blocks, ONE cooperative launch per direction
+//    (grid <= the blocks that fit at once, which cudaLaunchCooperativeKernel guarantees to be resident).
+//    Each block writes a partial state, the grid synchronises, then every block combines its group's
+//    partials itself, in the same order in every block (so all get bit-identical statistics; block row 0
+//    writes them out), and goes on to the elementwise pass over its own rows.
+//  - The elementwise pass walks a thread's rows in reverse (those read last are the likeliest to be still
+//    in L2), loads them as last use (evict-first) and streams its stores, so writing the output does not
+//    evict input rows not yet re-read.
 #include "batch_norm_act_shape.h"
 #include "common.h"
 
@@ -23,18 +27,18 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <initializer_list>
 #include <limits>
-#include <mutex>
-#include <unordered_map>
+#include <tuple>
+#include <type_traits>
 
 namespace hierpar::detail::bn {
 namespace {
@@ -43,13 +47,60 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCols = 8;  // channels_last columns per block (vector path)
 constexpr int kUnroll = 4;   // vectors in flight per thread and stream
-constexpr int kBatch = 8;    // partial states loaded at once by the last block of a group
+constexpr int kBatch = 8;    // partial states loaded at once by each block when combining a group's partials
 constexpr unsigned kFull = 0xffffffffu;
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
+
+// The raw type of a Vec's bytes for the cache-hinted load/store intrinsics.
+template <int kBytes>
+struct RawOf;
+template <>
+struct RawOf<16> { using type = uint4; };
+template <>
+struct RawOf<8> { using type = unsigned long long; };
+template <>
+struct RawOf<4> { using type = unsigned int; };
+template <>
+struct RawOf<2> { using type = unsigned short; };
+
+// Last read of a value (ld.global.cs: evict first).
+template <typename VecT>
+__device__ __forceinline__ VecT load_last_use(const VecT* p) {
+  using Raw = typename RawOf<sizeof(VecT)>::type;
+  const Raw raw = __ldcs(reinterpret_cast<const Raw*>(p));
+  VecT v;
+  memcpy(&v, &raw, sizeof(VecT));
+  return v;
+}
+
+// A result nobody in this kernel reads again (st.global.cs: streaming).
+template <typename VecT>
+__device__ __forceinline__ void store_streaming(VecT* p, const VecT& v) {
+  using Raw = typename RawOf<sizeof(VecT)>::type;
+  Raw raw;
+  memcpy(&raw, &v, sizeof(VecT));
+  __stcs(reinterpret_cast<Raw*>(p), raw);
+}
+
+// Calls use(load(r), r) for this thread's rows r = r0 + threadIdx.y + j * by (j = 0, 1, ...) below r1, in
+// reverse order, kUnroll loads before their uses.
+template <typename Load, typename Use>
+__device__ __forceinline__ void for_rows_reversed(int64_t r0, int64_t r1, int by, Load load, Use use) {
+  const int64_t first = r0 + threadIdx.y;
+  int64_t j = first < r1 ? (r1 - first + by - 1) / by : 0;  // rows of this thread
+  for (; j >= kUnroll; j -= kUnroll) {
+    decltype(load(first)) v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(first + (j - 1 - u) * by);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) use(v[u], first + (j - 1 - u) * by);
+  }
+  for (; j > 0; --j) use(load(first + (j - 1) * by), first + (j - 1) * by);
+}
 
 // Rows of a channel column and how a block's rows are split.
 struct Tile {
@@ -171,18 +222,10 @@ __device__ __forceinline__ void reduce_parts(State* smem, int ch, int parts) {
   }
 }
 
-// After each block has written its partial state: true in the last block of this channel group to arrive,
-// which then sees every partial. It resets the group's counter for the next launch on this stream.
-__device__ __forceinline__ bool last_block_of_group(int* counters) {
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0 && threadIdx.y == 0) {
-    last = atomicAdd(&counters[blockIdx.x], 1) == static_cast<int>(gridDim.y) - 1;
-    if (last) counters[blockIdx.x] = 0;
-  }
-  __syncthreads();
-  return last;
+// After each block has written its partial state: waits until every block of the (cooperatively
+// launched, hence fully resident) grid has; grid.sync() orders the partials' writes before the reads.
+__device__ __forceinline__ void wait_for_all_partials() {
+  cooperative_groups::this_grid().sync();
 }
 
 template <typename acc_t>
@@ -191,8 +234,6 @@ __device__ __forceinline__ acc_t activate(acc_t y, Act act, acc_t slope) {
   if (act == Act::leaky_relu) return y > acc_t(0) ? y : y * slope;
   return y;
 }
-
-enum Mode : int { kStats = 1, kApply = 2 };
 
 // Shared-memory bytes for the reductions of a kernel whose thread state is `State` (kBx columns at most).
 template <typename State, typename State1, int kBx>
@@ -213,23 +254,24 @@ struct ForwardArgs {
   acc_t* save_mean;
   acc_t* save_invstd;
   acc_t* partial;  // [2, splits, C]: mean, m2 (split path)
-  int* counters;   // [channel groups], zero between launches (split path)
   acc_t momentum, eps, slope;
   Act act;
   bool training;
 
-  // Writes the statistics of channel ch from its state over all rows and updates the running stats;
-  // returns the affine map (scale, shift) of the normalisation.
-  __device__ __forceinline__ void finalize(int64_t ch, acc_t n, acc_t mean, acc_t m2, acc_t& scale,
+  // The affine map (scale, shift) of the normalisation of channel ch from its state over all rows; with
+  // `write`, also stores the statistics and updates the running stats (one block per channel does).
+  __device__ __forceinline__ void finalize(int64_t ch, acc_t n, acc_t mean, acc_t m2, bool write, acc_t& scale,
                                            acc_t& shift) const {
     const acc_t var = m2 / n;
     const acc_t invstd = acc_t(1) / sqrt(var + eps);
-    save_mean[ch] = mean;
-    save_invstd[ch] = invstd;
-    if (running_mean) {
-      const acc_t unbiased = var * (n / (n - acc_t(1)));
-      running_mean[ch] = (acc_t(1) - momentum) * running_mean[ch] + momentum * mean;
-      running_var[ch] = (acc_t(1) - momentum) * running_var[ch] + momentum * unbiased;
+    if (write) {
+      save_mean[ch] = mean;
+      save_invstd[ch] = invstd;
+      if (running_mean) {
+        const acc_t unbiased = var * (n / (n - acc_t(1)));
+        running_mean[ch] = (acc_t(1) - momentum) * running_mean[ch] + momentum * mean;
+        running_var[ch] = (acc_t(1) - momentum) * running_var[ch] + momentum * unbiased;
+      }
     }
     affine(ch, mean, invstd, scale, shift);
   }
@@ -240,9 +282,11 @@ struct ForwardArgs {
   }
 };
 
+// Training: statistics (the whole group's rows in this block, or this block's rows and then a grid-wide
+// combine), running stats, then the elementwise pass. Eval: the elementwise pass with the running stats.
 template <typename scalar_t, typename acc_t, bool kCL, int V>
 __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ out, Tile t, ForwardArgs<acc_t> a, int mode) {
+    const scalar_t* __restrict__ x, scalar_t* __restrict__ out, Tile t, ForwardArgs<acc_t> a) {
   constexpr int K = kCL ? V : 1;  // channels per thread
   using W = WelfordK<acc_t, K>;
   using W1 = WelfordK<acc_t, 1>;
@@ -256,9 +300,10 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
   const int64_t r1 = min(t.rows, r0 + t.chunk);
   auto channel = [&](int k) { return kCL ? col * V + k : col; };
-  auto load = [&](int64_t r) { return *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r)); };
 
-  if (mode & kStats) {
+  acc_t scale[V], shift[V];
+  if (a.training) {
+    auto load = [&](int64_t r) { return *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r)); };
     // Welford per lane; the lanes share the count, so one division per vector.
     acc_t n = 0, mean[V], m2[V];
 #pragma unroll
@@ -275,13 +320,16 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       }
     };
     if (active) {
+      // 16-bit channels_last: twice the loads in flight, which the registers allow without lowering the
+      // blocks per SM (one 512-thread block at 78 registers either way).
+      constexpr int kStatsUnroll = kCL && V == 8 ? 2 * kUnroll : kUnroll;
       int64_t r = r0 + threadIdx.y;
-      for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
-        VecT v[kUnroll];
+      for (; r + (kStatsUnroll - 1) * by < r1; r += kStatsUnroll * by) {
+        VecT v[kStatsUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = load(r + u * by);
+        for (int u = 0; u < kStatsUnroll; ++u) v[u] = load(r + u * by);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) add(v[u]);
+        for (int u = 0; u < kStatsUnroll; ++u) add(v[u]);
       }
       for (; r < r1; r += by) add(load(r));
     }
@@ -312,7 +360,9 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     if (t.splits == 1) {
       if (tid < bx && active) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) a.finalize(channel(k), w.n, w.mean[k], w.m2[k], s_scale[tx * K + k], s_shift[tx * K + k]);
+        for (int k = 0; k < K; ++k) {
+          a.finalize(channel(k), w.n, w.mean[k], w.m2[k], true, s_scale[tx * K + k], s_shift[tx * K + k]);
+        }
       }
     } else {
       if (tid < bx && active) {
@@ -322,51 +372,46 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
           a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = w.m2[k];
         }
       }
-      if (last_block_of_group(a.counters)) {
-        // Threads = (channel of the group) x (part of the splits); Chan's formula, then a tree over parts.
-        const int chb = bx * K, parts = kThreads / chb;
-        const int lc = tid % chb, part = tid / chb;
-        const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
-        W1 total;
-        total.zero();
-        if (ch < t.C) {
-          // kBatch partials loaded before combining: this block runs alone at the end, latency is its cost.
-          for (int s0 = part; s0 < t.splits; s0 += kBatch * parts) {
-            acc_t pm[kBatch], pq[kBatch];
+      wait_for_all_partials();
+      // Threads = (channel of the group) x (part of the splits); Chan's formula, then a tree over parts.
+      const int chb = bx * K, parts = kThreads / chb;
+      const int lc = tid % chb, part = tid / chb;
+      const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
+      W1 total;
+      total.zero();
+      if (ch < t.C) {
+        // kBatch partials loaded before combining them: each round trip to L2 is latency on the way to
+        // the elementwise pass.
+        for (int s0 = part; s0 < t.splits; s0 += kBatch * parts) {
+          acc_t pm[kBatch], pq[kBatch];
 #pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-              const int s = s0 + j * parts;
-              if (s < t.splits) {
-                pm[j] = __ldcg(&a.partial[static_cast<int64_t>(s) * t.C + ch]);
-                pq[j] = __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + s) * t.C + ch]);
-              }
+          for (int j = 0; j < kBatch; ++j) {
+            const int s = s0 + j * parts;
+            if (s < t.splits) {
+              pm[j] = __ldcg(&a.partial[static_cast<int64_t>(s) * t.C + ch]);
+              pq[j] = __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + s) * t.C + ch]);
             }
+          }
 #pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
-              const int s = s0 + j * parts;
-              if (s < t.splits) {
-                W1 p;
-                p.n = static_cast<acc_t>((min(t.rows, (s + 1) * t.chunk) - s * t.chunk) * kPerRow<kCL, V>);
-                p.mean[0] = pm[j];
-                p.m2[0] = pq[j];
-                total.combine(p);
-              }
+          for (int j = 0; j < kBatch; ++j) {
+            const int s = s0 + j * parts;
+            if (s < t.splits) {
+              W1 p;
+              p.n = static_cast<acc_t>((min(t.rows, (s + 1) * t.chunk) - s * t.chunk) * kPerRow<kCL, V>);
+              p.mean[0] = pm[j];
+              p.m2[0] = pq[j];
+              total.combine(p);
             }
           }
         }
-        W1* sm = reinterpret_cast<W1*>(smem_raw);
-        sm[tid] = total;
-        reduce_parts(sm, chb, parts);
-        if (tid < chb && ch < t.C) {
-          acc_t scale, shift;
-          a.finalize(ch, sm[tid].n, sm[tid].mean[0], sm[tid].m2[0], scale, shift);
-        }
+      }
+      W1* sm = reinterpret_cast<W1*>(smem_raw);
+      sm[tid] = total;
+      reduce_parts(sm, chb, parts);
+      if (tid < chb && ch < t.C) {
+        a.finalize(ch, sm[tid].n, sm[tid].mean[0], sm[tid].m2[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
       }
     }
-  }
-  if (!(mode & kApply)) return;
-  acc_t scale[V], shift[V];
-  if (mode & kStats) {
     __syncthreads();
     if (!active) return;
 #pragma unroll
@@ -375,41 +420,30 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       shift[u] = s_shift[kCL ? tx * V + u : 0];
     }
   } else {
-    // Elementwise kernel: every thread reads its channels' statistics itself (no barrier before the
-    // first loads).
+    // Eval: the running statistics; the first block row also returns them as save_mean/save_invstd.
     if (!active) return;
 #pragma unroll
     for (int u = 0; u < V; ++u) {
       const int64_t ch = channel(kCL ? u : 0);
-      if (a.training) {  // split path: the statistics kernel wrote them
-        a.affine(ch, a.save_mean[ch], a.save_invstd[ch], scale[u], shift[u]);
-      } else {  // eval: the running statistics
-        const acc_t mean = a.running_mean[ch], invstd = acc_t(1) / sqrt(a.running_var[ch] + a.eps);
-        if (blockIdx.y == 0 && threadIdx.y == 0 && (kCL || u == 0)) {
-          a.save_mean[ch] = mean;
-          a.save_invstd[ch] = invstd;
-        }
-        a.affine(ch, mean, invstd, scale[u], shift[u]);
+      const acc_t mean = a.running_mean[ch], invstd = acc_t(1) / sqrt(a.running_var[ch] + a.eps);
+      if (blockIdx.y == 0 && threadIdx.y == 0 && (kCL || u == 0)) {
+        a.save_mean[ch] = mean;
+        a.save_invstd[ch] = invstd;
       }
+      a.affine(ch, mean, invstd, scale[u], shift[u]);
     }
   }
-  auto apply = [&](const VecT& v, int64_t r) {
-    VecT o;
+  for_rows_reversed(
+      r0, r1, by,
+      [&](int64_t r) { return load_last_use(reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r))); },
+      [&](const VecT& v, int64_t r) {
+        VecT o;
 #pragma unroll
-    for (int u = 0; u < V; ++u) {
-      o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
-    }
-    *reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, r)) = o;
-  };
-  int64_t r = r0 + threadIdx.y;
-  for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
-    VecT v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load(r + u * by);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) apply(v[u], r + u * by);
-  }
-  for (; r < r1; r += by) apply(load(r), r);
+        for (int u = 0; u < V; ++u) {
+          o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
+        }
+        store_streaming(reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, r)), o);
+      });
 }
 
 template <typename acc_t>
@@ -421,28 +455,26 @@ struct BackwardArgs {
   acc_t* grad_weight;  // sum(dy' * xhat) per channel, always written when reducing
   acc_t* grad_bias;    // sum(dy') per channel
   acc_t* partial;      // [2, splits, C] (split path)
-  int* counters;
   acc_t slope;
   acc_t inv_count;  // 1 / (N*H*W)
   Act act;
   bool training;
 };
 
-// dy' (the gradient at the pre-activation) and xhat of one element. The activation's derivative comes
-// from the output's sign (out > 0 exactly when y > 0, slope > 0); xhat = (src - sub) * mul with src the
-// input when given (sub = mean, mul = invstd), otherwise the pre-activation recovered by inverting the
-// activation (y = out / slope for out <= 0; sub = beta, mul = 1 / gamma).
-template <typename acc_t>
-__device__ __forceinline__ void element_grad(acc_t o, acc_t d, acc_t xv, bool has_x, Act act, acc_t slope,
-                                             acc_t& g, acc_t& src) {
-  const bool pos = o > acc_t(0);
-  g = d;
-  if (act == Act::relu) g = pos ? g : acc_t(0);
-  else if (act == Act::leaky_relu) g = pos ? g : g * slope;
-  src = has_x ? xv : ((act == Act::leaky_relu && !pos) ? o / slope : o);
-}
+enum Mode : int { kSums = 1, kGradInput = 2 };
 
-template <typename scalar_t, typename acc_t, bool kCL, int V>
+// Per element the backward needs dy' (the gradient at the pre-activation) and xhat. The activation's
+// derivative comes from the output's sign (out > 0 exactly when y > 0, slope > 0): dy' = dy for out > 0,
+// else dy * neg_slope (relu 0, leaky_relu slope, identity 1). xhat is affine in src, the input when given,
+// otherwise the output, with per-sign coefficients: xhat = src * (out > 0 ? mp : mn) + b0, where for the
+// input mp = mn = invstd, b0 = -mean * invstd, and for the output (inverting the activation,
+// y = out / slope for out <= 0) mp = 1 / gamma, mn = mp / slope (leaky_relu; mp otherwise),
+// b0 = -beta / gamma. One FMA per element, no division (see docs/batch_norm_act.md on precision).
+// gamma == 0 makes xhat unrecoverable from the output: mp = mn = b0 = 0 (xhat enters grad_input only
+// times gamma, and grad_weight is returned as NaN). kHasX (the input is given) is a template parameter so
+// that the output-only kernel holds neither the input's registers nor the per-sign coefficients it does
+// not need (register pressure decides how many threads an SM keeps).
+template <typename scalar_t, typename acc_t, bool kCL, int V, bool kHasX>
 __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     const scalar_t* __restrict__ dy, const scalar_t* __restrict__ out, const scalar_t* __restrict__ x,
     scalar_t* __restrict__ dx, Tile t, BackwardArgs<acc_t> a, int mode) {
@@ -458,39 +490,52 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   const bool active = col < t.cols;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
   const int64_t r1 = min(t.rows, r0 + t.chunk);
-  const bool has_x = x != nullptr;
+  constexpr bool has_x = kHasX;
+  const acc_t neg_slope = a.act == Act::relu ? acc_t(0) : a.act == Act::leaky_relu ? a.slope : acc_t(1);
   auto channel = [&](int k) { return kCL ? col * V + k : col; };
 
-  // Per-channel constants of this thread's lanes.
-  acc_t gamma[K], sub[K], mul[K];
+  // xhat coefficients and gamma of this thread's channels.
+  acc_t gamma[K], mp[K], mn[kHasX ? 1 : K], b0[K];  // with the input, mn = mp
+  auto xhat_coef = [&](bool pos, int k) {
+    if constexpr (kHasX) return mp[k];
+    else return pos ? mp[k] : mn[k];
+  };
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t ch = active ? channel(k) : 0;
     gamma[k] = active && a.weight ? a.weight[ch] : acc_t(1);
-    const acc_t invstd = active ? a.save_invstd[ch] : acc_t(0);
-    if (has_x) {
-      sub[k] = active ? a.save_mean[ch] : acc_t(0);
-      mul[k] = invstd;
+    if constexpr (kHasX) {
+      const acc_t invstd = active ? a.save_invstd[ch] : acc_t(0);
+      mp[k] = invstd;
+      b0[k] = active ? -a.save_mean[ch] * invstd : acc_t(0);
     } else {
-      sub[k] = active && a.bias ? a.bias[ch] : acc_t(0);
-      // gamma == 0: xhat is not recoverable; it enters grad_input only times gamma (0 is exact there)
-      // and grad_weight (NaN, below).
-      mul[k] = gamma[k] != acc_t(0) ? acc_t(1) / gamma[k] : acc_t(0);
+      mp[k] = gamma[k] != acc_t(0) ? acc_t(1) / gamma[k] : acc_t(0);
+      mn[k] = a.act == Act::leaky_relu ? mp[k] / a.slope : mp[k];
+      b0[k] = active && a.bias ? -a.bias[ch] * mp[k] : acc_t(0);
     }
   }
-  struct Loaded {
+  struct LoadedX {
     VecT dy, out, x;
   };
-  auto load = [&](int64_t r) {
-    Loaded l;
-    const int64_t off = vec_offset<kCL, V>(t, col, r);
-    l.dy = *reinterpret_cast<const VecT*>(dy + off);
-    l.out = *reinterpret_cast<const VecT*>(out + off);
-    if (has_x) l.x = *reinterpret_cast<const VecT*>(x + off);
-    return l;
+  struct LoadedOut {
+    VecT dy, out;
+  };
+  using Loaded = std::conditional_t<kHasX, LoadedX, LoadedOut>;
+  // The element at index u of a loaded row: its source of xhat (input or output).
+  auto src_of = [](const Loaded& l, int u) {
+    if constexpr (kHasX) return static_cast<acc_t>(l.x.v[u]);
+    else return static_cast<acc_t>(l.out.v[u]);
   };
 
-  if (mode & kStats) {
+  if (mode & kSums) {
+    auto load = [&](int64_t r) {
+      Loaded l;
+      const int64_t off = vec_offset<kCL, V>(t, col, r);
+      l.dy = *reinterpret_cast<const VecT*>(dy + off);
+      l.out = *reinterpret_cast<const VecT*>(out + off);
+      if constexpr (kHasX) l.x = *reinterpret_cast<const VecT*>(x + off);
+      return l;
+    };
     acc_t sdy[V], sdyx[V];
 #pragma unroll
     for (int u = 0; u < V; ++u) sdy[u] = sdyx[u] = 0;
@@ -498,11 +543,12 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         const int k = kCL ? u : 0;
-        acc_t g, src;
-        element_grad(static_cast<acc_t>(l.out.v[u]), static_cast<acc_t>(l.dy.v[u]),
-                     has_x ? static_cast<acc_t>(l.x.v[u]) : acc_t(0), has_x, a.act, a.slope, g, src);
+        const acc_t o = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
+        const bool pos = o > acc_t(0);
+        const acc_t g = pos ? d : d * neg_slope;
+        const acc_t xhat = src_of(l, u) * xhat_coef(pos, k) + b0[k];
         sdy[u] += g;
-        sdyx[u] += g * ((src - sub[k]) * mul[k]);
+        sdyx[u] += g * xhat;
       }
     };
     if (active) {
@@ -524,16 +570,18 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       s.dyx[kCL ? u : 0] += sdyx[u];
     }
     s = reduce_columns(s, reinterpret_cast<S*>(smem_raw));
-    auto finalize = [&](int64_t ch, acc_t sum_dy, acc_t sum_dyx, acc_t gam, int idx) {
-      a.grad_bias[ch] = sum_dy;
-      a.grad_weight[ch] = (gam == acc_t(0) && !has_x) ? std::numeric_limits<acc_t>::quiet_NaN() : sum_dyx;
+    auto finalize = [&](int64_t ch, acc_t sum_dy, acc_t sum_dyx, acc_t gam, bool write, int idx) {
+      if (write) {
+        a.grad_bias[ch] = sum_dy;
+        a.grad_weight[ch] = (gam == acc_t(0) && !has_x) ? std::numeric_limits<acc_t>::quiet_NaN() : sum_dyx;
+      }
       s_mean_dy[idx] = sum_dy * a.inv_count;
       s_mean_dyx[idx] = sum_dyx * a.inv_count;
     };
     if (t.splits == 1) {
       if (tid < bx && active) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) finalize(channel(k), s.dy[k], s.dyx[k], gamma[k], tx * K + k);
+        for (int k = 0; k < K; ++k) finalize(channel(k), s.dy[k], s.dyx[k], gamma[k], true, tx * K + k);
       }
     } else {
       if (tid < bx && active) {
@@ -543,66 +591,73 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
           a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = s.dyx[k];
         }
       }
-      if (last_block_of_group(a.counters)) {
-        const int chb = bx * K, parts = kThreads / chb;
-        const int lc = tid % chb, part = tid / chb;
-        const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
-        S1 total;
-        total.zero();
-        if (ch < t.C) {
+      wait_for_all_partials();
+      const bool write = blockIdx.y == 0;
+      if (!(mode & kGradInput) && !write) return;  // only the parameter gradients were asked for
+      const int chb = bx * K, parts = kThreads / chb;
+      const int lc = tid % chb, part = tid / chb;
+      const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
+      S1 total;
+      total.zero();
+      if (ch < t.C) {
 #pragma unroll 8
-          for (int sp = part; sp < t.splits; sp += parts) {
-            total.dy[0] += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + ch]);
-            total.dyx[0] += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + ch]);
-          }
+        for (int sp = part; sp < t.splits; sp += parts) {
+          total.dy[0] += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + ch]);
+          total.dyx[0] += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + ch]);
         }
-        S1* sm = reinterpret_cast<S1*>(smem_raw);
-        sm[tid] = total;
-        reduce_parts(sm, chb, parts);
-        if (tid < chb && ch < t.C) {
-          finalize(ch, sm[tid].dy[0], sm[tid].dyx[0], a.weight ? a.weight[ch] : acc_t(1), 0);
-        }
+      }
+      S1* sm = reinterpret_cast<S1*>(smem_raw);
+      sm[tid] = total;
+      reduce_parts(sm, chb, parts);
+      if (tid < chb && ch < t.C) {
+        finalize(ch, sm[tid].dy[0], sm[tid].dyx[0], a.weight ? a.weight[ch] : acc_t(1), write, tid);
       }
     }
   }
-  if (!(mode & kApply)) return;
-  if (mode & kStats) __syncthreads();
+  if (!(mode & kGradInput)) return;
+  if (mode & kSums) __syncthreads();
   if (!active) return;
-  // grad_input = k * (dy' - mean(dy') - xhat * mean(dy' xhat)) = k * dy' - k_mean_dy - c * (src - sub).
-  // The elementwise kernel (split path) reads the reduction kernel's sums itself, without a barrier.
-  acc_t kk[K], k_mean_dy[K], c[K];
+  // grad_input = k * (dy' - mean(dy') - xhat * mean(dy' xhat)) with k = gamma * invstd (training; eval
+  // keeps k * dy'), i.e. k * dy' + src * (out > 0 ? cp : cn) + c0.
+  acc_t kk[K], cp[K], cn[kHasX ? 1 : K], c0[K];
+  auto src_coef = [&](bool pos, int k) {
+    if constexpr (kHasX) return cp[k];
+    else return pos ? cp[k] : cn[k];
+  };
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     kk[k] = gamma[k] * a.save_invstd[channel(k)];
-    const bool own = mode & kStats;
-    const acc_t mean_dy = !a.training ? acc_t(0) : own ? s_mean_dy[tx * K + k] : a.grad_bias[channel(k)] * a.inv_count;
+    const acc_t mean_dy = a.training ? s_mean_dy[tx * K + k] : acc_t(0);
     // NaN (gamma == 0, from the output) must not reach grad_input: xhat is 0 there and k is 0.
-    acc_t mean_dyx = !a.training ? acc_t(0) : own ? s_mean_dyx[tx * K + k] : a.grad_weight[channel(k)] * a.inv_count;
+    acc_t mean_dyx = a.training ? s_mean_dyx[tx * K + k] : acc_t(0);
     if (mean_dyx != mean_dyx) mean_dyx = acc_t(0);
-    k_mean_dy[k] = kk[k] * mean_dy;
-    c[k] = kk[k] * mean_dyx * mul[k];
+    const acc_t cm = kk[k] * mean_dyx;
+    cp[k] = -cm * mp[k];
+    if constexpr (!kHasX) cn[k] = -cm * mn[k];
+    c0[k] = -cm * b0[k] - kk[k] * mean_dy;
   }
-  auto apply = [&](const Loaded& l, int64_t r) {
-    VecT o;
+  for_rows_reversed(
+      r0, r1, by,
+      [&](int64_t r) {
+        Loaded l;
+        const int64_t off = vec_offset<kCL, V>(t, col, r);
+        l.dy = load_last_use(reinterpret_cast<const VecT*>(dy + off));
+        l.out = load_last_use(reinterpret_cast<const VecT*>(out + off));
+        if constexpr (kHasX) l.x = load_last_use(reinterpret_cast<const VecT*>(x + off));
+        return l;
+      },
+      [&](const Loaded& l, int64_t r) {
+        VecT o;
 #pragma unroll
-    for (int u = 0; u < V; ++u) {
-      const int k = kCL ? u : 0;
-      acc_t g, src;
-      element_grad(static_cast<acc_t>(l.out.v[u]), static_cast<acc_t>(l.dy.v[u]),
-                   has_x ? static_cast<acc_t>(l.x.v[u]) : acc_t(0), has_x, a.act, a.slope, g, src);
-      o.v[u] = static_cast<scalar_t>(kk[k] * g - k_mean_dy[k] - c[k] * (src - sub[k]));
-    }
-    *reinterpret_cast<VecT*>(dx + vec_offset<kCL, V>(t, col, r)) = o;
-  };
-  int64_t r = r0 + threadIdx.y;
-  for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
-    Loaded l[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) l[u] = load(r + u * by);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) apply(l[u], r + u * by);
-  }
-  for (; r < r1; r += by) apply(load(r), r);
+        for (int u = 0; u < V; ++u) {
+          const int k = kCL ? u : 0;
+          const acc_t ov = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
+          const bool pos = ov > acc_t(0);
+          const acc_t g = pos ? d : d * neg_slope;
+          o.v[u] = static_cast<scalar_t>(kk[k] * g + (src_of(l, u) * src_coef(pos, k) + c0[k]));
+        }
+        store_streaming(reinterpret_cast<VecT*>(dx + vec_offset<kCL, V>(t, col, r)), o);
+      });
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -632,9 +687,10 @@ Plan plan_for(const Geometry& g, bool channels_last, int V, int blocks_per_sm) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t splits = 1;
   // One block per channel group while each thread has at most 8 vectors; beyond, one wave of blocks
-  // (as many as fit) with at least 4 vectors per thread each.
+  // with at least 4 vectors per thread each. The wave must fit at once (groups * splits <= resident
+  // blocks): the split path synchronises the whole grid.
   if (t.rows > 8 * by) {
-    splits = std::min(ceil_div(blocks_per_sm * sms, groups), ceil_div(t.rows, 4 * by));
+    splits = std::min((blocks_per_sm * sms) / groups, ceil_div(t.rows, 4 * by));
     splits = std::clamp<int64_t>(splits, 1, 65535);
   }
   t.chunk = ceil_div(t.rows, splits);
@@ -653,25 +709,6 @@ int blocks_per_sm(Kernel kernel) {
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
   return std::max(n, 1);
-}
-
-// The split path's per-group arrival counters: one zeroed buffer per (device, stream), which the last
-// block of each group resets, so calls need no memset. While a stream is being captured into a CUDA graph
-// the counters are a fresh zeroed tensor (a memset node in the graph) instead.
-at::Tensor group_counters(int64_t groups, const at::TensorOptions& options) {
-  const auto int_options = options.dtype(at::kInt);
-  if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
-    return at::zeros({groups}, int_options);
-  }
-  auto stream = at::cuda::getCurrentCUDAStream();
-  static std::mutex mutex;
-  // Never destroyed: freeing CUDA memory during static destruction may outlive the driver.
-  static auto* buffers = new std::unordered_map<int64_t, at::Tensor>();
-  const int64_t key = (static_cast<int64_t>(stream.device_index()) << 56) ^ static_cast<int64_t>(stream.id());
-  std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& buffer = (*buffers)[key];
-  if (!buffer.defined() || buffer.numel() < groups) buffer = at::zeros({std::max<int64_t>(groups, 1024)}, int_options);
-  return buffer;
 }
 
 // A [C] parameter as a contiguous tensor of the accumulation type: itself when it already is one.
@@ -705,6 +742,25 @@ bool use_vectors(const Geometry& g, bool channels_last, std::initializer_list<co
 template <typename scalar_t>
 constexpr int kVec = 16 / sizeof(scalar_t);
 
+// Launches `kernel` with `args`: cooperatively when its grid synchronises (the split path), which
+// guarantees that all blocks are resident at once (the plan keeps the grid within one wave).
+template <typename... KernelArgs, typename... Args>
+void launch(void (*kernel)(KernelArgs...), const Plan& plan, bool grid_sync, cudaStream_t stream, Args... args) {
+  if (grid_sync) {
+    std::tuple<KernelArgs...> values{args...};
+    void* pointers[sizeof...(KernelArgs)];
+    std::apply([&](auto&... v) {
+      int i = 0;
+      ((pointers[i++] = static_cast<void*>(&v)), ...);
+    }, values);
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), plan.grid, plan.block, pointers,
+                                               0, stream));
+  } else {
+    kernel<<<plan.grid, plan.block, 0, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 template <typename scalar_t, typename acc_t, bool kCL, int V>
 void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out, ForwardArgs<acc_t> args,
                     bool training, cudaStream_t stream) {
@@ -712,26 +768,13 @@ void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out,
   static const int occupancy = blocks_per_sm(kernel);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = training && plan.tile.splits > 1;
-  at::Tensor partial, counters;
+  at::Tensor partial;
   if (split) {
     partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    counters = group_counters(plan.grid.x, input.options());
     args.partial = partial.data_ptr<acc_t>();
-    args.counters = counters.data_ptr<int>();
   }
-  auto launch = [&](int mode) {
-    kernel<<<plan.grid, plan.block, 0, stream>>>(input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-                                                 plan.tile, args, mode);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (!training) {
-    launch(kApply);
-  } else if (!split) {
-    launch(kStats | kApply);
-  } else {
-    launch(kStats);
-    launch(kApply);
-  }
+  launch(kernel, plan, split, stream, input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), plan.tile,
+         args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
@@ -768,7 +811,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
                             save_mean.data_ptr<acc_t>(),
                             save_invstd.data_ptr<acc_t>(),
                             nullptr,
-                            nullptr,
                             static_cast<acc_t>(momentum),
                             static_cast<acc_t>(eps),
                             static_cast<acc_t>(slope),
@@ -791,36 +833,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   return {out, save_mean, save_invstd};
 }
 
-template <typename scalar_t, typename acc_t, bool kCL, int V>
+template <typename scalar_t, typename acc_t, bool kCL, int V, bool kHasX>
 void launch_backward(const Geometry& g, const at::Tensor& grad_output, const at::Tensor& output,
                      const at::Tensor& input, at::Tensor& grad_input, BackwardArgs<acc_t> args, bool need_sums,
                      bool apply, cudaStream_t stream) {
-  auto kernel = batch_norm_act_backward_kernel<scalar_t, acc_t, kCL, V>;
+  auto kernel = batch_norm_act_backward_kernel<scalar_t, acc_t, kCL, V, kHasX>;
   static const int occupancy = blocks_per_sm(kernel);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = need_sums && plan.tile.splits > 1;
-  at::Tensor partial, counters;
+  at::Tensor partial;
   if (split) {
     partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    counters = group_counters(plan.grid.x, output.options());
     args.partial = partial.data_ptr<acc_t>();
-    args.counters = counters.data_ptr<int>();
   }
-  auto launch = [&](int mode) {
-    kernel<<<plan.grid, plan.block, 0, stream>>>(
-        grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
-        input.defined() ? input.const_data_ptr<scalar_t>() : nullptr,
-        grad_input.defined() ? grad_input.mutable_data_ptr<scalar_t>() : nullptr, plan.tile, args, mode);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (!need_sums) {
-    launch(kApply);
-  } else if (!split) {
-    launch(kStats | (apply ? kApply : 0));
-  } else {
-    launch(kStats);
-    if (apply) launch(kApply);
-  }
+  const int mode = (need_sums ? kSums : 0) | (apply ? kGradInput : 0);
+  launch(kernel, plan, split, stream, grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
+         input.defined() ? input.const_data_ptr<scalar_t>() : static_cast<const scalar_t*>(nullptr),
+         grad_input.defined() ? grad_input.mutable_data_ptr<scalar_t>() : static_cast<scalar_t*>(nullptr), plan.tile,
+         args, mode);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -862,28 +892,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                                ptr_or_null<acc_t>(sum_dy_xhat),
                                ptr_or_null<acc_t>(sum_dy),
                                nullptr,
-                               nullptr,
                                static_cast<acc_t>(slope),
                                acc_t(1) / static_cast<acc_t>(g.reduce()),
                                act,
                                training};
       const bool vec = use_vectors<scalar_t>(g, cl, {&grad_output, &output, &input, &grad_input});
+      // The four kernel paths (layout x vector width), each with and without the input.
+      auto run = [&](auto cl_tag, auto v_tag) {
+        constexpr bool kCL = decltype(cl_tag)::value;
+        constexpr int V = decltype(v_tag)::value;
+        if (input.defined()) {
+          launch_backward<scalar_t, acc_t, kCL, V, true>(g, grad_output, output, input, grad_input, args, need_sums,
+                                                         output_mask[0], stream);
+        } else {
+          launch_backward<scalar_t, acc_t, kCL, V, false>(g, grad_output, output, input, grad_input, args, need_sums,
+                                                          output_mask[0], stream);
+        }
+      };
+      using Vector = std::integral_constant<int, kVec<scalar_t>>;
+      using Scalar = std::integral_constant<int, 1>;
       if (cl) {
-        if (vec) {
-          launch_backward<scalar_t, acc_t, true, kVec<scalar_t>>(g, grad_output, output, input, grad_input, args,
-                                                                 need_sums, output_mask[0], stream);
-        } else {
-          launch_backward<scalar_t, acc_t, true, 1>(g, grad_output, output, input, grad_input, args, need_sums,
-                                                    output_mask[0], stream);
-        }
+        if (vec) run(std::true_type{}, Vector{});
+        else run(std::true_type{}, Scalar{});
       } else {
-        if (vec) {
-          launch_backward<scalar_t, acc_t, false, kVec<scalar_t>>(g, grad_output, output, input, grad_input, args,
-                                                                  need_sums, output_mask[0], stream);
-        } else {
-          launch_backward<scalar_t, acc_t, false, 1>(g, grad_output, output, input, grad_input, args, need_sums,
-                                                     output_mask[0], stream);
-        }
+        if (vec) run(std::false_type{}, Vector{});
+        else run(std::false_type{}, Scalar{});
       }
     });
   }
