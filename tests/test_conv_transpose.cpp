@@ -354,7 +354,7 @@ TEST(ConvTransposeCuda, DcganLayersEveryLayoutAndDtype) {
 TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1, no bias, groups 1, C_out >= 16: the phase-decomposed implicit-GEMM path
-  // (ops/cuda/conv_transpose_k4s2p1.cu) for fp32 (TF32 on), bf16 and fp16; float64 and C_out < 16 take the
+  // (ops/cuda/conv_transpose_k4s2p1.cu) for fp32 (TF32 on), bf16 and fp16; float64 and 4 < C_out < 16 take the
   // general path (compared the same way).
   // Random batch (1, odd), channel counts that are and are not multiples of 8 (16-byte vector loads or the
   // scalar fallback), non-square sizes, all input layouts, both weight layouts; plus fixed shapes that cover
@@ -392,6 +392,51 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
       // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
       expect_close(std::get<1>(only_weight), got.grad_weight, scaled(rel_tolerance(dtype, true), got.grad_weight),
                    what + " grad_weight alone");
+    }
+  }
+}
+
+TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
+  HIERPAR_REQUIRE_CUDA();
+  // Kernel 4, stride 2, padding 1, groups 1, C_out <= 4 (DCGAN's RGB / grayscale layer): the CUDA-core kernels of
+  // ops/cuda/conv_transpose_small_cout.cu for fp32, bf16 and fp16 (float64 goes the general path), bias or not.
+  // Random C_in across the 16-channel forward chunks and the 64-channel grad_input chunks (1..150), sizes across
+  // the 32 x 8 forward tile (odd, 1..40, non-square), batch 1 and odd, every input layout (strided views are read
+  // in place), both weight layouts, unbatched inputs; grad_weight's block partials are summed by a second kernel.
+  // C_in * C_out > 1024 takes the general path.
+  std::vector<Case> cases;
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t cout = rand_int(1, 4);
+    const int64_t cin = trial == 0 ? 1 : rand_int(1, 150);
+    const int64_t batch = trial == 1 ? 1 : rand_int(1, 5);
+    cases.push_back(Case{batch, cin, cout, rand_int(1, 40), rand_int(1, 40), 1, {4, 4}, {2, 2}, {1, 1}, {0, 0},
+                         {1, 1}, coin(), static_cast<Layout>(rand_int(0, 2)), coin(), rand_int(0, 5) == 0});
+  }
+  for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+    cases.push_back(Case{9, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, coin(), false});
+    cases.push_back(Case{2, 300, 4, 5, 3, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, layout, coin(), false});
+  }
+  for (const Case& c : cases) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      const std::string what = std::string("CUDA k4s2p1 small C_out ") + c10::toString(dtype) + " " + c.describe();
+      const auto got = run(c, t, /*aten=*/false);
+      compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
+      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
+        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
+        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
+      }
+      // Each gradient alone; the block partials are added in a fixed order, so grad_weight is bitwise repeatable.
+      const auto only_weight = hierpar::ops::conv_transpose2d_backward(
+          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
+          {false, true, false});
+      const auto only_input = hierpar::ops::conv_transpose2d_backward(
+          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
+          {true, false, false});
+      EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
+      EXPECT_FALSE(std::get<1>(only_input).defined()) << what;
+      EXPECT_TRUE(torch::equal(std::get<1>(only_weight), got.grad_weight)) << what << ": grad_weight alone";
+      EXPECT_TRUE(torch::equal(std::get<0>(only_input), got.grad_input)) << what << ": grad_input alone";
     }
   }
 }

@@ -20,22 +20,22 @@
 // straight in the caller's layout by the epilogue (NCHW or NHWC), so there is no conversion on the way out.
 // Grids too small to fill the GPU split K and accumulate in an fp32 workspace (then one copy to the output).
 //
-// Tiles: 128 x BN x (32 16-bit | 16 fp32 elements), BN in {128, 64, 32, 16} chosen from the GEMM's N, 8 warps,
-// nvcuda::wmma fragments (bf16/fp16 m16n16k16, TF32 m16n16k8), fp32 accumulation; the next K-tile is loaded
-// into registers while the current one is multiplied from shared memory (double buffer, one barrier per tile).
-// Loads are 16-byte vectors when the channel count allows (multiple of 8 for 16-bit, 4 for fp32), else scalars
-// with the same mapping, so any channel count is handled.
+// Tiles: 128 x BN x (32 16-bit | 16 fp32 elements), BN in {128, 64, 32, 16} chosen from the GEMM's N, 8 warps
+// (warp tiles 64x32 at BN = 128). Mainloop: a 4-stage cp.async pipeline in dynamic shared memory (16-byte
+// copies, zero-filled at the borders through a source size of 0), fragments read with ldmatrix (.trans for the
+// N- or M-contiguous operands) and multiplied with mma.sync (bf16/fp16 m16n8k16, TF32 m16n8k8; fp32
+// accumulation). Rows are padded so ldmatrix and the fp32 scalar fragment loads are free of bank conflicts.
+// Channel counts that allow no 16-byte copy (not a multiple of 8 for 16-bit, 4 for fp32) are loaded with
+// scalar loads into the same stages (synchronously), so any channel count is handled.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <torch/library.h>
 
 #include <climits>
@@ -45,47 +45,33 @@
 namespace hierpar::detail {
 namespace {
 
-namespace wmma = nvcuda::wmma;
-
 constexpr int kThreads = 256;  // 8 warps
-
-template <typename scalar_t>
-struct Mma;
-template <>
-struct Mma<at::BFloat16> {
-  using elem = __nv_bfloat16;
-  using frag = __nv_bfloat16;
-  static constexpr int kStep = 16;
-};
-template <>
-struct Mma<at::Half> {
-  using elem = __half;
-  using frag = __half;
-  static constexpr int kStep = 16;
-};
-template <>
-struct Mma<float> {
-  using elem = float;
-  using frag = wmma::precision::tf32;
-  static constexpr int kStep = 8;
-};
+constexpr int kStages = 4;
 
 template <typename scalar_t, int BN_, bool kWgrad>
 struct Tile {
+  static constexpr int ESZ = int(sizeof(scalar_t));
   static constexpr int BM = 128, BN = BN_;
-  static constexpr int BK = 64 / int(sizeof(scalar_t));  // 64 bytes of K per tile row
-  static constexpr int VEC = 16 / int(sizeof(scalar_t));  // elements per 16-byte load
-  static constexpr int PAD = VEC;                         // 16 bytes of padding per smem row (banks)
+  static constexpr int BK = 64 / ESZ;   // 64 bytes of K per tile row
+  static constexpr int VEC = 16 / ESZ;  // elements per 16-byte copy
+  static constexpr int KSTEP = ESZ == 4 ? 8 : 16;  // the MMA's K
   static constexpr int WN = BN >= 128 ? 4 : (BN >= 32 ? 2 : 1);
   static constexpr int WM = 8 / WN;
-  static constexpr int FM = BM / WM / 16, FN = BN / WN / 16;
-  // A in smem: [BM][BK] row-major for the convolutions, [BK][BM] (wmma col_major) for grad_weight, whose A
-  // is contiguous along M (the output channels of one tap).
-  static constexpr int LDA = kWgrad ? BM + PAD : BK + PAD;
+  static constexpr int WARP_M = BM / WM, WARP_N = BN / WN;
+  static constexpr int MI = WARP_M / 16, NI = WARP_N / 8;
+  // A in smem: [BM][BK] (K-contiguous) for the convolutions, [BK][BM] (M-contiguous) for grad_weight, whose A
+  // is contiguous along M (the output channels of one tap). Padding: K-contiguous rows are 80 bytes apart (an
+  // odd multiple of 16: the 8 rows of an ldmatrix hit all 32 banks); M/N-contiguous rows get 8 elements, an
+  // odd multiple of 16 bytes for 16-bit (ldmatrix.trans) and 8 words mod 32 for fp32 (scalar fragment
+  // loads by (k = lane % 4, n = lane / 4)).
+  static constexpr int LDA = kWgrad ? BM + 8 : BK + VEC;
   static constexpr int A_ELEMS = kWgrad ? BK * LDA : BM * LDA;
-  static constexpr int LDB = BN + PAD;
+  static constexpr int LDB = BN + 8;
   static constexpr int B_ELEMS = BK * LDB;
-  static_assert(FM >= 1 && FN >= 1 && WM * FM * 16 == BM && WN * FN * 16 == BN, "warp tiling");
+  static constexpr int STAGE_BYTES = (A_ELEMS + B_ELEMS) * ESZ;
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES;
+  static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WM * WARP_M == BM && WN * WARP_N == BN, "warp tiling");
+  static_assert((A_ELEMS * ESZ) % 16 == 0 && STAGE_BYTES % 16 == 0, "16-byte aligned stages");
 };
 
 // One GEMM's operands. "act" is the gathered NHWC activation (forward: x; grad_input and grad_weight:
@@ -104,25 +90,75 @@ struct GemmArgs {
   const void* b;  // row-major [K, N] (per phase for the forward), leading dimension N
   int64_t b_phase_stride;
   void* c;  // scalar_t, or float when c_atomic
-  int64_t c_sN, c_sH, c_sW, c_sC;  // grad_weight: row stride c_sN, column stride c_sC
-  int dst_scale;                   // output pixel = dst_scale * row pixel + phase
+  // Convolutions: output pixel (n, y, x) at n*c_sN + y*c_sH + x*c_sW, channel stride c_sC.
+  // grad_weight: row m = (ky, kx, co) at co*c_sN + ky*c_sH + kx*c_sW, column (ci) stride c_sC.
+  int64_t c_sN, c_sH, c_sW, c_sC;
+  int dst_scale;  // output pixel = dst_scale * row pixel + phase
 };
 
 template <typename scalar_t>
 using bits_t = std::conditional_t<sizeof(scalar_t) == 2, uint16_t, uint32_t>;
 
+__device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16-byte global -> shared copy; with `pred` false nothing is read and the 16 bytes are zero-filled.
+__device__ inline void cp_async16(void* dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(pred ? 16 : 0));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ inline uint32_t to_tf32(uint32_t bits) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(bits)));
+  return r;
+}
+
+// d += a * b on one 16 x 8 tile (K = 16 for 16-bit, 8 for TF32).
+template <typename scalar_t>
+__device__ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
 template <typename scalar_t, int BN, bool kWgrad>
 __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmArgs a) {
   using T = Tile<scalar_t, BN, kWgrad>;
-  using elem = typename Mma<scalar_t>::elem;
-  using frag_t = typename Mma<scalar_t>::frag;
   using bits = bits_t<scalar_t>;
-  constexpr int BM = T::BM, BK = T::BK, VEC = T::VEC, WK = Mma<scalar_t>::kStep;
-  constexpr int SMEM_BYTES = 2 * (T::A_ELEMS + T::B_ELEMS) * int(sizeof(elem));
-  static_assert(SMEM_BYTES >= 8 * 256 * 4 + BM * 8, "epilogue scratch reuses the operand buffers");
-  __shared__ __align__(128) unsigned char smem[SMEM_BYTES];
-  elem* As = reinterpret_cast<elem*>(smem);
-  elem* Bs = As + 2 * T::A_ELEMS;
+  constexpr int BM = T::BM, BK = T::BK, VEC = T::VEC, ESZ = T::ESZ;
+  constexpr bool kF32 = ESZ == 4;
+  static_assert(T::SMEM_BYTES >= 8 * 256 * 4 + BM * 8, "epilogue scratch reuses the operand stages");
+  extern __shared__ __align__(128) unsigned char smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
@@ -172,22 +208,32 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
   }
 
   auto in_src = [&](int y, int x) { return y >= 0 && y < a.act_H && x >= 0 && x < a.act_W; };
+  auto a_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES); };
+  auto b_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES + T::A_ELEMS * ESZ); };
 
-  auto load_a = [&](int kt, uint4 (&regs)[A_ITERS]) {
+  // Issues the copies of K-tile kt into stage s: cp.async where 16-byte copies apply, else scalar loads stored
+  // synchronously (both are visible after the barrier that precedes the stage's use).
+  auto load_a = [&](int s, int kt) {
+    bits* As = a_stage(s);
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
-      regs[i] = make_uint4(0, 0, 0, 0);
-      bits* e = reinterpret_cast<bits*>(&regs[i]);
+      const int r = a_r + i * A_ROWS_PER_PASS;
+      bits* dst = As + r * T::LDA + a_v * VEC;
       if constexpr (!kWgrad) {
         const int k = kt * BK + a_v * VEC;
         if (a.a_vec) {  // act_C % VEC == 0: the vector lies in one tap
-          if (k < a.K) {
+          bool ok = k < a.K;
+          const bits* src = act;
+          if (ok) {
             const int t = k / a.act_C, c = k - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
             const int y = a_y[i] + a.src_dir * ty, x = a_x[i] + a.src_dir * tx;
-            if (in_src(y, x))
-              regs[i] = __ldg(reinterpret_cast<const uint4*>(act + a_base[i] + y * a.act_sH + x * a.act_sW + c));
+            ok = in_src(y, x);
+            if (ok) src = act + a_base[i] + y * a.act_sH + x * a.act_sW + c;
           }
+          cp_async16(dst, src, ok);
         } else {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          bits* e = reinterpret_cast<bits*>(&v);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             const int kj = k + j;
@@ -197,37 +243,37 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
               if (in_src(y, x)) e[j] = act[a_base[i] + y * a.act_sH + x * a.act_sW + c];
             }
           }
+          *reinterpret_cast<uint4*>(dst) = v;
         }
       } else {
-        const int p = kt * BK + a_r + i * A_ROWS_PER_PASS;  // input pixel (the GEMM's K)
+        const int p = kt * BK + r;  // input pixel (the GEMM's K)
+        int64_t base = 0;
+        int y0 = INT_MIN / 4, x0 = INT_MIN / 4;
         if (p < a.K) {
           const int n = p / rows_hw, rem = p - n * rows_hw, iy = rem / a.rows_W, ix = rem - iy * a.rows_W;
-          const int64_t base = n * a.act_sN;
-          const int y0 = a.src_scale * iy + a.src_off, x0 = a.src_scale * ix + a.src_off;
-          if (a.a_vec) {
-            const int y = y0 + a.src_dir * w_ty, x = x0 + a.src_dir * w_tx;
-            if (w_valid && in_src(y, x))
-              regs[i] = __ldg(reinterpret_cast<const uint4*>(act + base + y * a.act_sH + x * a.act_sW + w_c));
-          } else {
+          base = n * a.act_sN;
+          y0 = a.src_scale * iy + a.src_off;
+          x0 = a.src_scale * ix + a.src_off;
+        }
+        if (a.a_vec) {
+          const int y = y0 + a.src_dir * w_ty, x = x0 + a.src_dir * w_tx;
+          const bool ok = w_valid && in_src(y, x);
+          cp_async16(dst, ok ? act + base + y * a.act_sH + x * a.act_sW + w_c : act, ok);
+        } else {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          bits* e = reinterpret_cast<bits*>(&v);
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-              const int m = m0 + a_v * VEC + j;
-              if (m < a.M) {
-                const int t = m / a.act_C, c = m - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
-                const int y = y0 + a.src_dir * ty, x = x0 + a.src_dir * tx;
-                if (in_src(y, x)) e[j] = act[base + y * a.act_sH + x * a.act_sW + c];
-              }
+          for (int j = 0; j < VEC; ++j) {
+            const int m = m0 + a_v * VEC + j;
+            if (m < a.M) {
+              const int t = m / a.act_C, c = m - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
+              const int y = y0 + a.src_dir * ty, x = x0 + a.src_dir * tx;
+              if (in_src(y, x)) e[j] = act[base + y * a.act_sH + x * a.act_sW + c];
             }
           }
+          *reinterpret_cast<uint4*>(dst) = v;
         }
       }
-    }
-  };
-  auto store_a = [&](int buf, const uint4 (&regs)[A_ITERS]) {
-#pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int r = a_r + i * A_ROWS_PER_PASS;
-      *reinterpret_cast<uint4*>(As + buf * T::A_ELEMS + r * T::LDA + a_v * VEC) = regs[i];
     }
   };
 
@@ -235,94 +281,121 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
   constexpr int B_VPR = BN / VEC;
   constexpr int B_VECS = BK * B_VPR;
   constexpr int B_ITERS = (B_VECS + kThreads - 1) / kThreads;
-  auto load_b = [&](int kt, uint4 (&regs)[B_ITERS]) {
+  auto load_b = [&](int s, int kt) {
+    bits* Bs = b_stage(s);
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
       const int v = tid + i * kThreads;
-      regs[i] = make_uint4(0, 0, 0, 0);
       if (B_VECS % kThreads != 0 && v >= B_VECS) continue;
-      bits* e = reinterpret_cast<bits*>(&regs[i]);
-      const int k = kt * BK + v / B_VPR, n = n0 + (v % B_VPR) * VEC;
-      if (k >= a.K) continue;
+      const int kr = v / B_VPR, k = kt * BK + kr, n = n0 + (v % B_VPR) * VEC;
+      bits* dst = Bs + kr * T::LDB + (v % B_VPR) * VEC;
       const bits* row = bmat + int64_t(k) * a.N;
-      if (a.b_vec) {  // N % VEC == 0
-        if (n < a.N) regs[i] = __ldg(reinterpret_cast<const uint4*>(row + n));
+      if (a.b_vec) {  // N % VEC == 0: a vector is all in or all out
+        const bool ok = k < a.K && n < a.N;
+        cp_async16(dst, ok ? row + n : bmat, ok);
       } else {
+        uint4 val = make_uint4(0, 0, 0, 0);
+        bits* e = reinterpret_cast<bits*>(&val);
+        if (k < a.K) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          if (n + j < a.N) e[j] = row[n + j];
+          for (int j = 0; j < VEC; ++j)
+            if (n + j < a.N) e[j] = row[n + j];
+        }
+        *reinterpret_cast<uint4*>(dst) = val;
       }
     }
   };
-  auto store_b = [&](int buf, const uint4 (&regs)[B_ITERS]) {
+
+  // ---- fragments and MMAs of one stage ----------------------------------------------------------------------
+  float acc[T::MI][T::NI][4];
 #pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) {
-      const int v = tid + i * kThreads;
-      if (B_VECS % kThreads != 0 && v >= B_VECS) continue;
-      *reinterpret_cast<uint4*>(Bs + buf * T::B_ELEMS + (v / B_VPR) * T::LDB + (v % B_VPR) * VEC) = regs[i];
+  for (int i = 0; i < T::MI; ++i)
+#pragma unroll
+    for (int j = 0; j < T::NI; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  const int g = lane >> 2, t4 = lane & 3;
+  auto compute = [&](int s) {
+    const bits* As = a_stage(s);
+    const bits* Bs = b_stage(s);
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += T::KSTEP) {
+      uint32_t af[T::MI][4], bf[T::NI][2];
+#pragma unroll
+      for (int mi = 0; mi < T::MI; ++mi) {
+        const int mrow = wm * T::WARP_M + mi * 16;
+        if constexpr (!kWgrad) {
+          // Lanes 0-15 address rows 0-15 at K-offset 0, lanes 16-31 the same rows 16 bytes further: the four
+          // 8x8 (16-bit) / 8x4 (fp32) matrices are exactly a0..a3 of the MMA's A fragment.
+          ldmatrix_x4(af[mi], smem_addr(As + (mrow + (lane & 15)) * T::LDA + kk) + (lane >> 4) * 16);
+        } else if constexpr (!kF32) {
+          const int q = lane >> 3, k = (q >> 1) * 8 + (lane & 7), moff = (q & 1) * 8;
+          ldmatrix_x4_trans(af[mi], smem_addr(As + (kk + k) * T::LDA + mrow + moff));
+        } else {
+          const bits* p = As + (kk + t4) * T::LDA + mrow + g;
+          af[mi][0] = p[0];
+          af[mi][1] = p[8];
+          af[mi][2] = p[4 * T::LDA];
+          af[mi][3] = p[4 * T::LDA + 8];
+        }
+        if constexpr (kF32) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[mi][e] = to_tf32(af[mi][e]);
+        }
+      }
+#pragma unroll
+      for (int nj = 0; nj < T::NI / 2; ++nj) {
+        const int ncol = wn * T::WARP_N + nj * 16;
+        if constexpr (!kF32) {
+          const int q = lane >> 3, k = (q & 1) * 8 + (lane & 7), noff = (q >> 1) * 8;
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, smem_addr(Bs + (kk + k) * T::LDB + ncol + noff));
+          bf[2 * nj][0] = r[0];
+          bf[2 * nj][1] = r[1];
+          bf[2 * nj + 1][0] = r[2];
+          bf[2 * nj + 1][1] = r[3];
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bits* p = Bs + (kk + t4) * T::LDB + ncol + h * 8 + g;
+            bf[2 * nj + h][0] = to_tf32(p[0]);
+            bf[2 * nj + h][1] = to_tf32(p[4 * T::LDB]);
+          }
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < T::MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < T::NI; ++ni) mma<scalar_t>(acc[mi][ni], af[mi], bf[ni]);
     }
   };
 
-  // ---- main loop ------------------------------------------------------------------------------------------
-  using a_layout = std::conditional_t<kWgrad, wmma::col_major, wmma::row_major>;
-  wmma::fragment<wmma::accumulator, 16, 16, WK, float> acc[T::FM][T::FN];
+  // ---- main loop: kStages - 1 K-tiles in flight while one is multiplied --------------------------------------
+  const int nk = kt_end - kt_begin;
 #pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-
-  uint4 ra[A_ITERS], rb[B_ITERS];
-  if (kt_begin < kt_end) {
-    load_a(kt_begin, ra);
-    load_b(kt_begin, rb);
-    store_a(0, ra);
-    store_b(0, rb);
-    __syncthreads();
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) {
+      load_a(s, kt_begin + s);
+      load_b(s, kt_begin + s);
+    }
+    cp_async_commit();
   }
-  for (int kt = kt_begin; kt < kt_end; ++kt) {
-    const int buf = (kt - kt_begin) & 1;
-    const bool more = kt + 1 < kt_end;
-    if (more) {
-      load_a(kt + 1, ra);
-      load_b(kt + 1, rb);
+  for (int i = 0; i < nk; ++i) {
+    cp_async_wait<kStages - 2>();  // K-tile i has landed (this thread's copies) ...
+    __syncthreads();               // ... everyone's, and stage (i - 1) % kStages is free again
+    const int next = i + kStages - 1;
+    if (next < nk) {
+      load_a(next % kStages, kt_begin + next);
+      load_b(next % kStages, kt_begin + next);
     }
-    const elem* at_ = As + buf * T::A_ELEMS;
-    const elem* bt = Bs + buf * T::B_ELEMS;
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += WK) {
-      wmma::fragment<wmma::matrix_a, 16, 16, WK, frag_t, a_layout> fa[T::FM];
-      wmma::fragment<wmma::matrix_b, 16, 16, WK, frag_t, wmma::row_major> fb[T::FN];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) {
-        const int r = (wm * T::FM + i) * 16;
-        wmma::load_matrix_sync(fa[i], kWgrad ? at_ + kk * T::LDA + r : at_ + r * T::LDA + kk, T::LDA);
-        if constexpr (std::is_same_v<scalar_t, float>) {
-#pragma unroll
-          for (int t = 0; t < fa[i].num_elements; ++t) fa[i].x[t] = wmma::__float_to_tf32(fa[i].x[t]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < T::FN; ++j) {
-        wmma::load_matrix_sync(fb[j], bt + kk * T::LDB + (wn * T::FN + j) * 16, T::LDB);
-        if constexpr (std::is_same_v<scalar_t, float>) {
-#pragma unroll
-          for (int t = 0; t < fb[j].num_elements; ++t) fb[j].x[t] = wmma::__float_to_tf32(fb[j].x[t]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-    }
-    if (more) {
-      store_a(buf ^ 1, ra);
-      store_b(buf ^ 1, rb);
-    }
-    __syncthreads();
+    cp_async_commit();
+    compute(i % kStages);
   }
-
-  // ---- epilogue: each warp stages one 16x16 fragment at a time in shared memory, then writes it out ------
+  cp_async_wait<0>();
   __syncthreads();
+
+  // ---- epilogue: each warp stages one 16x16 block at a time in shared memory, then writes it out ---------
   float* scratch = reinterpret_cast<float*>(smem) + warp * 256;
   int64_t* row_base = reinterpret_cast<int64_t*>(smem + 8 * 256 * 4);
   if (tid < BM) {
@@ -330,7 +403,8 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
     int64_t rbase = -1;
     if (m < a.M) {
       if constexpr (kWgrad) {
-        rbase = int64_t(m) * a.c_sN;
+        const int t = m / a.act_C, co = m - t * a.act_C, ky = t / a.taps_w, kx = t - ky * a.taps_w;
+        rbase = co * a.c_sN + ky * a.c_sH + kx * a.c_sW;
       } else {
         const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
         rbase = n * a.c_sN + int64_t(a.dst_scale * my + py) * a.c_sH + int64_t(a.dst_scale * mx + px) * a.c_sW;
@@ -348,12 +422,21 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
       c_out[off] = static_cast<scalar_t>(v);
   };
 #pragma unroll
-  for (int i = 0; i < T::FM; ++i) {
+  for (int mi = 0; mi < T::MI; ++mi) {
 #pragma unroll
-    for (int j = 0; j < T::FN; ++j) {
-      wmma::store_matrix_sync(scratch, acc[i][j], 16, wmma::mem_row_major);
+    for (int nj = 0; nj < T::NI / 2; ++nj) {
+      // Accumulator layout (both MMA shapes): rows g and g + 8, columns 2 * t4 and 2 * t4 + 1 of each 16x8 tile.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float* d = acc[mi][2 * nj + h];
+        const int col = h * 8 + 2 * t4;
+        scratch[g * 16 + col] = d[0];
+        scratch[g * 16 + col + 1] = d[1];
+        scratch[(g + 8) * 16 + col] = d[2];
+        scratch[(g + 8) * 16 + col + 1] = d[3];
+      }
       __syncwarp();
-      const int r0 = (wm * T::FM + i) * 16, c0 = n0 + (wn * T::FN + j) * 16;
+      const int r0 = wm * T::WARP_M + mi * 16, c0 = n0 + wn * T::WARP_N + nj * 16;
       if (a.c_sC == 1 && a.c_vec) {  // a lane writes 8 consecutive channels of one row, one 16/32-byte store
         const int r = lane >> 1, cc = (lane & 1) * 8, n = c0 + cc;
         const int64_t rbase = row_base[r0 + r];
@@ -365,11 +448,11 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
           for (int q = 0; q < int(8 * sizeof(scalar_t)) / 16; ++q)
             reinterpret_cast<uint4*>(c_out + rbase + n)[q] = reinterpret_cast<const uint4*>(v)[q];
         }
-      } else if (a.c_sC == 1 && a.c_atomic4) {  // fp32 workspace: one 16-byte atomic add per lane and row
+      } else if (a.c_sC == 1 && a.c_atomic4) {  // fp32 accumulation: one 16-byte atomic add per lane and row
         const int cc = (lane & 3) * 4, n = c0 + cc;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = (lane >> 2) + 8 * h;
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = (lane >> 2) + 8 * hh;
           const int64_t rbase = row_base[r0 + r];
           if (rbase >= 0 && n + 4 <= a.N) {
             const float* v = scratch + r * 16 + cc;
@@ -386,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
             if (rbase >= 0) put(rbase + n, scratch[r * 16 + cc]);
           }
         }
-      } else {  // rows contiguous (NCHW output): 16 lanes write 16 consecutive rows of one channel
+      } else {  // channels strided (NCHW output, grad_weight): 16 lanes write 16 rows of one channel
         const int r = lane & 15, cc = (lane >> 4) * 8;
         const int64_t rbase = row_base[r0 + r];
         if (rbase >= 0) {
@@ -423,17 +506,31 @@ bool plan_splits(GemmArgs& a, int phases, bool always_split) {
   return always_split || a.splits > 1;
 }
 
+template <typename scalar_t, int BN, bool kWgrad>
+void launch_tile(const GemmArgs& a, const dim3& grid, cudaStream_t stream) {
+  constexpr int smem = Tile<scalar_t, BN, kWgrad>::SMEM_BYTES;
+  auto kernel = implicit_gemm_kernel<scalar_t, BN, kWgrad>;
+  // Above the 48 KB default: opt in (per device, so on every call; it is a cheap attribute write).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename scalar_t, bool kWgrad>
 void launch(const GemmArgs& a, int phases) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid((a.M + 127) / 128, (a.N + pick_bn(a.N) - 1) / pick_bn(a.N), phases * a.splits);
   switch (pick_bn(a.N)) {
-    case 128: implicit_gemm_kernel<scalar_t, 128, kWgrad><<<grid, kThreads, 0, stream>>>(a); break;
-    case 64: implicit_gemm_kernel<scalar_t, 64, kWgrad><<<grid, kThreads, 0, stream>>>(a); break;
-    case 32: implicit_gemm_kernel<scalar_t, 32, kWgrad><<<grid, kThreads, 0, stream>>>(a); break;
-    default: implicit_gemm_kernel<scalar_t, 16, kWgrad><<<grid, kThreads, 0, stream>>>(a); break;
+    case 128: launch_tile<scalar_t, 128, kWgrad>(a, grid, stream); break;
+    case 64: launch_tile<scalar_t, 64, kWgrad>(a, grid, stream); break;
+    case 32: launch_tile<scalar_t, 32, kWgrad>(a, grid, stream); break;
+    default: launch_tile<scalar_t, 16, kWgrad>(a, grid, stream); break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Zeroes a dense tensor (split-K accumulation target) with one memset, no ATen op.
+void zero_dense(const at::Tensor& t) {
+  C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.numel() * t.element_size(), at::cuda::getCurrentCUDAStream()));
 }
 
 // Forward weight per phase: packed[py, px][ty, tx, ci][co] = w[ci, co, 1 - py + 2ty, 1 - px + 2tx].
@@ -544,17 +641,20 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
       a.dst_scale = 2;
       const bool split = plan_splits<scalar_t>(a, 4, false);
       at::Tensor ws;
-      if (split) {
+      if (split && std::is_same_v<scalar_t, float>) {  // fp32: the K splits add straight into the output
+        zero_dense(out);
+        set_output<scalar_t>(a, out.data_ptr(), dense_strides(cout, g.out_h, g.out_w, out_channels_last), true);
+      } else if (split) {
         ws = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, out.options().dtype(at::kFloat),
-                       at::MemoryFormat::ChannelsLast)
-                 .zero_();
+                       at::MemoryFormat::ChannelsLast);
+        zero_dense(ws);
         set_output<scalar_t>(a, ws.data_ptr<float>(), dense_strides(cout, g.out_h, g.out_w, true), true);
       } else {
         set_output<scalar_t>(a, out.mutable_data_ptr<scalar_t>(),
                              dense_strides(cout, g.out_h, g.out_w, out_channels_last), false);
       }
       launch<scalar_t, false>(a, 4);
-      if (split) out.copy_(ws);
+      if (ws.defined()) out.copy_(ws);
     }
   });
 }
@@ -590,17 +690,21 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         a.dst_scale = 1;
         const bool split = plan_splits<scalar_t>(a, 1, false);
         at::Tensor ws;
-        if (split) {
+        if (split && std::is_same_v<scalar_t, float>) {
+          zero_dense(grad_input);
+          set_output<scalar_t>(a, grad_input.data_ptr(),
+                               dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), true);
+        } else if (split) {
           ws = at::empty({g.batch, g.in_channels, g.in_h, g.in_w}, go.options().dtype(at::kFloat),
-                         at::MemoryFormat::ChannelsLast)
-                   .zero_();
+                         at::MemoryFormat::ChannelsLast);
+          zero_dense(ws);
           set_output<scalar_t>(a, ws.data_ptr<float>(), dense_strides(cin, g.in_h, g.in_w, true), true);
         } else {
           set_output<scalar_t>(a, grad_input.mutable_data_ptr<scalar_t>(),
                                dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), false);
         }
         launch<scalar_t, false>(a, 1);
-        if (split) grad_input.copy_(ws);
+        if (ws.defined()) grad_input.copy_(ws);
       }
       if (grad_weight.defined()) {
         const at::Tensor x = input4.contiguous(at::MemoryFormat::ChannelsLast);
@@ -612,11 +716,23 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         a.b_phase_stride = 0;
         a.b_vec = cin % VEC == 0 && aligned16(a.b);
         plan_splits<scalar_t>(a, 1, true);
-        // gw^T[(ky, kx, co), ci], accumulated in fp32 over the K splits.
-        at::Tensor ws = at::zeros({4, 4, g.out_channels, g.in_channels}, go.options().dtype(at::kFloat));
-        set_output<scalar_t>(a, ws.data_ptr<float>(), Strides{cin, 0, 0, 1}, true);
+        // gw^T[(ky, kx, co), ci], accumulated in fp32 over the K splits: straight into an fp32 grad_weight
+        // (row (ky, kx, co) at co*s1 + ky*s2 + kx*s3, column ci at stride s0), else into an fp32 workspace.
+        at::Tensor ws;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          zero_dense(grad_weight);
+          set_output<scalar_t>(a, grad_weight.data_ptr(),
+                               Strides{grad_weight.stride(1), grad_weight.stride(2), grad_weight.stride(3),
+                                       grad_weight.stride(0)},
+                               true);
+        } else {
+          ws = at::empty({4, 4, g.out_channels, g.in_channels}, go.options().dtype(at::kFloat));
+          zero_dense(ws);
+          set_output<scalar_t>(a, ws.data_ptr<float>(), Strides{cin, int64_t(4) * cout * cin, int64_t(cout) * cin, 1},
+                               true);
+        }
         launch<scalar_t, true>(a, 1);
-        grad_weight.copy_(ws.permute({3, 2, 0, 1}));
+        if (ws.defined()) grad_weight.copy_(ws.permute({3, 2, 0, 1}));
       }
     }
   });

@@ -1,6 +1,7 @@
-// The fast CUDA path of hierpar::conv_transpose2d for kernel 4, stride 2, padding 1 (DCGAN's upsampling
-// layers): phase-decomposed implicit GEMMs on the tensor cores, no column buffer (see
-// conv_transpose_k4s2p1.cu). Private to hierpar_ops; conv_transpose_kernel.cu calls it when it applies.
+// The fast CUDA paths of hierpar::conv_transpose2d for kernel 4, stride 2, padding 1 (DCGAN's upsampling
+// layers). Private to hierpar_ops; conv_transpose_kernel.cu calls them when they apply.
+//  - conv_transpose_k4s2p1.cu: phase-decomposed implicit GEMMs on the tensor cores (C_out >= 16);
+//  - conv_transpose_small_cout.cu: CUDA-core kernels for C_out <= kSmallCoutMax (the RGB / grayscale layer).
 #pragma once
 
 #include "conv_transpose_shape.h"
@@ -9,9 +10,10 @@
 
 namespace hierpar::detail {
 
-// True when the fast path computes this call: kernel 4x4, stride 2, padding 1, dilation 1, output_padding 0,
-// groups 1, C_out >= 16, dtype bf16/fp16, or fp32 with TF32 allowed for convolutions, and 32-bit element indices. The
-// caller also requires no bias (the DCGAN layers have none; a bias goes the general path).
+// True when the GEMM fast path computes this call: kernel 4x4, stride 2, padding 1, dilation 1,
+// output_padding 0, groups 1, C_out >= 16, dtype bf16/fp16, or fp32 with TF32 allowed for convolutions, and
+// 32-bit element indices. The caller also requires no bias (the DCGAN layers have none; a bias goes the
+// general path).
 bool k4s2p1_fast_path_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype);
 
 // out: [N, C_out, 2H, 2W], allocated by the caller, dense in `out_channels_last`'s layout. input4: 4-d.
@@ -23,5 +25,19 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
 void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4, const at::Tensor& input4,
                      const at::Tensor& weight, const at::Tensor& grad_input, bool grad_input_channels_last,
                      const at::Tensor& grad_weight);
+
+constexpr int64_t kSmallCoutMax = 4;
+
+// True when the small-C_out kernels compute this call: the k4s2p1 shape as above, C_out <= kSmallCoutMax,
+// C_in * C_out <= 1024, fp32 (true fp32 arithmetic, whatever the TF32 flag) / bf16 / fp16. Any layout, any bias.
+bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype);
+
+// Every tensor is read / written through its strides (out and grad_input are allocated by the caller).
+// bias may be undefined.
+void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
+                               const at::Tensor& bias, const at::Tensor& out);
+// grad_input only (grad_weight takes the general path: see conv_transpose_small_cout.cu).
+void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                  const at::Tensor& weight, const at::Tensor& grad_input);
 
 }  // namespace hierpar::detail

@@ -1,7 +1,8 @@
 // CUDA kernels of hierpar::conv_transpose2d and its backward: cuBLAS GEMMs on the tensor cores plus
 // hierpar's own col2im gather (forward, no atomics) and im2col (backward) kernels. No cuDNN, no
 // at::convolution. Kernel 4 / stride 2 / padding 1 without bias (DCGAN's upsampling layers) takes the
-// phase-decomposed implicit-GEMM path of conv_transpose_k4s2p1.cu instead; this general path does the rest.
+// phase-decomposed implicit-GEMM path of conv_transpose_k4s2p1.cu instead (C_out >= 16), and with C_out <= 4 (bias
+// or not) the CUDA-core kernels of conv_transpose_small_cout.cu; this general path does the rest.
 //
 // Layouts, natively (no NCHW<->NHWC conversion of activations):
 //  - channels_last (and any input whose [N*H*W, C_in] row view is dense, e.g. 1x1 spatial): the input IS a
@@ -180,6 +181,10 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
 
   const bool has_bias = bias.has_value() && bias->defined();
   const bool out_cl = layout == c10::MemoryFormat::ChannelsLast;
+  if (k4s2p1_small_cout_applies(g, input.scalar_type())) {
+    k4s2p1_small_cout_forward(g, input4, weight, has_bias ? bias->contiguous() : at::Tensor(), out);
+    return unbatched ? out.squeeze(0) : out;
+  }
   if (!has_bias && k4s2p1_fast_path_applies(g, input.scalar_type())) {
     k4s2p1_forward(g, input4, weight, out, out_cl);
     return unbatched ? out.squeeze(0) : out;
@@ -251,77 +256,86 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
     grad_bias = new_output({g.out_channels}, input.options());
     at::sum_out(grad_bias, go, {0, 2, 3});
   }
-  if (output_mask[0] || output_mask[1]) {
-    if (g.in_pixels() == 0 || g.out_channels == 0) {
-      if (output_mask[0]) grad_input.zero_();
-      if (output_mask[1]) grad_weight.zero_();
-    } else if (k4s2p1_fast_path_applies(g, input.scalar_type())) {
-      k4s2p1_backward(g, go, input4, weight, grad_input, layout == c10::MemoryFormat::ChannelsLast, grad_weight);
-    } else {
-      const at::Tensor x = input4.contiguous(layout);
-      const bool x_rows = is_row_matrix(x);
-      // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
-      const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
-      const bool direct = is_direct_1x1(g, false) && x_rows && (go_cl || go.is_contiguous());
-      const bool tap_major = !direct || go_cl;
-      const at::Tensor w = weight_matrix(weight, tap_major);
-      const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
+  // The gradients the general (column buffer + cuBLAS) path below still has to compute.
+  bool general_input = output_mask[0], general_weight = output_mask[1];
+  if ((general_input || general_weight) && (g.in_pixels() == 0 || g.out_channels == 0)) {
+    if (general_input) grad_input.zero_();
+    if (general_weight) grad_weight.zero_();
+    general_input = general_weight = false;
+  } else if (general_input && k4s2p1_small_cout_applies(g, input.scalar_type())) {
+    // Small C_out: the direct kernel wins grad_input (memory-bound; 158 vs stock 209 us at the DCGAN's 32->3,
+    // batch 1024 bf16), but its grad_weight reduction lost to the GEMM below (1225 us against a whole general
+    // backward of under 1033), so grad_weight stays on the general path.
+    k4s2p1_small_cout_grad_input(g, go, weight, grad_input);
+    general_input = false;
+  } else if ((general_input || general_weight) && k4s2p1_fast_path_applies(g, input.scalar_type())) {
+    k4s2p1_backward(g, go, input4, weight, grad_input, layout == c10::MemoryFormat::ChannelsLast, grad_weight);
+    general_input = general_weight = false;
+  }
+  if (general_input || general_weight) {
+    const at::Tensor x = input4.contiguous(layout);
+    const bool x_rows = is_row_matrix(x);
+    // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
+    const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
+    const bool direct = is_direct_1x1(g, false) && x_rows && (go_cl || go.is_contiguous());
+    const bool tap_major = !direct || go_cl;
+    const at::Tensor w = weight_matrix(weight, tap_major);
+    const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
 
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_backward_cuda", [&] {
-        at::Tensor cols;
-        if (direct) {
-          cols = go;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_backward_cuda", [&] {
+      at::Tensor cols;
+      if (direct) {
+        cols = go;
+      } else {
+        cols = at::empty({g.in_pixels(), j}, input.options());
+        const int64_t total = cols.numel();
+        const Strides4 gs{{go.stride(0), go.stride(1), go.stride(2), go.stride(3)}};
+        auto stream = at::cuda::getCurrentCUDAStream();
+        if (fits_int32(total)) {
+          im2col_kernel<scalar_t, int32_t><<<blocks_for(total), kThreads, 0, stream>>>(
+              g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), int32_t(total));
         } else {
-          cols = at::empty({g.in_pixels(), j}, input.options());
-          const int64_t total = cols.numel();
-          const Strides4 gs{{go.stride(0), go.stride(1), go.stride(2), go.stride(3)}};
-          auto stream = at::cuda::getCurrentCUDAStream();
-          if (fits_int32(total)) {
-            im2col_kernel<scalar_t, int32_t><<<blocks_for(total), kThreads, 0, stream>>>(
-                g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), int32_t(total));
-          } else {
-            im2col_kernel<scalar_t, int64_t><<<blocks_for(total), kThreads, 0, stream>>>(
-                g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), total);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          im2col_kernel<scalar_t, int64_t><<<blocks_for(total), kThreads, 0, stream>>>(
+              g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), total);
         }
-        const scalar_t* cp = cols.const_data_ptr<scalar_t>();
-        if (output_mask[0]) {
-          const scalar_t* wp = w.const_data_ptr<scalar_t>();
-          scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
-          if (x_rows) {  // grad_input has x's layout, so it is a row matrix too
-            gemm_rows<scalar_t>(g.in_pixels(), cin_g, jg, cp, j, jg, false, wp, jg, cin_g * jg, true, gip,
-                                g.in_channels, cin_g, g.groups);
-          } else {
-            for (int64_t grp = 0; grp < g.groups; ++grp) {
-              gemm_rows<scalar_t>(cin_g, hw, jg, wp + grp * cin_g * jg, jg, 0, false, cp + grp * jg, j, hw * j, true,
-                                  gip + grp * cin_g * hw, hw, g.in_channels * hw, g.batch);
-            }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const scalar_t* cp = cols.const_data_ptr<scalar_t>();
+      if (general_input) {
+        const scalar_t* wp = w.const_data_ptr<scalar_t>();
+        scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+        if (x_rows) {  // grad_input has x's layout, so it is a row matrix too
+          gemm_rows<scalar_t>(g.in_pixels(), cin_g, jg, cp, j, jg, false, wp, jg, cin_g * jg, true, gip,
+                              g.in_channels, cin_g, g.groups);
+        } else {
+          for (int64_t grp = 0; grp < g.groups; ++grp) {
+            gemm_rows<scalar_t>(cin_g, hw, jg, wp + grp * cin_g * jg, jg, 0, false, cp + grp * jg, j, hw * j, true,
+                                gip + grp * cin_g * hw, hw, g.in_channels * hw, g.batch);
           }
         }
-        if (output_mask[1]) {
-          // The GEMM writes [C_in, J_g] in the column order `tap_major` says; straight into grad_weight
-          // when that is its memory order, else into a scratch matrix copied over (weights are small).
-          const bool weight_cl = layout_of(weight) == c10::MemoryFormat::ChannelsLast;
-          const bool in_place = tap_major == weight_cl || (g.kernel_h == 1 && g.kernel_w == 1);
-          at::Tensor gw = in_place ? grad_weight
-                                   : at::empty(tap_major ? at::IntArrayRef{g.in_channels, g.kernel_h, g.kernel_w,
-                                                                           g.cout_g()}
-                                                         : weight.sizes(),
-                                               weight.options());
-          scalar_t* gwp = gw.mutable_data_ptr<scalar_t>();
-          if (x_rows) {
-            gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
-                                cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
-          } else {
-            const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
-            gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
-                                cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
-          }
-          if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
+      }
+      if (general_weight) {
+        // The GEMM writes [C_in, J_g] in the column order `tap_major` says; straight into grad_weight
+        // when that is its memory order, else into a scratch matrix copied over (weights are small).
+        const bool weight_cl = layout_of(weight) == c10::MemoryFormat::ChannelsLast;
+        const bool in_place = tap_major == weight_cl || (g.kernel_h == 1 && g.kernel_w == 1);
+        at::Tensor gw = in_place ? grad_weight
+                                 : at::empty(tap_major ? at::IntArrayRef{g.in_channels, g.kernel_h, g.kernel_w,
+                                                                         g.cout_g()}
+                                                       : weight.sizes(),
+                                             weight.options());
+        scalar_t* gwp = gw.mutable_data_ptr<scalar_t>();
+        if (x_rows) {
+          gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
+                              cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
+        } else {
+          const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
+          gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
+                              cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
         }
-      });
-    }
+        if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
+      }
+    });
   }
   if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
   return {grad_input, grad_weight, grad_bias};
