@@ -65,6 +65,7 @@ class Report {
 
 struct Options {
   bool quick = false;  // fewer repeats and shapes, for a smoke run
+  std::string out_prefix;  // "<out>/<gpu>-<suite>": a suite may write files beside its JSON (e.g. <prefix>.png)
 };
 
 using Suite = std::function<void(Report&, const Options&)>;

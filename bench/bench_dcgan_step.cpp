@@ -20,17 +20,24 @@
 // peak_mem_mb (caching allocator's peak allocated bytes over the timed steps, less what was allocated before
 // the row's models were built; the peak is reset after warm-up so cuDNN's benchmark search is not counted; a
 // graph's private pool is allocated memory and counts).
-// HIERPAR_STEP_PROFILE=<file> writes each row's top kernels by GPU time there.
+// HIERPAR_STEP_PROFILE=<file> writes each row's top kernels by GPU time there. A chart of ms/step (stock vs
+// hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
+// examples (their PNG writer) are built.
 #include "bench.h"
 
 #include "hierpar/models/cnn.h"
 #include "hierpar/models/dcgan.h"
+#include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/captured_step.h"
 #include "hierpar/strategy/fused_adam.h"
+
+#ifdef HIERPAR_BENCH_CHARTS
+#include "common/images.h"
+#endif
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -54,41 +61,15 @@ namespace {
 
 using namespace hierpar::bench;
 using hierpar::LayerSet;
+using hierpar::strategy::CapturedStep;
 using hierpar::strategy::FusedAdam;
 
-const char* name_of(LayerSet layers) { return layers == LayerSet::stock ? "stock" : "hierpar"; }
-
-// torch.autocast(device_type="cuda", dtype=torch.bfloat16) as a scope: enables bf16 autocast and, leaving the
-// outermost scope, drops the cached bf16 copies of the weights (they go stale once the optimiser steps).
-class AutocastScope {
- public:
-  explicit AutocastScope(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
-    was_enabled_ = at::autocast::is_autocast_enabled(at::kCUDA);
-    was_dtype_ = at::autocast::get_autocast_dtype(at::kCUDA);
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::increment_nesting();
-  }
-  ~AutocastScope() {
-    if (!enabled_) return;
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCUDA, was_enabled_);
-    at::autocast::set_autocast_dtype(at::kCUDA, was_dtype_);
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  bool enabled_, was_enabled_ = false;
-  at::ScalarType was_dtype_ = at::kBFloat16;
-};
-
-void to_channels_last(torch::nn::Module& module) {
-  for (auto& p : module.parameters()) {
-    if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
-  }
+// torch.autocast(device_type="cuda", dtype=torch.bfloat16) when `bf16`, else nothing.
+hierpar::strategy::AutocastScope autocast_bf16(bool bf16) {
+  return hierpar::strategy::AutocastScope(at::kCUDA, bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
 }
+
+const char* name_of(LayerSet layers) { return layers == LayerSet::stock ? "stock" : "hierpar"; }
 
 torch::optim::AdamOptions dcgan_adam() { return torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}); }
 
@@ -109,8 +90,8 @@ class DcganStep : public TrainingStep {
     generator_->to(at::kCUDA);
     discriminator_->to(at::kCUDA);
     if (bf16_) {
-      to_channels_last(*generator_);
-      to_channels_last(*discriminator_);
+      hierpar::strategy::convert_to_channels_last(*generator_);
+      hierpar::strategy::convert_to_channels_last(*discriminator_);
     }
     generator_params_ = generator_->parameters();
     optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam());
@@ -126,7 +107,7 @@ class DcganStep : public TrainingStep {
   void run() override {
     at::Tensor fake, e_real, e_fake, e_g;
     {
-      AutocastScope autocast(bf16_);
+      auto autocast = autocast_bf16(bf16_);
       const auto z = at::randn(noise_sizes_, real_.options());  // the default CUDA generator: graph-safe
       optimizer_d_->zero_grad();
       e_real = at::binary_cross_entropy_with_logits(discriminator_->forward(real_).to(at::kFloat), ones_);
@@ -141,7 +122,7 @@ class DcganStep : public TrainingStep {
     optimizer_d_->step();
     optimizer_g_->zero_grad();
     {
-      AutocastScope autocast(bf16_);
+      auto autocast = autocast_bf16(bf16_);
       e_g = at::binary_cross_entropy_with_logits(discriminator_->forward(fake).to(at::kFloat), ones_);
     }
     torch::autograd::backward({e_g}, {}, std::nullopt, false, generator_params_);
@@ -243,21 +224,6 @@ Profile profile(const std::function<void()>& step, int steps) {
   return p;
 }
 
-int64_t graph_kernel_nodes(at::cuda::CUDAGraph& graph) {
-  cudaGraph_t raw = graph.raw_cuda_graph();
-  size_t count = 0;
-  C10_CUDA_CHECK(cudaGraphGetNodes(raw, nullptr, &count));
-  std::vector<cudaGraphNode_t> nodes(count);
-  C10_CUDA_CHECK(cudaGraphGetNodes(raw, nodes.data(), &count));
-  int64_t kernels = 0;
-  for (auto node : nodes) {
-    cudaGraphNodeType type;
-    C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
-    kernels += type == cudaGraphNodeTypeKernel;
-  }
-  return kernels;
-}
-
 // The caching allocator's allocated bytes (current or peak), in MiB.
 double allocated_mb(bool peak) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
@@ -287,33 +253,21 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
   const int samples = options.quick ? 3 : 5;
   // Warm-up on a side stream (cuDNN's benchmark search, lazy initialisation, the optimiser's first steps),
   // as torch.cuda.graph's recipe asks before a capture.
-  const c10::cuda::CUDAStream side = side_stream();
+  CapturedStep captured(at::Device(at::kCUDA, c10::cuda::current_device()), side_stream());
+  for (int i = 0; i < 5; ++i) captured.warm_up([&] { step.run(); });
   at::cuda::getCurrentCUDAStream().synchronize();
-  {
-    c10::cuda::CUDAStreamGuard guard(side);
-    for (int i = 0; i < 5; ++i) step.run();
-  }
-  side.synchronize();
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
   int64_t nodes = -1;
   double capture_peak = 0;
   if (graphs) {
     // A replay allocates nothing (the graph's private pool was filled while capturing), so a graph row's
     // memory is the peak allocated while capturing, which the pool keeps reserved from then on.
     c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
-    graph = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true);
-    {
-      c10::cuda::CUDAStreamGuard guard(side);
-      graph->capture_begin();
-      step.run();
-      graph->capture_end();
-    }
-    side.synchronize();
+    captured.capture([&] { step.run(); });
+    at::cuda::getCurrentCUDAStream().synchronize();
     capture_peak = allocated_mb(true);
-    graph->instantiate();
-    nodes = graph_kernel_nodes(*graph);
+    nodes = captured.kernel_nodes();
   }
-  const std::function<void()> one_step = graphs ? std::function<void()>([&] { graph->replay(); })
+  const std::function<void()> one_step = graphs ? std::function<void()>([&] { captured.replay(0); })
                                                 : std::function<void()>([&] { step.run(); });
   one_step();  // the first replay uploads the graph
   at::cuda::getCurrentCUDAStream().synchronize();
@@ -433,6 +387,38 @@ void check_target(const std::vector<Row>& rows, const char* what, int64_t batch,
   std::cout.unsetf(std::ios::fixed);
 }
 
+// ms/step of every dcgan_step row as bars: one group per (batch, precision), stock and hierpar, eager and graph.
+void write_chart(const std::vector<Row>& rows, const std::string& path) {
+#ifdef HIERPAR_BENCH_CHARTS
+  using hierpar::examples::BarGroup;
+  using hierpar::examples::PlotSeries;
+  const std::vector<std::pair<std::string, std::string>> kinds{
+      {"stock", "off"}, {"hierpar", "off"}, {"stock", "on"}, {"hierpar", "on"}};
+  const std::vector<PlotSeries> series{{"stock eager", {}, {158, 202, 225}},
+                                       {"hierpar eager", {}, {253, 174, 107}},
+                                       {"stock CUDA graph", {}, {33, 113, 181}},
+                                       {"hierpar CUDA graph", {}, {217, 72, 1}}};
+  std::vector<BarGroup> groups;
+  for (const auto& r : rows) {
+    if (r.bench != "dcgan_step") continue;
+    const std::string label = "batch " + std::to_string(r.batch) + " " + r.precision;
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
+    if (it == groups.end()) {
+      groups.push_back({label, std::vector<double>(kinds.size(), NAN)});
+      it = groups.end() - 1;
+    }
+    for (size_t k = 0; k < kinds.size(); ++k) {
+      if (kinds[k].first == r.impl && kinds[k].second == r.graphs) it->values[k] = r.ms;
+    }
+  }
+  hierpar::examples::write_bar_chart(groups, series, "DCGAN training step, ms/step (lower is better)", path,
+                                     std::max<int>(900, 150 * static_cast<int>(groups.size())), 440);
+  std::cout << "wrote " << path << "\n";
+#else
+  std::cout << "no chart (" << path << "): hierpar-bench was built without the examples' PNG writer\n";
+#endif
+}
+
 void dcgan_step_suite(Report& report, const Options& options) {
   at::globalContext().setAllowTF32CuDNN(true);
   at::globalContext().setAllowTF32CuBLAS(true);
@@ -471,6 +457,7 @@ void dcgan_step_suite(Report& report, const Options& options) {
     }
   }
   print_rows(rows);
+  if (!options.out_prefix.empty()) write_chart(rows, options.out_prefix + ".png");
   check_target(rows, "batch 64 tf32 <= 1.0 ms", 64, "tf32", 1.0);
   check_target(rows, "batch 1024 bf16+channels_last <= 4.0 ms", 1024, "bf16", 4.0);
   for (const auto& stock : rows) {

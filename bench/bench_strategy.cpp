@@ -3,7 +3,9 @@
 // placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
 // (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
 // global batches 64 (the seed's), 1024 and 4096. The stock row is the same trainer on one GPU with
-// torch::nn layers; every other row uses hierpar's layers.
+// torch::nn layers; every other row uses hierpar's layers. data (2, nccl) runs three ways: bucketed
+// all-reduce during the backward (the default), one flat buffer after it (config buckets = flat), and
+// bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after every row.
 //
 // Timing: a run is K steps between device synchronisations of every GPU of the placement (host wall
 // clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
@@ -42,6 +44,10 @@ struct Row {
   int64_t gpus;
   const char* reduce;  // "none" where one replica has nothing to average
   hierpar::LayerSet layers;
+  // NCCL only: "bucketed" (the default: DDP-style buckets all-reduced during the backward, 1 MB first
+  // bucket then 25 MB) or "flat" (one buffer per network after the backward: session 1's path).
+  const char* buckets = "bucketed";
+  bool sync_bn = false;  // synchronized BatchNorm across the replicas
 };
 
 struct Precision {
@@ -100,7 +106,10 @@ void strategy_suite(Report& report, const Options& options) {
   const std::vector<Row> rows = {
       {"single", 1, "none", hierpar::LayerSet::stock},   {"single", 1, "none", hierpar::LayerSet::hierpar},
       {"task", 2, "none", hierpar::LayerSet::hierpar},   {"data", 2, "host", hierpar::LayerSet::hierpar},
-      {"data", 2, "nccl", hierpar::LayerSet::hierpar},   {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
+      {"data", 2, "nccl", hierpar::LayerSet::hierpar},
+      {"data", 2, "nccl", hierpar::LayerSet::hierpar, "flat"},
+      {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", true},
+      {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
   };
@@ -117,8 +126,11 @@ void strategy_suite(Report& report, const Options& options) {
   std::vector<std::string> skipped;
   for (const Case& c : cases) {
     for (const Row& row : rows) {
+      const bool nccl = std::string(row.reduce) == "nccl";
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
-                                (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce + ", " +
+                                (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
+                                (nccl ? std::string(" ") + row.buckets : std::string()) +
+                                (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name();
       if (row.gpus > visible) {
@@ -141,6 +153,9 @@ void strategy_suite(Report& report, const Options& options) {
           to_channels_last(*d);
         }
         trainer_options.noise_shape = {model.nz};
+        trainer_options.averaging.bucket_cap_bytes =
+            std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
+        trainer_options.sync_batch_norm = row.sync_bn;
         hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, trainer_options);
         const int64_t share = c.batch / placement.global_replicas();
         std::vector<torch::Tensor> reals;
@@ -177,11 +192,15 @@ void strategy_suite(Report& report, const Options& options) {
             .set("graphs", "off")
             .set("strategy", row.strategy)
             .set("gpus", row.gpus)
-            .set("reduce", row.reduce);
+            .set("reduce", row.reduce)
+            .set("buckets", nccl ? row.buckets : "none")
+            .set("sync_bn", row.sync_bn);
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
         report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
         results.push_back({label, epoch_s, images_per_s});
+        // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
+        if (!options.out_prefix.empty()) report.write_json(options.out_prefix + ".json");
         std::printf("  %-72s %9.3f ms/step %11.0f images/s %8.4f s/epoch\n", label.c_str(), t.median_us / 1000.0,
                     images_per_s, epoch_s);
         std::fflush(stdout);

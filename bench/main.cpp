@@ -7,8 +7,12 @@
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <csignal>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -23,6 +27,17 @@ std::string slug(std::string s) {
   return s;
 }
 
+// A crash inside a library (NCCL, cuBLAS, the driver) in a long run prints the native stack before the process
+// dies, so the log says where it happened. Only async-signal-safe calls (write, backtrace_symbols_fd).
+void print_stack_and_reraise(int signal) {
+  constexpr char message[] = "hierpar-bench: fatal signal; native stack:\n";
+  [[maybe_unused]] auto written = write(STDERR_FILENO, message, sizeof message - 1);
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+
 int usage(const std::string& error) {
   std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--out DIR] [--list]\n";
   return 2;
@@ -32,6 +47,9 @@ int usage(const std::string& error) {
 
 int main(int argc, char** argv) {
   using namespace hierpar::bench;
+  void* first_frame[1];
+  backtrace(first_frame, 1);  // loads the unwinder now: its first call allocates, which a signal handler must not
+  for (int fatal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) std::signal(fatal, print_stack_and_reraise);
   Options options;
   std::string out_dir = "bench/results";
   std::vector<std::string> wanted;
@@ -71,6 +89,7 @@ int main(int argc, char** argv) {
     if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
     std::cout << "== " << name << (options.quick ? " (quick)" : "") << " on " << gpu << std::endl;
     Report report;
+    options.out_prefix = out_dir + "/" + gpu + "-" + name;
     try {
       suite(report, options);
     } catch (const c10::Error& e) {

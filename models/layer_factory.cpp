@@ -28,7 +28,19 @@ Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activatio
   if (layers == LayerSet::hierpar) return wrap(nn::BatchNormAct2d(num_features, activation, negative_slope));
   torch::nn::BatchNorm2d norm(num_features);
   return {norm.ptr(), [norm, activation, negative_slope](const torch::Tensor& x) mutable {
-            auto y = norm->forward(x);
+            torch::Tensor y;
+            if (nn::BatchNormSync* sync = nn::batch_norm_sync(); sync != nullptr && norm->is_training()) {
+              // Synchronized statistics: torch::nn::BatchNorm2d's bookkeeping, then the replicas' statistics.
+              const auto& o = norm->options;
+              double momentum = o.momentum().value_or(0.0);
+              if (o.track_running_stats()) {
+                norm->num_batches_tracked.add_(1);
+                if (!o.momentum().has_value()) momentum = 1.0 / norm->num_batches_tracked.item<double>();
+              }
+              y = sync->forward(x, norm->weight, norm->bias, norm->running_mean, norm->running_var, momentum, o.eps());
+            } else {
+              y = norm->forward(x);
+            }
             switch (activation) {
               case nn::Activation::identity: return y;
               case nn::Activation::relu: return torch::relu_(y);

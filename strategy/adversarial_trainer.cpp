@@ -1,10 +1,16 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 
+#include "hierpar/strategy/captured_step.h"
+#include "hierpar/strategy/fused_adam.h"
+#include "hierpar/strategy/sync_batch_norm.h"
+
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -28,13 +34,30 @@ std::pair<double, double> StepLosses::mean() const {
   return {d / discriminator.size(), g / generator.size()};
 }
 
+void convert_to_channels_last(torch::nn::Module& module) {
+  for (auto& p : module.parameters()) {
+    if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+  }
+}
+
 struct AdversarialTrainer::Replica {
   torch::nn::AnyModule generator;
   torch::nn::AnyModule discriminator;
   std::vector<torch::Tensor> generator_parameters;
   std::vector<torch::Tensor> discriminator_parameters;
-  std::unique_ptr<torch::optim::Adam> generator_optimizer;
+  std::unique_ptr<torch::optim::Adam> generator_optimizer;  // a FusedAdam with options.fused_adam
   std::unique_ptr<torch::optim::Adam> discriminator_optimizer;
+  // The last step's losses (under graphs: the graph's outputs) and the device buffer of pending steps'
+  // losses: row k = (D real, D fake, G) of the k-th step since the last read; `loss_row` is k, on the device.
+  torch::Tensor d_loss, d_loss_real, d_loss_fake, g_loss;
+  torch::Tensor loss_log, loss_row;
+  // CUDA graphs: the captured step, the static inputs it reads, and the eager steps run so far.
+  std::unique_ptr<CapturedStep> graph;
+  torch::Tensor static_real, static_noise;
+  bool noise_given = false;
+  // --- synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
+  std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;
+  int64_t warmup_done = 0;
 };
 
 // One persistent thread per local replica after the first (which runs on the caller's thread): the
@@ -194,6 +217,10 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   placement_.validate();
   TORCH_CHECK(!generator.is_empty() && !discriminator.is_empty(), "AdversarialTrainer needs a generator and a discriminator module");
   TORCH_CHECK(options_.loss, "AdversarialTrainer: options.loss must be set");
+  TORCH_CHECK(options_.loss_log_steps >= 1, "AdversarialTrainer: options.loss_log_steps must be at least 1, got ",
+              options_.loss_log_steps);
+  TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
+              options_.graph_warmup_steps);
   for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
     const ReplicaDevices& devices = placement_.replicas[i];
     auto replica = std::make_unique<Replica>();
@@ -203,24 +230,85 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       replica->generator = std::move(generator);
       replica->discriminator = std::move(discriminator);
     } else {
+      // clone() re-runs each module's reset(), which draws a fresh initialisation from the CPU generator before
+      // replica 0's values are copied in. Restoring the generator keeps the random numbers drawn later (the
+      // noise on a CPU placement) independent of the replica count, so data runs match single runs.
+      at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();
+      at::Tensor cpu_generator_state;
+      {
+        std::lock_guard<std::mutex> lock(cpu_generator.mutex());
+        cpu_generator_state = cpu_generator.get_state();
+      }
       replica->generator = replicas_[0]->generator.clone(devices.generator);
       replica->discriminator = replicas_[0]->discriminator.clone(devices.discriminator);
+      std::lock_guard<std::mutex> lock(cpu_generator.mutex());
+      cpu_generator.set_state(cpu_generator_state);
+    }
+    if (options_.channels_last) {
+      convert_to_channels_last(*replica->generator.ptr());
+      convert_to_channels_last(*replica->discriminator.ptr());
     }
     replica->generator_parameters = replica->generator.ptr()->parameters();
     replica->discriminator_parameters = replica->discriminator.ptr()->parameters();
     TORCH_CHECK(!replica->generator_parameters.empty() && !replica->discriminator_parameters.empty(),
                 "AdversarialTrainer: the generator and the discriminator must have parameters");
-    replica->generator_optimizer = std::make_unique<torch::optim::Adam>(replica->generator_parameters,
-                                                                        adam_options(options_.generator_adam));
-    replica->discriminator_optimizer = std::make_unique<torch::optim::Adam>(
-        replica->discriminator_parameters, adam_options(options_.discriminator_adam));
+    auto make_optimizer = [&](const std::vector<torch::Tensor>& parameters,
+                              const AdamSettings& settings) -> std::unique_ptr<torch::optim::Adam> {
+      if (options_.fused_adam) return std::make_unique<FusedAdam>(parameters, adam_options(settings));
+      return std::make_unique<torch::optim::Adam>(parameters, adam_options(settings));
+    };
+    replica->generator_optimizer = make_optimizer(replica->generator_parameters, options_.generator_adam);
+    replica->discriminator_optimizer = make_optimizer(replica->discriminator_parameters, options_.discriminator_adam);
+    const auto on_d = torch::TensorOptions().device(devices.discriminator);
+    replica->loss_log = torch::zeros({options_.loss_log_steps, 3}, on_d.dtype(torch::kFloat));
+    replica->loss_row = torch::zeros({1}, on_d.dtype(torch::kLong));
     replicas_.push_back(std::move(replica));
+  }
+  for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+    for (int64_t j = 0; j < i; ++j) shared_noise_generator_ |= placement_.replicas[i].generator == placement_.replicas[j].generator;
+  }
+  if (options_.cuda_graphs) {
+    TORCH_CHECK(options_.fused_adam, "AdversarialTrainer: cuda_graphs needs fused_adam (torch::optim::Adam's step "
+                "reads its step counts on the host, which a graph cannot replay)");
+    for (const ReplicaDevices& r : placement_.replicas) {
+      TORCH_CHECK(r.generator.is_cuda() && r.discriminator.is_cuda() && cuda_graphs_available(),
+                  "AdversarialTrainer: cuda_graphs needs CUDA devices, got G ", r.generator, ", D ", r.discriminator);
+    }
+    if (placement_.scheme == Scheme::task || placement_.scheme == Scheme::hierarchical) {
+      graph_fallback_ = c10::str("CUDA graphs off: a ", to_string(placement_.scheme), " step runs one backward across "
+                                 "G's and D's devices, which a per-device capture cannot split; steps run eagerly");
+    } else if (placement_.global_replicas() > 1 && placement_.reduce == Reduce::collective) {
+      graph_fallback_ = "CUDA graphs off: collective averaging launches its all-reduces from autograd hooks inside "
+                        "the backward, which this trainer does not capture; steps run eagerly (--reduce host is "
+                        "captured between its averaging points)";
+    } else {
+      graphs_ = true;
+      for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+        replicas_[i]->graph = std::make_unique<CapturedStep>(placement_.replicas[i].discriminator);
+      }
+    }
   }
   averager_ = make_averager(placement_, options_.averaging);
   workers_ = std::make_unique<Workers>(placement_.local_replicas());
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
+    // --- bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp)
+    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+      Replica& r = *replicas_[i];
+      averager_->attach(i, Network::generator, r.generator_parameters);
+      averager_->attach(i, Network::discriminator, r.discriminator_parameters);
+      if (options_.sync_batch_norm) {
+        r.generator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::generator);
+        r.discriminator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::discriminator);
+      }
+    }
+    if (options_.sync_batch_norm && graphs_) {
+      graphs_ = false;
+      graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
+                        "forward and backward passes, which this trainer does not capture; steps run eagerly";
+    }
+    // ---
   }
 }
 
@@ -282,43 +370,166 @@ StepLosses AdversarialTrainer::step_shares(const std::vector<torch::Tensor>& rea
 }
 
 StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises) {
+  // Replicas that share a generator (CPU) would race for it: their rows of one global draw are made here.
+  std::vector<torch::Tensor> shares = noises;
+  const bool draw = std::none_of(noises.begin(), noises.end(), [](const torch::Tensor& n) { return n.defined(); });
+  if (draw && shared_noise_generator_) {
+    const int64_t share = reals[0].size(0);
+    const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
+    for (size_t i = 0; i < reals.size(); ++i) {
+      TORCH_CHECK(reals[i].size(0) == share, "step_shares: replicas drawing their noise need equal shares, got ",
+                  reals[i].size(0), " and ", share);
+      shares[i] = all.narrow(0, placement_.replicas[i].replica * share, share);
+    }
+  }
+  if (pending_losses_ == options_.loss_log_steps) drain_losses();
   StepLosses losses;
   losses.discriminator.resize(reals.size());
   losses.discriminator_real.resize(reals.size());
   losses.discriminator_fake.resize(reals.size());
   losses.generator.resize(reals.size());
-  workers_->run([&](int64_t i) { step_replica(i, reals[i], noises[i], losses); }, averager_.get(), placement_);
+  workers_->run([&](int64_t i) { step_replica(i, reals[i], shares[i], losses); }, averager_.get(), placement_);
+  ++pending_losses_;
   return losses;
+}
+
+torch::Tensor AdversarialTrainer::global_noise(int64_t share, const c10::Device& device) const {
+  std::vector<int64_t> shape{share * placement_.global_replicas()};
+  shape.insert(shape.end(), options_.noise_shape.begin(), options_.noise_shape.end());
+  return torch::randn(shape, torch::TensorOptions().device(device));
+}
+
+torch::Tensor AdversarialTrainer::draw_noise(int64_t local, int64_t share) const {
+  // The whole global batch's noise, of which this replica keeps its rows: every replica's draw (and a
+  // single-device run's) consumes its generator alike, so the numbers do not depend on the placement.
+  const ReplicaDevices& devices = placement_.replicas[local];
+  return global_noise(share, devices.generator).narrow(0, devices.replica * share, share);
+}
+
+void AdversarialTrainer::drain_losses() {
+  if (pending_losses_ == 0) return;
+  std::vector<torch::Tensor> per_replica;
+  for (const auto& r : replicas_) {
+    per_replica.push_back(r->loss_log.narrow(0, 0, pending_losses_).to(torch::kCPU));
+    r->loss_row.zero_();
+  }
+  drained_losses_.push_back(torch::stack(per_replica).mean(0));
+  pending_losses_ = 0;
+}
+
+torch::Tensor AdversarialTrainer::take_losses() {
+  drain_losses();
+  torch::Tensor all = drained_losses_.empty() ? torch::empty({0, 3}) : torch::cat(drained_losses_);
+  drained_losses_.clear();
+  return all;
+}
+
+int64_t AdversarialTrainer::graph_kernel_nodes(int64_t local) const {
+  const Replica& r = *replicas_.at(local);
+  return r.graph && r.graph->captured() ? r.graph->kernel_nodes() : 0;
 }
 
 void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
                                       StepLosses& out) {
   Replica& r = *replicas_[local];
-  const ReplicaDevices& devices = placement_.replicas[local];
-  c10::OptionalDeviceGuard device_guard(devices.discriminator);
-  const AdversarialLoss& loss = options_.loss;
-
-  torch::Tensor noise;
-  if (noise_share.defined()) {
-    noise = noise_share.to(devices.generator, /*non_blocking=*/true);
+  c10::OptionalDeviceGuard device_guard(placement_.replicas[local].discriminator);
+  if (graphs_) {
+    graph_step_replica(local, real_share, noise_share);
   } else {
-    std::vector<int64_t> shape{real_share.size(0)};
-    shape.insert(shape.end(), options_.noise_shape.begin(), options_.noise_shape.end());
-    noise = torch::randn(shape, torch::TensorOptions().device(devices.generator));
+    step_body(local, real_share, noise_share, Phase::eager);
   }
+  out.discriminator[local] = r.d_loss;
+  out.discriminator_real[local] = r.d_loss_real;
+  out.discriminator_fake[local] = r.d_loss_fake;
+  out.generator[local] = r.g_loss;
+}
+
+void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& real_share,
+                                            const torch::Tensor& noise_share) {
+  Replica& r = *replicas_[local];
+  const ReplicaDevices& devices = placement_.replicas[local];
+  if (!r.static_real.defined()) {
+    r.static_real = torch::empty(real_share.sizes(), real_share.options().device(devices.discriminator),
+                                 options_.channels_last && real_share.dim() == 4 ? at::MemoryFormat::ChannelsLast
+                                                                                 : at::MemoryFormat::Contiguous);
+    r.noise_given = noise_share.defined();
+    if (r.noise_given) r.static_noise = torch::empty(noise_share.sizes(), noise_share.options().device(devices.generator));
+  }
+  TORCH_CHECK(real_share.sizes() == r.static_real.sizes() && real_share.scalar_type() == r.static_real.scalar_type(),
+              "step: under CUDA graphs every step's batch must have the first step's shape and dtype (",
+              r.static_real.sizes(), " ", r.static_real.scalar_type(), "), got ", real_share.sizes(), " ",
+              real_share.scalar_type());
+  TORCH_CHECK(noise_share.defined() == r.noise_given, "step: under CUDA graphs noise must be given at every step "
+              "or at none (the first step ", r.noise_given ? "gave" : "did not give", " it)");
+  // The only work outside the graphs: the batch (and given noise) into the buffers the graphs read.
+  r.static_real.copy_(real_share, /*non_blocking=*/true);
+  if (r.noise_given) {
+    TORCH_CHECK(noise_share.sizes() == r.static_noise.sizes(), "step: under CUDA graphs the noise must keep the "
+                "first step's shape ", r.static_noise.sizes(), ", got ", noise_share.sizes());
+    r.static_noise.copy_(noise_share, /*non_blocking=*/true);
+  }
+  if (r.warmup_done < options_.graph_warmup_steps) {
+    r.graph->warm_up([&] { step_body(local, r.static_real, r.static_noise, Phase::eager); });
+    ++r.warmup_done;
+    return;
+  }
+  // The capture runs nothing (and so averages nothing): every replica captures in the same step, then
+  // all replay it below with the averaging between the segments.
+  if (!r.graph->captured()) r.graph->capture([&] { step_body(local, r.static_real, r.static_noise, Phase::capture); });
+  const int64_t segments = r.graph->segments();
+  for (int64_t s = 0; s < segments; ++s) {
+    r.graph->replay(s);
+    if (s + 1 == segments) break;
+    // Segment 0 ends after D's backward, segment 1 after G's (step_body's averaging points).
+    const bool d_next = s == 0;
+    averager_->average(local, d_next ? Network::discriminator : Network::generator,
+                       gradients_of(d_next ? r.discriminator_parameters : r.generator_parameters));
+  }
+}
+
+void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
+                                   Phase phase) {
+  Replica& r = *replicas_[local];
+  const ReplicaDevices& devices = placement_.replicas[local];
+  const AdversarialLoss& loss = options_.loss;
+  // An averaging point: eagerly the gradients are averaged; in a capture the segment ends there and the
+  // replay averages between segments.
+  auto averaging_point = [&](Network network, const std::vector<torch::Tensor>& parameters) {
+    if (!averager_) return;
+    const auto grads = gradients_of(parameters);
+    if (phase == Phase::capture) {
+      r.graph->split();
+    } else {
+      averager_->average(local, network, grads);
+    }
+  };
+  auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.autocast_dtype); };
+
+  const torch::Tensor noise = noise_share.defined() ? noise_share.to(devices.generator, /*non_blocking=*/true)
+                                                    : draw_noise(local, real_share.size(0));
   torch::Tensor real = real_share.to(devices.discriminator, /*non_blocking=*/true);
+  if (options_.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
 
   // G's forward is queued first: on a task placement it runs on G's device while D's real pass runs on D's.
-  torch::Tensor fake = r.generator.forward<torch::Tensor>(noise);
+  torch::Tensor fake;
+  {
+    auto scope = autocast(devices.generator);
+    hierpar::nn::BatchNormSyncGuard bn_sync(r.generator_bn_sync.get());
+    fake = r.generator.forward<torch::Tensor>(noise);
+  }
   torch::Tensor fake_on_d = fake.to(devices.discriminator, /*non_blocking=*/true);  // event-ordered peer copy
 
   r.discriminator_optimizer->zero_grad();
-  torch::Tensor d_real = r.discriminator.forward<torch::Tensor>(real);
-  torch::Tensor d_fake = r.discriminator.forward<torch::Tensor>(fake_on_d.detach());
-  torch::Tensor d_loss_real = loss(d_real, true), d_loss_fake = loss(d_fake, false);
+  torch::Tensor d_loss_real, d_loss_fake;
+  {
+    auto scope = autocast(devices.discriminator);
+    hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+    d_loss_real = loss(r.discriminator.forward<torch::Tensor>(real), true);
+    d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(fake_on_d.detach()), false);
+  }
   torch::Tensor d_loss = d_loss_real + d_loss_fake;
   d_loss.backward();
-  if (averager_) averager_->average(local, Network::discriminator, gradients_of(r.discriminator_parameters));
+  averaging_point(Network::discriminator, r.discriminator_parameters);
   r.discriminator_optimizer->step();
   // Under autocast, the casts of D's weights cached by the forwards above are stale after the update;
   // the cache is per thread, so each replica's thread clears its own.
@@ -328,17 +539,31 @@ void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_s
   torch::Tensor g_loss;
   {
     FrozenParameters frozen(r.discriminator_parameters);
-    g_loss = loss(r.discriminator.forward<torch::Tensor>(fake_on_d), true);
+    {
+      auto scope = autocast(devices.discriminator);
+      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+      g_loss = loss(r.discriminator.forward<torch::Tensor>(fake_on_d), true);
+    }
     g_loss.backward();  // the gradient w.r.t. the fake crosses back to G's device by the copy's backward
   }
-  if (averager_) averager_->average(local, Network::generator, gradients_of(r.generator_parameters));
+  averaging_point(Network::generator, r.generator_parameters);
   r.generator_optimizer->step();
   at::autocast::clear_cache();
 
-  out.discriminator[local] = d_loss.detach();
-  out.discriminator_real[local] = d_loss_real.detach();
-  out.discriminator_fake[local] = d_loss_fake.detach();
-  out.generator[local] = g_loss.detach();
+  // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
+  // AccumulateGrad nodes (and, captured, the capture's stream) alive.
+  r.d_loss = d_loss.detach();
+  r.d_loss_real = d_loss_real.detach();
+  r.d_loss_fake = d_loss_fake.detach();
+  r.g_loss = g_loss.detach();
+  {
+    torch::NoGradGuard no_grad;
+    const auto row = torch::stack({r.d_loss_real, r.d_loss_fake, r.g_loss})
+                         .to(torch::kFloat)
+                         .unsqueeze(0);
+    r.loss_log.index_copy_(0, r.loss_row, row);
+    r.loss_row.add_(1);
+  }
 }
 
 }  // namespace hierpar::strategy

@@ -1,6 +1,9 @@
 // Gradient averaging: host (pinned buffers, CPU threads) and collective (c10d process groups).
-// The Gloo and NCCL headers are included here only, so their compile definitions stay in this file's
-// concerns: USE_C10D_GLOO / USE_C10D_NCCL come from the top CMakeLists.txt when the headers are found.
+// The Gloo and NCCL headers are included here only. torch's CMake interface defines USE_C10D_GLOO and
+// USE_C10D_NCCL for every file that links it (they describe torch's build, not which headers this build
+// has), so whether the headers are there is asked with __has_include: gloo's come from the system
+// (Debian's libgloo-dev; LibTorch's wheel lacks them), nccl.h from the nvidia-nccl wheel (the top
+// CMakeLists.txt adds the include directories it finds).
 #include "hierpar/strategy/averaging.h"
 
 #include <ATen/ATen.h>
@@ -9,10 +12,15 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_GLOO
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#if defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+#define HIERPAR_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#ifdef USE_C10D_NCCL
+#if defined(USE_C10D_NCCL) && defined(HIERPAR_WITH_CUDA) && __has_include(<nccl.h>)
+#define HIERPAR_C10D_NCCL
+#include <torch/csrc/cuda/nccl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -25,7 +33,7 @@ namespace hierpar::strategy {
 const char* to_string(Network network) { return network == Network::generator ? "generator" : "discriminator"; }
 
 bool gloo_available() {
-#ifdef USE_C10D_GLOO
+#ifdef HIERPAR_C10D_GLOO
   return true;
 #else
   return false;
@@ -67,6 +75,16 @@ at::Tensor flatten_into(at::Tensor& flat, const std::vector<at::Tensor>& tensors
   }
   at::cat_out(flat, pieces, 0);
   return flat;
+}
+
+// A buffer that grows and never shrinks (pinned host memory is costly to allocate); the first `numel`
+// elements are the view used.
+at::Tensor reserve(at::Tensor& buffer, int64_t numel, const at::TensorOptions& options) {
+  if (!buffer.defined() || buffer.numel() < numel || buffer.device() != options.device() ||
+      buffer.scalar_type() != c10::typeMetaToScalarType(options.dtype())) {
+    buffer = at::empty({numel}, options);
+  }
+  return buffer.narrow(0, 0, numel);
 }
 
 void unflatten_from(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
@@ -132,22 +150,20 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
                                                c10::DeviceType device_type, const Launch& launch,
                                                std::chrono::milliseconds timeout) {
   if (device_type == c10::DeviceType::CUDA) {
-#ifdef USE_C10D_NCCL
+#ifdef HIERPAR_C10D_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
-    // The replica threads of one process construct their ranks one at a time: the constructor touches
-    // process-wide state (monitoring threads, allocator hooks) and needs no peer (NCCL's communicator is
-    // created at the first collective, by all ranks concurrently). A segfault was seen once on 2 H200s
-    // when two in-process ranks started; its cause is not established and this serialisation is a guess.
+    // The replica threads of one process construct their ranks one at a time: the constructor reads the
+    // environment and starts process-wide threads; it needs no peer.
     static std::mutex construction;
     std::lock_guard<std::mutex> lock(construction);
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(rank), static_cast<int>(size), options);
 #else
-    TORCH_CHECK(false, "--reduce nccl on CUDA devices needs hierpar built with NCCL (USE_C10D_NCCL); this build has "
+    TORCH_CHECK(false, "--reduce nccl on CUDA devices needs hierpar built with NCCL (nccl.h found); this build has "
                 "none: use --reduce host");
 #endif
   }
-#ifdef USE_C10D_GLOO
+#ifdef HIERPAR_C10D_GLOO
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   // One process, or every process on this host: loopback, which needs no name resolution. Otherwise
   // Gloo's default (GLOO_SOCKET_IFNAME, or the interface of this host's name).
@@ -157,7 +173,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, static_cast<int>(rank), static_cast<int>(size), options);
 #else
   (void)store; (void)rank; (void)size; (void)launch; (void)timeout;
-  TORCH_CHECK(false, "collective averaging on CPU needs hierpar built with Gloo (USE_C10D_GLOO; the gloo headers "
+  TORCH_CHECK(false, "collective averaging on CPU needs hierpar built with Gloo (the gloo headers "
               "come from Debian's libgloo-dev): this build has none");
 #endif
 }
@@ -180,15 +196,52 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& who
   }
 }
 
+#ifdef HIERPAR_C10D_NCCL
+// ProcessGroupNCCL is allocated here (make_intrusive) but constructed and used by libtorch_cuda: its
+// layout, which depends on the NCCL version of the headers (NCCL_HAS_* feature macros in NCCLUtils.hpp),
+// must be the one torch was built with, or the constructor writes past our allocation. torch reports
+// the version it was compiled with; the top CMakeLists.txt picks nccl.h from the nvidia-nccl wheel that
+// torch pins, and this check says so if another nccl.h was found.
+void check_nccl_headers_match_torch() {
+  const uint64_t torch_version = torch::cuda::nccl::version();  // (major << 32) | (minor << 16) | patch
+  const uint64_t ours = (uint64_t{NCCL_MAJOR} << 32) | (uint64_t{NCCL_MINOR} << 16) | uint64_t{NCCL_PATCH};
+  TORCH_CHECK(torch_version == ours, "hierpar was compiled with NCCL headers ", NCCL_MAJOR, ".", NCCL_MINOR, ".",
+              NCCL_PATCH, " but torch with NCCL ", (torch_version >> 32), ".", ((torch_version >> 16) & 0xffff), ".",
+              (torch_version & 0xffff), ": ProcessGroupNCCL's layout may differ (memory corruption); reconfigure "
+              "with HIERPAR_NCCL_INCLUDE_DIR pointing at the nccl.h of torch's nvidia-nccl wheel");
+}
+
+// NCCL's one-time process initialisation (it reads ~/.nccl.conf and /etc/nccl.conf into the environment
+// with setenv(), and probes the network) run once on the constructing thread, before any replica thread
+// exists: setenv() racing with getenv() on another thread (a replica creating its cuDNN/cuBLAS handles
+// during its first step) can crash glibc, and in-process ranks otherwise reach it concurrently.
+void initialise_nccl_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    check_nccl_headers_match_torch();
+    torch::cuda::nccl::ncclUniqueId id;
+    torch::cuda::nccl::get_unique_id(id);
+  });
+}
+#endif
+
 // ---- host averaging --------------------------------------------------------------------------------
 
 class HostAverager final : public GradientAverager {
  public:
   HostAverager(const Placement& placement, const AveragingOptions& options)
-      : placement_(placement), options_(options), barrier_(placement.local_replicas(), options.timeout) {
-    for (Slot& slot : slots_) {
-      slot.host.resize(placement.local_replicas());
-      slot.device_flat.resize(placement.local_replicas());
+      : placement_(placement), options_(options) {
+    // One barrier (and one cross-process group) per network: with synchronized BatchNorm on a
+    // hierarchical placement, G's and D's sums of one replica run at the same time on their devices'
+    // autograd threads, and must not count as each other's arrivals.
+    for (auto& barrier : barriers_) {
+      barrier = std::make_unique<ReplicaBarrier>(placement.local_replicas(), options.timeout);
+    }
+    for (auto& network_slots : slots_) {
+      for (Slot& slot : network_slots) {
+        slot.host.resize(placement.local_replicas());
+        slot.device_flat.resize(placement.local_replicas());
+      }
     }
   }
 
@@ -196,79 +249,101 @@ class HostAverager final : public GradientAverager {
     // Across processes the host sums meet through Gloo; in one process the threads share memory.
     if (local == 0 && placement_.launch.multi_process()) {
       store_ = make_store(placement_, options_.timeout);
-      host_group_ = make_backend(c10::make_intrusive<c10d::PrefixStore>("host", store_), placement_.launch.rank,
-                                 placement_.launch.world_size, c10::DeviceType::CPU, placement_.launch,
-                                 options_.timeout);
+      for (Network network : kNetworks) {
+        host_groups_[static_cast<int>(network)] =
+            make_backend(c10::make_intrusive<c10d::PrefixStore>(std::string("host-") + to_string(network), store_),
+                         placement_.launch.rank, placement_.launch.world_size, c10::DeviceType::CPU, placement_.launch,
+                         options_.timeout);
+      }
     }
-    barrier_.arrive_and_wait(c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
+    barriers_[0]->arrive_and_wait(c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
   }
 
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
-    const std::string who = where(placement_, local, network);
-    Slot& slot = slots_[static_cast<int>(network)];
+    Slot& slot = slots_[static_cast<int>(network)][kGradients];
     at::Tensor flat = flatten_into(slot.device_flat[local], grads);
-    at::Tensor& host = slot.host[local];
-    if (!host.defined() || host.numel() != flat.numel()) {
-      host = at::empty({flat.numel()}, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
-    }
-    host.copy_(flat);  // the host must read the gradients: this waits for the device, by design
-    if (local == 0 && (!slot.sum.defined() || slot.sum.numel() != flat.numel())) {
-      slot.sum = at::empty({flat.numel()}, host.options().pinned_memory(pinned_any(network)));
-    }
-    barrier_.arrive_and_wait(who);
-
-    // Each replica's thread sums its own slice over all replicas' buffers (fixed order: replica 0 first).
-    const int64_t parties = placement_.local_replicas();
-    const int64_t chunk = (flat.numel() + parties - 1) / parties;
-    const int64_t begin = std::min(flat.numel(), local * chunk);
-    const int64_t length = std::min(flat.numel(), begin + chunk) - begin;
-    if (length > 0) {
-      at::Tensor out = slot.sum.narrow(0, begin, length);
-      out.copy_(slot.host[0].narrow(0, begin, length));
-      for (int64_t i = 1; i < parties; ++i) out.add_(slot.host[i].narrow(0, begin, length));
-    }
-    barrier_.arrive_and_wait(who);
-    if (placement_.launch.multi_process()) {
-      if (local == 0) {
-        std::vector<at::Tensor> tensors{slot.sum};
-        wait_for(host_group_->allreduce(tensors), who, "summing the host gradient buffers across processes",
-                 options_.timeout);
-      }
-      barrier_.arrive_and_wait(who);
-    }
-    // Asynchronous from pinned memory: the next use of `sum` comes after every replica's next
-    // device-to-host copy on the same stream, which orders after this one.
-    flat.copy_(slot.sum, /*non_blocking=*/true);
+    sum_over_replicas(local, network, slot, flat, where(placement_, local, network));
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }
 
+  void sum(int64_t local, Network network, const at::Tensor& tensor) override {
+    Slot& slot = slots_[static_cast<int>(network)][kStatistics];
+    TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
+    sum_over_replicas(local, network, slot, tensor.view({-1}), where(placement_, local, network) + " BatchNorm statistics");
+  }
+
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
     const std::string who = where(placement_, local, network) + " broadcast";
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     at::Tensor scratch;
     at::Tensor flat = flatten_into(scratch, tensors);
     if (local == 0) {
       broadcast_ = at::empty({flat.numel()}, flat.options().device(at::kCPU));
       broadcast_.copy_(flat);
     }
-    barrier_.arrive_and_wait(who);
+    barrier.arrive_and_wait(who);
     if (placement_.launch.multi_process()) {
       if (local == 0) {
         std::vector<at::Tensor> buffers{broadcast_};
         c10d::BroadcastOptions options;
         options.rootRank = 0;
-        wait_for(host_group_->broadcast(buffers, options), who, "broadcasting replica 0's tensors", options_.timeout);
+        wait_for(host_groups_[static_cast<int>(network)]->broadcast(buffers, options), who,
+                 "broadcasting replica 0's tensors", options_.timeout);
       }
-      barrier_.arrive_and_wait(who);
+      barrier.arrive_and_wait(who);
     }
     flat.copy_(broadcast_);
     unflatten_from(flat, tensors);
-    barrier_.arrive_and_wait(who);  // nobody reuses broadcast_ before every replica has read it
+    barrier.arrive_and_wait(who);  // nobody reuses broadcast_ before every replica has read it
   }
 
-  void abort(const std::string& reason) override { barrier_.abort(reason); }
+  void abort(const std::string& reason) override {
+    for (auto& barrier : barriers_) barrier->abort(reason);
+  }
 
  private:
+  struct Slot {
+    std::vector<at::Tensor> host;         // per local replica: its flat buffer in (pinned) host memory
+    std::vector<at::Tensor> device_flat;  // per local replica: the flat gradient buffer on its device
+    at::Tensor sum;                       // the sum over replicas, written slice by slice by the replica threads
+  };
+  static constexpr int kGradients = 0, kStatistics = 1;
+
+  // Sums `flat` (local replica `local`'s, on its device) over every replica, into `flat`.
+  void sum_over_replicas(int64_t local, Network network, Slot& slot, const at::Tensor& flat, const std::string& who) {
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
+    const int64_t numel = flat.numel();
+    at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
+    host.copy_(flat);  // the host must read the values: this waits for the device, by design
+    if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
+    barrier.arrive_and_wait(who);
+
+    // Each replica's thread sums its own slice over all replicas' buffers (fixed order: replica 0 first).
+    const int64_t parties = placement_.local_replicas();
+    const int64_t chunk = (numel + parties - 1) / parties;
+    const int64_t begin = std::min(numel, local * chunk);
+    const int64_t length = std::min(numel, begin + chunk) - begin;
+    at::Tensor sum = slot.sum.narrow(0, 0, numel);
+    if (length > 0) {
+      at::Tensor out = sum.narrow(0, begin, length);
+      out.copy_(slot.host[0].narrow(0, begin, length));
+      for (int64_t i = 1; i < parties; ++i) out.add_(slot.host[i].narrow(0, begin, length));
+    }
+    barrier.arrive_and_wait(who);
+    if (placement_.launch.multi_process()) {
+      if (local == 0) {
+        std::vector<at::Tensor> tensors{sum};
+        wait_for(host_groups_[static_cast<int>(network)]->allreduce(tensors), who,
+                 "summing the host buffers across processes", options_.timeout);
+      }
+      barrier.arrive_and_wait(who);
+    }
+    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next
+    // (blocking) device-to-host copy on the same stream, which orders after this one.
+    flat.copy_(sum, /*non_blocking=*/true);
+  }
+
   bool pinned_any(Network network) const {
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       if (device_of(placement_, i, network).is_cuda()) return true;
@@ -276,28 +351,147 @@ class HostAverager final : public GradientAverager {
     return false;
   }
 
-  struct Slot {
-    std::vector<at::Tensor> host;         // per local replica: its gradients, flattened, in (pinned) host memory
-    std::vector<at::Tensor> device_flat;  // per local replica: the flat buffer on its device
-    at::Tensor sum;                       // the sum over replicas, written slice by slice by the replica threads
-  };
   const Placement placement_;
   const AveragingOptions options_;
-  ReplicaBarrier barrier_;
-  std::array<Slot, 2> slots_;
+  std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;  // [network]
+  std::array<std::array<Slot, 2>, 2> slots_;                 // [network][gradients | statistics]
   at::Tensor broadcast_;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::Backend> host_group_;
+  std::array<c10::intrusive_ptr<c10d::Backend>, 2> host_groups_;  // [network]
 };
 
 // ---- collective averaging ----------------------------------------------------------------------------
+
+// One replica's gradients of one network in buckets, all-reduced as the backward produces them (the
+// design of PyTorch DDP's reducer): each parameter's post-accumulate-grad hook counts its bucket down;
+// a complete bucket is copied into its flat buffer (one cat kernel) and its all-reduce launched
+// asynchronously, in bucket order, so every replica issues the same collectives in the same order.
+class BucketReducer {
+ public:
+  BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes,
+                c10::intrusive_ptr<c10d::Backend> group)
+      : parameters_(std::move(parameters)), group_(std::move(group)) {
+    bucket_of_.resize(parameters_.size());
+    // Reverse registration order: the backward reaches the last layers first.
+    for (int64_t i = static_cast<int64_t>(parameters_.size()) - 1; i >= 0; --i) {
+      const at::Tensor& p = parameters_[i];
+      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+      // The bucket being filled is the first one (smaller cap) or a later one.
+      const int64_t cap = buckets_.size() == 1 ? first_cap_bytes : cap_bytes;
+      if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) {
+        buckets_.emplace_back();
+      }
+      Bucket& bucket = buckets_.back();
+      bucket.members.push_back(i);
+      bucket.bytes += bytes;
+      bucket.numel += p.numel();
+      bucket_of_[i] = static_cast<int64_t>(buckets_.size()) - 1;
+    }
+    for (Bucket& bucket : buckets_) {
+      bucket.flat = at::empty({bucket.numel}, parameters_[bucket.members[0]].options().requires_grad(false));
+      bucket.pending = static_cast<int64_t>(bucket.members.size());
+    }
+  }
+
+  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+  // Autograd's hook: parameter `index` has its gradient for this backward.
+  void ready(size_t index, const std::string& who) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Bucket& bucket = buckets_[bucket_of_[index]];
+    TORCH_CHECK(!bucket.launched && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
+                "(two backward passes through the network in one step are not supported with bucketed averaging)");
+    --bucket.pending;
+    while (next_ < buckets_.size() && buckets_[next_].pending == 0) launch(buckets_[next_++]);
+  }
+
+  // After the backward: launches what the hooks did not (parameters without gradients: `grads` holds
+  // zeros for them), waits for every bucket, divides by `replicas` and writes the averages into `grads`.
+  void finish(const std::vector<at::Tensor>& grads, int64_t replicas, const std::string& who,
+              std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(grads.size() == parameters_.size(), who, ": expected the gradients of the ", parameters_.size(),
+                " attached parameters, got ", grads.size());
+    while (next_ < buckets_.size()) launch(buckets_[next_++], &grads);
+    for (Bucket& bucket : buckets_) {
+      wait_for(bucket.work, who, "all-reducing a gradient bucket", timeout, bucket.flat.is_cuda());
+      bucket.work.reset();
+      bucket.flat.div_(replicas);
+      int64_t offset = 0;
+      for (int64_t i : bucket.members) {
+        grads[i].copy_(bucket.flat.narrow(0, offset, grads[i].numel()).view(grads[i].sizes()));
+        offset += grads[i].numel();
+      }
+      bucket.launched = false;
+      bucket.pending = static_cast<int64_t>(bucket.members.size());
+    }
+    next_ = 0;
+  }
+
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+
+ private:
+  struct Bucket {
+    std::vector<int64_t> members;  // parameter indices, in the order the backward tends to produce them
+    int64_t bytes = 0, numel = 0;
+    at::Tensor flat;
+    int64_t pending = 0;  // members whose gradient this backward has not produced yet
+    bool launched = false;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  void launch(Bucket& bucket, const std::vector<at::Tensor>* grads = nullptr) {
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(bucket.members.size());
+    for (int64_t i : bucket.members) {
+      const at::Tensor grad = grads != nullptr ? (*grads)[i] : parameters_[i].grad();
+      TORCH_CHECK(grad.defined(), "bucketed averaging: parameter ", i, " has no gradient");
+      pieces.push_back(grad.reshape({-1}));
+    }
+    at::cat_out(bucket.flat, pieces, 0);
+    std::vector<at::Tensor> buffers{bucket.flat};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = group_->allreduce(buffers, options);
+    bucket.launched = true;
+  }
+
+  std::vector<at::Tensor> parameters_;
+  c10::intrusive_ptr<c10d::Backend> group_;
+  std::vector<int64_t> bucket_of_;
+  std::vector<Bucket> buckets_;
+  size_t next_ = 0;  // the next bucket to launch
+  std::mutex mutex_;
+};
 
 class CollectiveAverager final : public GradientAverager {
  public:
   CollectiveAverager(const Placement& placement, const AveragingOptions& options)
       : placement_(placement), options_(options), store_(make_store(placement, options.timeout)) {
+    TORCH_CHECK(options.bucket_cap_bytes >= 0 && options.first_bucket_cap_bytes >= 0,
+                "AveragingOptions: bucket caps must be >= 0 (0: no bucketing), got ", options.first_bucket_cap_bytes,
+                " and ", options.bucket_cap_bytes);
     for (auto& groups : groups_) groups.resize(placement.local_replicas());
     for (auto& flats : flats_) flats.resize(placement.local_replicas());
+    for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
+#ifdef HIERPAR_C10D_NCCL
+    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+      for (Network network : kNetworks) {
+        if (device_of(placement, i, network).is_cuda()) initialise_nccl_once();
+      }
+    }
+#endif
+  }
+
+  ~CollectiveAverager() override {
+    // The modules outlive the trainer (replica 0's are the caller's): their hooks must not call into
+    // this averager after it is gone.
+    for (auto& reducers : reducers_) {
+      for (auto& reducer : reducers) {
+        if (!reducer) continue;
+        for (const at::Tensor& p : reducer->parameters()) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+      }
+    }
   }
 
   void connect(int64_t local) override {
@@ -305,26 +499,51 @@ class CollectiveAverager final : public GradientAverager {
     // per network, so G's and D's buffers may be in flight at the same time on their own devices.
     for (Network network : kNetworks) {
       const int n = static_cast<int>(network);
+      const c10::Device device = device_of(placement_, local, network);
       groups_[n][local] = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store_),
                                        placement_.replicas[local].replica, placement_.global_replicas(),
-                                       device_of(placement_, local, network).type(), placement_.launch,
-                                       options_.timeout);
+                                       device.type(), placement_.launch, options_.timeout);
+#ifdef HIERPAR_C10D_NCCL
+      // The NCCL communicator is created here, while no replica computes, instead of inside the first
+      // step (all ranks of the group are in connect() together, so this needs no other ordering).
+      if (device.is_cuda()) groups_[n][local]->eagerConnectSingleDevice(device);
+#endif
     }
+  }
+
+  void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
+    if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
+    const int n = static_cast<int>(network);
+    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes,
+                                                   options_.bucket_cap_bytes, groups_[n][local]);
+    const std::string who = where(placement_, local, network);
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      TORCH_CHECK(parameters[i].is_leaf() && parameters[i].requires_grad(), who, ": parameter ", i,
+                  " must be a leaf that requires grad to be averaged by hooks");
+      TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(parameters[i]), who, ": parameter ", i,
+                  " already has a post-accumulate-grad hook (one averager per parameter)");
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          parameters[i], std::make_unique<ReadyHook>(reducer.get(), i, who));
+    }
+    reducers_[n][local] = std::move(reducer);
   }
 
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
     const std::string who = where(placement_, local, network);
     const int n = static_cast<int>(network);
+    if (BucketReducer* reducer = reducers_[n][local].get()) {
+      reducer->finish(grads, placement_.global_replicas(), who, options_.timeout);
+      return;
+    }
     at::Tensor flat = flatten_into(flats_[n][local], grads);
-    std::vector<at::Tensor> buffers{flat};
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    options.timeout = options_.timeout;
-    // For NCCL, wait() makes the current stream wait for the all-reduce; the host does not.
-    wait_for(groups_[n][local]->allreduce(buffers, options), who, "all-reducing the gradients", options_.timeout,
-             flat.is_cuda());
+    all_reduce(local, network, flat, who, "all-reducing the gradients");
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
+  }
+
+  void sum(int64_t local, Network network, const at::Tensor& tensor) override {
+    TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
+    all_reduce(local, network, tensor, where(placement_, local, network), "all-reducing BatchNorm statistics");
   }
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
@@ -344,13 +563,35 @@ class CollectiveAverager final : public GradientAverager {
   void abort(const std::string&) override {}
 
  private:
+  class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+   public:
+    ReadyHook(BucketReducer* reducer, size_t index, std::string who)
+        : reducer_(reducer), index_(index), who_(std::move(who)) {}
+    void operator()(const torch::autograd::Variable&) override { reducer_->ready(index_, who_); }
+
+   private:
+    BucketReducer* reducer_;
+    size_t index_;
+    std::string who_;
+  };
+
+  void all_reduce(int64_t local, Network network, const at::Tensor& tensor, const std::string& who, const char* what) {
+    std::vector<at::Tensor> buffers{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    options.timeout = options_.timeout;
+    // For NCCL, wait() makes the current stream wait for the all-reduce; the host does not.
+    wait_for(groups_[static_cast<int>(network)][local]->allreduce(buffers, options), who, what, options_.timeout,
+             tensor.is_cuda());
+  }
+
   const Placement placement_;
   const AveragingOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::array<std::vector<c10::intrusive_ptr<c10d::Backend>>, 2> groups_;  // [network][local replica]
   std::array<std::vector<at::Tensor>, 2> flats_;                          // [network][local replica]
+  std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;   // [network][local replica]
 };
-
 }  // namespace
 
 std::unique_ptr<GradientAverager> make_averager(const Placement& placement, const AveragingOptions& options) {

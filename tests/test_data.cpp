@@ -569,4 +569,141 @@ TEST(Examples, DataParallelCpuRunResumesUnderDataAndSingle) {
   EXPECT_EQ(moved, static_cast<int>(p3.size())) << "every generator parameter should move in the 2 single steps";
 }
 
+// --sync-bn reaches the trainer: 2 data-parallel replicas with BatchNorm statistics over both halves train like
+// one device on the whole batch (without it they differ: each half normalises by itself). Compared through the
+// losses of every step (each evaluates the networks the previous updates left): Adam divides each gradient
+// element by its own size, so single weights whose terms cancel may move by a visible part of lr from fp32
+// summation order alone, while the losses stay within a few float roundings.
+TEST(Examples, SyncBatchNormDataRunMatchesSingle) {
+  TempDir dir;
+  const std::string common = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --channels 1 "
+                             "--batch-size 16 --samples 4 --seed 11 --epochs 2 --max-steps 4 ";
+  auto run = [&](const std::string& args, const std::string& out) {
+    auto r = run_dcgan(common + args + " --out " + (dir / out), dir);
+    EXPECT_EQ(r.status, 0) << args << ":\n" << c10::Join("\n", r.stderr_lines);
+    return read_checkpoint_state(dir / (out + "/checkpoint.pt")).history;
+  };
+  const auto single = run("--strategy single", "single");
+  const auto synced = run("--strategy data --gpus 2 --reduce host --sync-bn", "synced");
+  const auto per_replica = run("--strategy data --gpus 2 --reduce host", "per_replica");
+  ASSERT_EQ(single.size(0), 4);
+  hierpar::testing::expect_close(synced, single, {1e-4, 1e-5}, "sync-bn data losses vs single");
+  EXPECT_GT((per_replica - single).abs().max().item<double>(), 1e-3)
+      << "per-replica BatchNorm should give other losses than the whole batch";
+}
+
 }  // namespace
+
+// ---- the training step's flags (issue 7): graphs, precision, layout, optimiser, loss reading ---------------
+
+namespace {
+
+// Generator and discriminator parameters and buffers of a checkpoint, on the CPU.
+std::vector<torch::Tensor> checkpoint_networks(const std::string& path, const hierpar::models::DCGANOptions& options) {
+  hierpar::models::Generator g(options);
+  hierpar::models::Discriminator d(options);
+  load_checkpoint(path, {}, {{"generator", g.get()}, {"discriminator", d.get()}}, {}, torch::kCPU, /*restore_rng=*/false);
+  std::vector<torch::Tensor> out;
+  for (auto* m : {static_cast<torch::nn::Module*>(g.get()), static_cast<torch::nn::Module*>(d.get())}) {
+    for (const auto& p : m->parameters()) out.push_back(p.detach().contiguous());
+    for (const auto& b : m->buffers()) out.push_back(b.detach());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Examples, StepFlagsGiveOneLineErrors) {
+  TempDir dir;
+  const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
+  expect_one_line_error(run_dcgan(base + "--graphs sometimes", dir), "--graphs: expected on or off, got 'sometimes'", "graphs value");
+  expect_one_line_error(run_dcgan(base + "--precision fp16", dir), "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value");
+  expect_one_line_error(run_dcgan(base + "--optimizer sgd", dir), "--optimizer: expected adam or fused, got 'sgd'", "optimizer value");
+  expect_one_line_error(run_dcgan(base + "--graphs on", dir), "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU");
+  expect_one_line_error(run_dcgan(base + "--precision bf16", dir), "--precision bf16 needs a CUDA device", "bf16 on CPU");
+  expect_one_line_error(run_dcgan(base + "--log-every 0", dir), "--log-every: expected an integer >= 1, got 0", "log interval");
+  expect_one_line_error(run_dcgan(base + "--channels-last=yes", dir), "--channels-last takes no value", "boolean flag");
+  EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+  expect_one_line_error(run_dcgan("plot --output " + (dir / "p.png"), dir), "--runs: give at least one LABEL=PATH", "no runs");
+  expect_one_line_error(run_dcgan("plot --runs nolabel --output " + (dir / "p.png"), dir), "--runs: expected LABEL=PATH, got 'nolabel'", "run without label");
+  expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "none.csv") + " --output " + (dir / "p.png"), dir), "none.csv: cannot read the losses", "missing csv");
+  std::ofstream(dir / "junk.csv") << "a,b\n1,2\n";
+  expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "junk.csv") + " --output " + (dir / "p.png"), dir), "junk.csv: not a hierpar-dcgan losses.csv", "wrong csv");
+}
+
+// On the CPU: FusedAdam + channels_last + losses read every 3 steps train, interrupt and resume to the same
+// weights as a straight run (FusedAdam's state goes through the checkpoint), and the plot command draws
+// two runs' curves.
+TEST(Examples, FusedChannelsLastRunResumesAndPlots) {
+  TempDir dir;
+  auto straight = tiny_training(dir / "straight");
+  straight.optimizer = "fused";
+  straight.channels_last = true;
+  straight.log_every = 3;
+  straight.max_steps = 6;
+  ASSERT_EQ(train_dcgan(straight), 0);
+  auto interrupted = straight;
+  interrupted.out = dir / "resumed";
+  int polls = 0;
+  interrupted.should_stop = [&] { return ++polls == 4; };
+  ASSERT_EQ(train_dcgan(interrupted), 130);
+  auto resumed = straight;
+  resumed.out = dir / "resumed";
+  resumed.resume = true;
+  ASSERT_EQ(train_dcgan(resumed), 0);
+  const auto a = checkpoint_networks(dir / "straight/checkpoint.pt", straight.model);
+  const auto b = checkpoint_networks(dir / "resumed/checkpoint.pt", straight.model);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) hierpar::testing::expect_close(b[i], a[i], "resumed (FusedAdam) tensor " + std::to_string(i));
+  const auto sa = read_checkpoint_state(dir / "straight/checkpoint.pt"), sb = read_checkpoint_state(dir / "resumed/checkpoint.pt");
+  ASSERT_EQ(sa.history.size(0), 6) << "one row per step although read every 3";
+  hierpar::testing::expect_close(sb.history, sa.history, "loss history");
+
+  auto adam = tiny_training(dir / "adam");
+  adam.max_steps = 6;
+  ASSERT_EQ(train_dcgan(adam), 0);
+  const auto lines = plot_loss_runs({{"fused", dir / "straight/losses.csv"}, {"adam", dir / "adam/losses.csv"}}, dir / "curves.png");
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0].rfind("fused: 6 steps; mean over steps 5-6: D loss ", 0), 0u) << lines[0];
+  int w = 0, h = 0, c = 0;
+  stbi_uc* pixels = stbi_load((dir / "curves.png").c_str(), &w, &h, &c, 0);
+  ASSERT_NE(pixels, nullptr);
+  stbi_image_free(pixels);
+  EXPECT_EQ(w, 900);
+}
+
+// On a GPU: the same seed and K steps with --graphs on and --graphs off end with the same networks and
+// losses (fp32 with deterministic cuDNN: the graph replays run the eager steps' kernels; bf16 autocast +
+// channels_last to bf16's tolerance), with hierpar's layers and FusedAdam.
+TEST(Examples, GraphStepsEqualEagerStepsOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  TempDir dir;
+  for (const char* precision : {"fp32", "bf16"}) {
+    auto config = tiny_training("");
+    config.data = "synthetic";
+    config.device = "cuda";
+    config.model.layers = hierpar::LayerSet::hierpar;
+    config.precision = precision;
+    config.cudnn_benchmark = false;
+    config.max_steps = 8;
+    config.log_every = 5;
+    auto graphs = config, eager = config;
+    graphs.graphs = "on";
+    graphs.out = dir / (std::string("graphs_") + precision);
+    eager.graphs = "off";
+    eager.out = dir / (std::string("eager_") + precision);
+    ASSERT_EQ(train_dcgan(graphs), 0);
+    ASSERT_EQ(train_dcgan(eager), 0);
+    const auto a = checkpoint_networks(graphs.out + "/checkpoint.pt", config.model);
+    const auto b = checkpoint_networks(eager.out + "/checkpoint.pt", config.model);
+    const auto tol = std::string(precision) == "bf16" ? hierpar::testing::tolerance_for(torch::kBFloat16)
+                                                      : hierpar::testing::Tolerance{1e-5, 1e-5};
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      hierpar::testing::expect_close(a[i], b[i], tol, std::string(precision) + ": graphs vs eager tensor " + std::to_string(i));
+    const auto ha = read_checkpoint_state(graphs.out + "/checkpoint.pt").history;
+    const auto hb = read_checkpoint_state(eager.out + "/checkpoint.pt").history;
+    ASSERT_EQ(ha.size(0), 8);
+    hierpar::testing::expect_close(ha, hb, tol, std::string(precision) + ": graphs vs eager losses");
+  }
+}

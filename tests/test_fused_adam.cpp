@@ -183,6 +183,76 @@ TEST(FusedAdam, ZeroGrad) {
   for (const auto& p : params) EXPECT_FALSE(p.grad().defined());
 }
 
+// FusedAdam writes and reads torch::optim::Adam's archive: its state saved after K steps loads into a
+// torch::optim::Adam (and back), and both then continue with the same updates.
+TEST(FusedAdam, CheckpointInterchangesWithTorchAdam) {
+  const auto options = torch::dtype(torch::kDouble);
+  const auto adam_options = random_options();
+  const auto initial = random_parameters(options, coin() ? Layout::channels_last : Layout::contiguous);
+  auto fused_params = leaf_copies(initial);
+  FusedAdam fused(fused_params, adam_options);
+  auto feed = [&](std::vector<torch::Tensor>& params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      // The same gradients for both optimisers in every round (drawn from a seed of the round).
+      params[i].mutable_grad() = torch::empty_like(params[i]).copy_(random_tensor(params[i].sizes(), options));
+    }
+  };
+  for (int k = 0; k < 3; ++k) {
+    feed(fused_params);
+    fused.step();
+  }
+  fused_params[0].mutable_grad().reset();  // ... and one step where parameter 0 has no gradient
+  fused.step();
+  std::stringstream archive;
+  {
+    torch::serialize::OutputArchive out;
+    fused.save(out);
+    out.save_to(archive);
+  }
+  // Into a torch::optim::Adam over copies of the parameters.
+  auto torch_params = leaf_copies(fused_params);
+  torch::optim::Adam reference(torch_params, adam_options);
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(archive);
+    reference.load(in);
+  }
+  const auto what = describe(adam_options);
+  for (size_t i = 0; i < initial.size(); ++i) {
+    const auto& state =
+        static_cast<const torch::optim::AdamParamState&>(*reference.state().at(torch_params[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(state.step(), i == 0 ? 3 : 4) << what;
+    expect_close(state.exp_avg(), fused.exp_avg(i), Tolerance{0, 0}, what + " exp_avg " + std::to_string(i));
+    expect_close(state.exp_avg_sq(), fused.exp_avg_sq(i), Tolerance{0, 0}, what + " exp_avg_sq " + std::to_string(i));
+  }
+  // Back into a fresh FusedAdam, from the torch::optim::Adam's own archive.
+  std::stringstream second;
+  {
+    torch::serialize::OutputArchive out;
+    reference.save(out);
+    out.save_to(second);
+  }
+  auto resumed_params = leaf_copies(fused_params);
+  FusedAdam resumed(resumed_params, adam_options);
+  {
+    torch::serialize::InputArchive in;
+    in.load_from(second);
+    resumed.load(in);
+  }
+  for (int k = 0; k < 2; ++k) {
+    torch::manual_seed(100 + k);
+    feed(torch_params);
+    torch::manual_seed(100 + k);
+    feed(resumed_params);
+    reference.step();
+    resumed.step();
+  }
+  for (size_t i = 0; i < initial.size(); ++i) {
+    expect_close(resumed_params[i], torch_params[i], what + " parameter " + std::to_string(i) + " after the resume");
+    EXPECT_EQ(resumed.step_count(i).item<double>(), i == 0 ? 5 : 6) << what;
+  }
+}
+
 TEST(FusedAdam, RejectsBadInput) {
   auto p = torch::randn({3, 4}).requires_grad_(true);
   HIERPAR_EXPECT_THROW_MSG(FusedAdam({}), "parameters: expected at least one tensor");
@@ -196,6 +266,7 @@ TEST(FusedAdam, RejectsBadInput) {
   FusedAdam fused({p});
   p.mutable_grad() = torch::randn({4, 3}).t();  // right shape, transposed strides
   HIERPAR_EXPECT_THROW_MSG(fused.step(), "the gradient of parameters[0]: expected a dense");
+  HIERPAR_EXPECT_THROW_MSG(fused.step([] { return torch::Tensor(); }), "a loss closure is not supported");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/averaging.h"
 #include "hierpar/strategy/placement.h"
+#include "hierpar/models/layer_factory.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -17,6 +18,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <tuple>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -33,41 +37,56 @@ namespace {
 constexpr int64_t kNoise = 8;  // noise channels of the tiny generator
 constexpr int64_t kSteps = 3;
 
-// G: noise [B, 8, 1, 1] -> [B, 3, 8, 8]; D: [B, 3, 8, 8] -> logits [B, 1, 1, 1].
-torch::nn::Sequential tiny_generator_layers(bool batch_norm) {
-  torch::nn::Sequential g;
-  g->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(kNoise, 6, 4).bias(false)));
-  if (batch_norm) g->push_back(torch::nn::BatchNorm2d(6));
-  g->push_back(torch::nn::ReLU());
-  g->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(6, 3, 4).stride(2).padding(1).bias(false)));
-  g->push_back(torch::nn::Tanh());
-  return g;
-}
-
-torch::nn::Sequential tiny_discriminator_layers(bool batch_norm) {
-  torch::nn::Sequential d;
-  d->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 6, 4).stride(2).padding(1).bias(false)));
-  if (batch_norm) d->push_back(torch::nn::BatchNorm2d(6));
-  d->push_back(torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)));
-  d->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 1, 4).bias(false)));
-  return d;
-}
-
+// G: noise [B, 8, 1, 1] -> [B, 3, 8, 8]; D: [B, 3, 8, 8] -> logits [B, 1, 1, 1]. The BatchNorm comes from
+// the models' layer factory (stock torch::nn::BatchNorm2d or hierpar::nn::BatchNormAct2d, the activation
+// fused there), so that synchronized BatchNorm is tested on the layers the models use.
 // AnyModule needs a non-templated forward (Sequential's is templated) and replicas need Cloneable.
 struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
-  TinyNetImpl(bool generator, bool batch_norm) : generator(generator), batch_norm(batch_norm) { reset(); }
-  void reset() override {
-    layers = register_module("layers", generator ? tiny_generator_layers(batch_norm) : tiny_discriminator_layers(batch_norm));
+  TinyNetImpl(bool generator, bool batch_norm, hierpar::LayerSet layer_set = hierpar::LayerSet::stock)
+      : generator(generator), batch_norm(batch_norm), layer_set(layer_set) {
+    reset();
   }
-  torch::Tensor forward(torch::Tensor x) { return layers->forward(x); }
+  void reset() override {
+    const auto activation = generator ? hierpar::nn::Activation::relu : hierpar::nn::Activation::leaky_relu;
+    if (generator) {
+      auto c1 = torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(kNoise, 6, 4).bias(false));
+      auto c2 = torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(6, 3, 4).stride(2).padding(1).bias(false));
+      register_module("conv1", c1);
+      first = [c1](const torch::Tensor& x) mutable { return c1->forward(x); };
+      if (batch_norm) norm = hierpar::models::make_batch_norm_act2d(layer_set, 6, activation, 0.0);
+      if (norm.module) register_module("bn", norm.module);
+      register_module("conv2", c2);
+      second = [c2](const torch::Tensor& x) mutable { return torch::tanh(c2->forward(x)); };
+    } else {
+      auto c1 = torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 6, 4).stride(2).padding(1).bias(false));
+      auto c2 = torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 1, 4).bias(false));
+      register_module("conv1", c1);
+      first = [c1](const torch::Tensor& x) mutable { return c1->forward(x); };
+      if (batch_norm) norm = hierpar::models::make_batch_norm_act2d(layer_set, 6, activation, 0.2);
+      if (norm.module) register_module("bn", norm.module);
+      register_module("conv2", c2);
+      second = [c2](const torch::Tensor& x) mutable { return c2->forward(x); };
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = first(x);
+    if (batch_norm) return second(norm.forward(x));
+    return second(generator ? torch::relu(x) : torch::leaky_relu(x, 0.2));
+  }
   bool generator;
   bool batch_norm;
-  torch::nn::Sequential layers{nullptr};
+  hierpar::LayerSet layer_set;
+  std::function<torch::Tensor(const torch::Tensor&)> first, second;
+  hierpar::models::Layer norm;
 };
 TORCH_MODULE(TinyNet);
 
-TinyNet tiny_generator(bool batch_norm) { return TinyNet(true, batch_norm); }
-TinyNet tiny_discriminator(bool batch_norm) { return TinyNet(false, batch_norm); }
+TinyNet tiny_generator(bool batch_norm, hierpar::LayerSet layers = hierpar::LayerSet::stock) {
+  return TinyNet(true, batch_norm, layers);
+}
+TinyNet tiny_discriminator(bool batch_norm, hierpar::LayerSet layers = hierpar::LayerSet::stock) {
+  return TinyNet(false, batch_norm, layers);
+}
 
 struct Data {
   torch::Tensor real;   // [steps, batch, 3, 8, 8] in [-1, 1)
@@ -101,10 +120,12 @@ std::vector<torch::Tensor> state_of(hs::AdversarialTrainer& trainer, int64_t loc
 // returns every local replica's final parameters.
 std::vector<std::vector<torch::Tensor>> train(const hs::Placement& placement, bool batch_norm, const Data& data,
                                               uint64_t init_seed, int64_t first = 0, int64_t rows = -1,
-                                              const hs::AdversarialOptions& options = test_options()) {
+                                              const hs::AdversarialOptions& options = test_options(),
+                                              hierpar::LayerSet layers = hierpar::LayerSet::stock,
+                                              bool with_buffers = false) {
   torch::manual_seed(init_seed);
-  auto g = tiny_generator(batch_norm);
-  auto d = tiny_discriminator(batch_norm);
+  auto g = tiny_generator(batch_norm, layers);
+  auto d = tiny_discriminator(batch_norm, layers);
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
   if (rows < 0) rows = data.real.size(1);
   for (int64_t k = 0; k < kSteps; ++k) {
@@ -113,7 +134,15 @@ std::vector<std::vector<torch::Tensor>> train(const hs::Placement& placement, bo
     EXPECT_TRUE(std::isfinite(d_loss) && std::isfinite(g_loss)) << "step " << k;
   }
   std::vector<std::vector<torch::Tensor>> states;
-  for (int64_t i = 0; i < placement.local_replicas(); ++i) states.push_back(state_of(trainer, i));
+  for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+    states.push_back(state_of(trainer, i));
+    if (!with_buffers) continue;
+    for (auto* module : {trainer.generator(i).ptr().get(), trainer.discriminator(i).ptr().get()}) {
+      for (const auto& b : module->buffers()) {
+        if (b.is_floating_point()) states.back().push_back(b.detach().cpu().clone());
+      }
+    }
+  }
   return states;
 }
 
@@ -475,6 +504,150 @@ TEST(StrategyTrainer, HostAveragingEqualsCollectiveAveraging) {
   }
 }
 
+// Bucketed all-reduce (hooks launch buckets during the backward) against the flat buffer after the
+// backward (bucket_cap_bytes = 0) and against single on the whole batch, on Gloo. Caps of a few hundred
+// bytes split the tiny networks (G: 3 KB + 48 B + 1.2 KB of parameters) into several buckets.
+TEST(StrategyTrainer, BucketedEqualsFlatEqualsSingle) {
+  HIERPAR_REQUIRE_GLOO();
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), false, data, init);
+  expect_trained(single[0], init, false);
+  auto bucketed = test_options();
+  bucketed.averaging.first_bucket_cap_bytes = 64;
+  bucketed.averaging.bucket_cap_bytes = 2048;
+  auto flat = test_options();
+  flat.averaging.bucket_cap_bytes = 0;
+  for (const auto& [scheme, devices] : std::vector<std::pair<std::string, int64_t>>{{"data", 2}, {"data", 4}, {"hierarchical", 4}}) {
+    for (bool bn : {false, true}) {
+      const auto placement = hs::Placement::from_flags(scheme, devices, "nccl", c10::DeviceType::CPU, {});
+      const std::string what = placement.to_string() + (bn ? ", BatchNorm" : "");
+      const auto with_buckets = train(placement, bn, data, init, 0, -1, bucketed);
+      const auto with_flat = train(placement, bn, data, init, 0, -1, flat);
+      const auto default_caps = train(placement, bn, data, init);  // 1 MB / 25 MB: one bucket per network here
+      if (devices == 2) {
+        // Two replicas: every element is a + b whichever way the buffers are cut.
+        expect_states_equal(with_buckets[0], with_flat[0], what + ": bucketed vs flat");
+      } else {
+        // Gloo's ring cuts a buffer into chunks by its size, so the summation order of 4 values may differ.
+        expect_states_close(with_buckets[0], with_flat[0], kSplitBatchTolerance, what + ": bucketed vs flat");
+      }
+      expect_states_close(default_caps[0], with_flat[0], kSplitBatchTolerance, what + ": default caps vs flat");
+      for (size_t r = 1; r < with_buckets.size(); ++r) {
+        expect_states_equal(with_buckets[r], with_buckets[0], what + ": bucketed replica " + std::to_string(r));
+      }
+      if (!bn) expect_states_close(with_buckets[0], single[0], kSplitBatchTolerance, what + ": bucketed vs single");
+    }
+  }
+}
+
+// The buckets' all-reduces really run during the backward: replica 1 completes its average() (which
+// needs replica 0's part of every bucket) while replica 0 has finished its backward but not yet called
+// average(). Without hooks launching them, replica 1 would wait for replica 0's average() and replica 0
+// would give up waiting for replica 1 below.
+TEST(StrategyAveraging, BucketsAreAllReducedDuringTheBackward) {
+  HIERPAR_REQUIRE_GLOO();
+  const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CPU, {});
+  hs::AveragingOptions options;
+  options.timeout = std::chrono::seconds(20);
+  options.first_bucket_cap_bytes = 64;
+  options.bucket_cap_bytes = 512;
+  auto averager = hs::make_averager(placement, options);
+  std::vector<TinyNet> nets;
+  std::vector<torch::Tensor> inputs;
+  for (int64_t i = 0; i < 2; ++i) {
+    torch::manual_seed(7);
+    nets.push_back(tiny_discriminator(false));
+    inputs.push_back(torch::rand({4, 3, 8, 8}) * (i + 1));
+  }
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool replica1_averaged = false;
+  bool replica0_saw_it = false;
+  std::vector<std::vector<torch::Tensor>> grads(2);
+  auto replica = [&](int64_t i) {
+    averager->connect(i);
+    const auto parameters = nets[i]->parameters();
+    averager->attach(i, hs::Network::discriminator, parameters);
+    nets[i]->forward(inputs[i]).square().mean().backward();
+    for (const auto& p : parameters) grads[i].push_back(p.grad());
+    if (i == 0) {
+      std::unique_lock<std::mutex> lock(mutex);
+      replica0_saw_it = changed.wait_for(lock, std::chrono::seconds(10), [&] { return replica1_averaged; });
+    }
+    averager->average(i, hs::Network::discriminator, grads[i]);
+    if (i == 1) {
+      std::lock_guard<std::mutex> lock(mutex);
+      replica1_averaged = true;
+      changed.notify_all();
+    }
+  };
+  std::vector<torch::Tensor> expected;  // the mean of the two replicas' gradients, computed apart
+  {
+    torch::manual_seed(7);
+    auto net = tiny_discriminator(false);
+    std::vector<torch::Tensor> sums;
+    for (int64_t i = 0; i < 2; ++i) {
+      net->zero_grad();
+      net->forward(inputs[i]).square().mean().backward();
+      const auto params = net->parameters();
+      for (size_t j = 0; j < params.size(); ++j) {
+        if (i == 0) sums.push_back(params[j].grad().clone()); else sums[j].add_(params[j].grad()).div_(2);
+      }
+    }
+    expected = sums;
+  }
+  std::thread other(replica, 1);
+  replica(0);
+  other.join();
+  EXPECT_TRUE(replica0_saw_it) << "replica 1's average() waited for replica 0's: the buckets were not all-reduced "
+                                  "during the backward";
+  for (int64_t i = 0; i < 2; ++i) {
+    expect_states_equal(grads[i], expected, "averaged gradients of replica " + std::to_string(i));
+  }
+  averager.reset();  // removes the hooks: the nets' later backward passes must not call into it
+  nets[0]->forward(inputs[0]).sum().backward();
+}
+
+// Synchronized BatchNorm: data (R = 2, 4) and hierarchical (R = 2) on split batches end where single
+// ends on the whole batch -- parameters and running statistics -- with both layer sets and both
+// reductions (fp32 tolerance as for the split batch without BatchNorm: the per-channel statistics are
+// sums of the same terms in another order). Without sync the same runs are far from single (checked in
+// DataWithBatchNormMatchesPerPartReference), and here too, so that the comparison can fail.
+TEST(StrategyTrainer, SyncBatchNormMatchesSingleOnTheWholeBatch) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  auto sync = test_options();
+  sync.sync_batch_norm = true;
+  for (auto layers : {hierpar::LayerSet::stock, hierpar::LayerSet::hierpar}) {
+    const std::string set = layers == hierpar::LayerSet::stock ? "stock" : "hierpar";
+    const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), true, data,
+                              init, 0, -1, test_options(), layers, /*with_buffers=*/true);
+    std::vector<std::tuple<std::string, int64_t, std::string>> runs{{"data", 2, "host"}, {"hierarchical", 4, "host"}};
+    if (hs::gloo_available()) {
+      runs.emplace_back("data", 2, "nccl");
+      runs.emplace_back("data", 4, "nccl");
+      runs.emplace_back("hierarchical", 4, "nccl");
+    }
+    for (const auto& [scheme, devices, reduce] : runs) {
+      const auto placement = hs::Placement::from_flags(scheme, devices, reduce, c10::DeviceType::CPU, {});
+      const std::string what = set + " layers, " + placement.to_string();
+      const auto replicas = train(placement, true, data, init, 0, -1, sync, layers, true);
+      expect_states_close(replicas[0], single[0], kSplitBatchTolerance, what + ": sync BN vs single");
+      for (size_t r = 1; r < replicas.size(); ++r) {
+        expect_states_equal(replicas[r], replicas[0], what + ": replica " + std::to_string(r));
+      }
+    }
+    const auto unsynced = train(hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CPU, {}), true, data,
+                                init, 0, -1, test_options(), layers, true);
+    double largest = 0;
+    for (size_t i = 0; i < single[0].size(); ++i) {
+      largest = std::max(largest, (single[0][i] - unsynced[0][i]).abs().max().item<double>());
+    }
+    EXPECT_GT(largest, 1e-4) << set << ": per-replica BatchNorm should differ from whole-batch BatchNorm";
+  }
+}
+
 TEST(StrategyTrainer, RejectsUnevenBatchAndBadNoise) {
   const auto data = make_data(8, hierpar::testing::rng()());
   torch::manual_seed(1);
@@ -529,8 +702,9 @@ TEST(StrategyWorker, TrainAndSave) {
     torch::manual_seed(init_seed + 1000 * launch.rank);  // different on each rank: the broadcast must fix it
     auto g = tiny_generator(true);  // G first, then D, as train() draws them
     auto d = tiny_discriminator(true);
-    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement,
-                                   test_options(std::chrono::seconds(3)));
+    auto options = test_options(std::chrono::seconds(3));
+    options.sync_batch_norm = std::getenv("HIERPAR_STRATEGY_SYNC_BN") != nullptr;
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
     for (int64_t k = 0; k < kSteps; ++k) {
       auto real = data.real[k].narrow(0, launch.rank * share, share);
       if (fail_rank != nullptr && std::stoll(fail_rank) == launch.rank) real = real.narrow(1, 0, 2);  // a bad batch
@@ -549,17 +723,21 @@ TEST(StrategyTwoProcesses, AgreeBitForBitWithInProcessReplicas) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
   const auto data = make_data(kTwoRankBatch, data_seed);
-  for (const char* reduce : {"nccl", "host"}) {
-    const std::string dir = temp_dir(std::string("agree_") + reduce);
-    const auto children = run_two_ranks({{"HIERPAR_STRATEGY_WORKER_OUT", dir},
-                                         {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
-                                         {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
-                                         {"HIERPAR_STRATEGY_REDUCE", reduce}},
-                                        dir, std::chrono::seconds(120));
-    const auto in_process =
-        train(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), true, data, init_seed);
+  // Collective averaging is bucketed (the default caps); the third run adds synchronized BatchNorm.
+  for (const auto& [reduce, sync_bn] : std::vector<std::pair<const char*, bool>>{{"nccl", false}, {"host", false}, {"nccl", true}}) {
+    const std::string dir = temp_dir(std::string("agree_") + reduce + (sync_bn ? "_sync" : ""));
+    std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                           {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
+                                           {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
+                                           {"HIERPAR_STRATEGY_REDUCE", reduce}};
+    if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
+    const auto children = run_two_ranks(env, dir, std::chrono::seconds(120));
+    auto options = test_options();
+    options.sync_batch_norm = sync_bn;
+    const auto in_process = train(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), true, data,
+                                  init_seed, 0, -1, options);
     for (int rank = 0; rank < 2; ++rank) {
-      ASSERT_EQ(exit_code(children[rank]), 0) << reduce << " rank " << rank << " failed; its log:\n"
+      ASSERT_EQ(exit_code(children[rank]), 0) << reduce << (sync_bn ? " sync BN" : "") << " rank " << rank << " failed; its log:\n"
                                               << read_text(children[rank].log);
       std::vector<torch::Tensor> saved;
       torch::load(saved, dir + "/rank" + std::to_string(rank) + ".pt");
@@ -629,6 +807,36 @@ TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
   // cuDNN's TF32 convolutions (on by default) make this looser than the CPU's split-batch tolerance.
   const Tolerance tf32 = hierpar::testing::tolerance_for(torch::kFloat32);
   expect_states_close(host[0], single[0], {std::max(tf32.rtol, 2e-3), std::max(tf32.atol, 1e-5)}, "data vs single on GPUs");
+}
+
+// NCCL: bucketed (all-reduced during the backward, several buckets) == flat bit for bit for two
+// replicas; synchronized BatchNorm on 2 GPUs == single on the whole batch (TF32 tolerance, as above).
+TEST(StrategyTrainerCuda, BucketedEqualsFlatAndSyncBatchNormMatchesSingle) {
+  HIERPAR_REQUIRE_GPUS(2);
+  deterministic_cudnn();
+  const auto data = make_data(16, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
+  auto bucketed = test_options();
+  bucketed.averaging.first_bucket_cap_bytes = 64;
+  bucketed.averaging.bucket_cap_bytes = 2048;
+  auto flat = test_options();
+  flat.averaging.bucket_cap_bytes = 0;
+  for (bool bn : {false, true}) {
+    const auto with_buckets = train(placement, bn, data, init, 0, -1, bucketed);
+    const auto with_flat = train(placement, bn, data, init, 0, -1, flat);
+    expect_states_equal(with_buckets[0], with_flat[0], bn ? "NCCL bucketed vs flat, BatchNorm" : "NCCL bucketed vs flat");
+    expect_states_equal(with_buckets[1], with_buckets[0], "NCCL bucketed replica 1 vs 0");
+  }
+  auto sync = bucketed;
+  sync.sync_batch_norm = true;
+  const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), true, data, init,
+                            0, -1, test_options(), hierpar::LayerSet::stock, /*with_buffers=*/true);
+  const auto synced = train(placement, true, data, init, 0, -1, sync, hierpar::LayerSet::stock, true);
+  const Tolerance tf32 = hierpar::testing::tolerance_for(torch::kFloat32);
+  expect_states_close(synced[0], single[0], {std::max(tf32.rtol, 2e-3), std::max(tf32.atol, 1e-5)},
+                      "NCCL sync BN vs single on GPUs");
+  expect_states_equal(synced[1], synced[0], "NCCL sync BN replica 1 vs 0");
 }
 
 TEST(StrategyTrainerCuda, HierarchicalMatchesPerPartReference) {

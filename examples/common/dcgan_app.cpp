@@ -25,7 +25,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kLogEvery = 10;  // steps between reading the losses back (a device sync)
 constexpr int64_t kSyntheticImages = 2944;  // the seed's data set size
 
 std::string format_double(double v) {
@@ -167,6 +166,88 @@ hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
   return placement;
 }
 
+StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type) {
+  const bool cuda = device_type == c10::DeviceType::CUDA;
+  StepSettings s;
+  if (config.graphs != "auto" && config.graphs != "on" && config.graphs != "off")
+    throw FlagError("--graphs: expected on or off, got '" + config.graphs + "'");
+  if (config.precision != "fp32" && config.precision != "tf32" && config.precision != "bf16")
+    throw FlagError("--precision: expected fp32, tf32 or bf16, got '" + config.precision + "'");
+  if (config.optimizer != "auto" && config.optimizer != "adam" && config.optimizer != "fused")
+    throw FlagError("--optimizer: expected adam or fused, got '" + config.optimizer + "'");
+  if (config.log_every < 1) throw FlagError("--log-every: expected an integer >= 1, got " + std::to_string(config.log_every));
+  if (config.graphs == "on" && !cuda) throw FlagError("--graphs on needs a CUDA device (this run is on the CPU)");
+  if (config.precision == "bf16" && !cuda) throw FlagError("--precision bf16 needs a CUDA device (this run is on the CPU)");
+  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda);
+  if (s.graphs && config.optimizer == "adam")
+    throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
+  s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
+  s.tf32 = config.precision != "fp32";
+  if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
+  s.channels_last = config.channels_last || config.precision == "bf16";
+  return s;
+}
+
+std::string StepSettings::describe() const {
+  std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
+  d += autocast_dtype ? ", bf16 autocast" : (tf32 ? ", fp32 with TF32" : ", fp32");
+  if (channels_last) d += ", channels_last";
+  return d;
+}
+
+namespace {
+
+// losses.csv as written by write_losses: the D loss (real + fake) and G loss per step.
+std::pair<std::vector<double>, std::vector<double>> read_losses_csv(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(path + ": cannot read the losses (expected a losses.csv written by hierpar-dcgan train)");
+  std::string line;
+  std::getline(in, line);
+  if (line != "step,epoch,loss_d_real,loss_d_fake,loss_g")
+    throw Error(path + ": not a hierpar-dcgan losses.csv (header '" + line + "')");
+  std::vector<double> d, g;
+  while (std::getline(in, line)) {
+    double step, epoch, real, fake, gen;
+    if (std::sscanf(line.c_str(), "%lf,%lf,%lf,%lf,%lf", &step, &epoch, &real, &fake, &gen) != 5)
+      throw Error(path + ": line " + std::to_string(d.size() + 2) + " is not 5 numbers: '" + line + "'");
+    d.push_back(real + fake);
+    g.push_back(gen);
+  }
+  if (d.empty()) throw Error(path + ": no steps");
+  return {d, g};
+}
+
+}  // namespace
+
+std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                        const std::string& output) {
+  if (runs.empty()) throw Error("plot: no runs to plot");
+  const std::vector<std::array<uint8_t, 3>> colours{{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40}};
+  std::vector<PlotSeries> series;
+  std::vector<std::string> summary;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& [label, path] = runs[i];
+    auto [d, g] = read_losses_csv(path);
+    const auto dark = colours[i % colours.size()];
+    const std::array<uint8_t, 3> light{static_cast<uint8_t>((dark[0] + 255) / 2), static_cast<uint8_t>((dark[1] + 255) / 2),
+                                       static_cast<uint8_t>((dark[2] + 255) / 2)};
+    const size_t from = d.size() - (d.size() + 3) / 4;
+    auto mean_from = [&](const std::vector<double>& v) {
+      double sum = 0;
+      for (size_t k = from; k < v.size(); ++k) sum += v[k];
+      return sum / static_cast<double>(v.size() - from);
+    };
+    std::ostringstream line;
+    line << label << ": " << d.size() << " steps; mean over steps " << from + 1 << "-" << d.size() << ": D loss "
+         << std::fixed << std::setprecision(4) << mean_from(d) << ", G loss " << mean_from(g);
+    summary.push_back(line.str());
+    series.push_back({label + " D loss", std::move(d), dark});
+    series.push_back({label + " G loss", std::move(g), light});
+  }
+  write_line_plot(series, "step", output, 900, 480);
+  return summary;
+}
+
 namespace {
 
 // Adam's state tensors are read onto the CPU (checkpoints load there); each goes to its parameter's device.
@@ -191,6 +272,7 @@ int train_dcgan(DCGANTrainConfig config) {
   if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
   config.model.validate();
   const hs::Placement placement = dcgan_placement(config);
+  const StepSettings step = step_settings(config, placement.replicas[0].discriminator.type());
   const int64_t rank = placement.launch.rank, world = placement.launch.world_size;
   const bool writer = rank == 0;  // only rank 0 prints and writes files
   if (config.batch_size % placement.global_replicas() != 0)
@@ -224,7 +306,10 @@ int train_dcgan(DCGANTrainConfig config) {
   torch::manual_seed(static_cast<uint64_t>(config.seed));
   if (data_device.is_cuda()) {
     torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
-    at::globalContext().setBenchmarkCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(config.cudnn_benchmark);
+    at::globalContext().setDeterministicCuDNN(!config.cudnn_benchmark);
+    at::globalContext().setAllowTF32CuDNN(step.tf32);
+    at::globalContext().setAllowTF32CuBLAS(step.tf32);
   }
   // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
   models::Generator generator(config.model);
@@ -255,6 +340,12 @@ int train_dcgan(DCGANTrainConfig config) {
   options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
   options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
   options.noise_shape = {config.model.nz};
+  options.fused_adam = step.fused_adam;
+  options.cuda_graphs = step.graphs;
+  options.autocast_dtype = step.autocast_dtype;
+  options.channels_last = step.channels_last;
+  options.loss_log_steps = config.log_every;
+  options.sync_batch_norm = config.sync_batch_norm;
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator), placement,
                                  options);
   if (config.resume) {
@@ -265,6 +356,13 @@ int train_dcgan(DCGANTrainConfig config) {
                       noise_device, /*restore_rng=*/i == 0);
       move_adam_state_to_parameters(trainer.generator_optimizer(i));
       move_adam_state_to_parameters(trainer.discriminator_optimizer(i));
+    }
+    // Every G device draws the global batch's noise from its own generator (AdversarialTrainer): all take
+    // the restored state of replica 0's.
+    at::Generator restored = at::globalContext().defaultGenerator(noise_device);
+    for (const auto& r : placement.replicas) {
+      at::Generator target = at::globalContext().defaultGenerator(r.generator);  // a handle to the device's
+      if (r.generator != noise_device) target.set_state(restored.get_state());
     }
     say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
         std::to_string(state.global_step));
@@ -281,13 +379,15 @@ int train_dcgan(DCGANTrainConfig config) {
   say("strategy: " + placement.to_string() + "; global batch " + std::to_string(config.batch_size) + " = " +
       std::to_string(placement.global_replicas()) + " replica(s) x " +
       std::to_string(config.batch_size / placement.global_replicas()));
+  say("step: " + (trainer.graph_fallback().empty() ? step.describe() : trainer.graph_fallback()) +
+      "; losses read every " + std::to_string(config.log_every) + " steps");
   say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
 
-  std::vector<torch::Tensor> pending;  // per-step losses not yet read back (on the data device)
+  int64_t unread = 0;  // steps whose losses are still on the device
   auto flush_losses = [&] {
-    if (pending.empty()) return;
-    state.history = torch::cat({state.history, torch::stack(pending).to(torch::kCPU, torch::kFloat)});
-    pending.clear();
+    if (unread == 0) return;
+    state.history = torch::cat({state.history, trainer.take_losses()});
+    unread = 0;
   };
   auto save = [&] {
     flush_losses();
@@ -295,16 +395,6 @@ int train_dcgan(DCGANTrainConfig config) {
     save_checkpoint(checkpoint, state, modules, optimizers, noise_device);  // the noise's RNG state
     write_losses(config.out, state.history, loader.batches_per_epoch());
   };
-  // The mean over this process's replicas of each loss, on the data device (no host sync).
-  auto step_record = [&](const hs::StepLosses& losses) {
-    std::vector<torch::Tensor> rows;
-    for (size_t i = 0; i < losses.generator.size(); ++i) {
-      rows.push_back(torch::stack({losses.discriminator_real[i], losses.discriminator_fake[i], losses.generator[i]})
-                         .to(data_device, /*non_blocking=*/true));
-    }
-    return torch::stack(rows).mean(0);
-  };
-
   bool stopped = false, interrupted = false;
   const int64_t steps_per_epoch = loader.batches_per_epoch();
   while (state.epoch < config.epochs && !stopped) {
@@ -316,16 +406,16 @@ int train_dcgan(DCGANTrainConfig config) {
     const auto epoch_start = std::chrono::steady_clock::now();
     const int64_t first_step = state.epoch_step;
     for (auto batch = loader.next(); batch.defined(); batch = loader.next()) {
-      // The same global noise on every rank (same seed, same draws); each rank keeps its rows.
-      auto noise = torch::randn({batch.size(0), config.model.nz}, torch::TensorOptions().device(noise_device));
-      auto real = batch.narrow(0, rank * share, share);
-      pending.push_back(step_record(trainer.step(real, noise.narrow(0, rank * share, share))));
+      // Every rank draws the same global batch and keeps its rows; the trainer does the same with the noise
+      // (the same seed everywhere), inside the step.
+      trainer.step(batch.narrow(0, rank * share, share));
+      ++unread;
       ++state.epoch_step;
       ++state.global_step;
       const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
       interrupted = config.should_stop && config.should_stop();
       stopped = budget_spent || interrupted;
-      if (static_cast<int64_t>(pending.size()) >= kLogEvery || stopped || state.epoch_step == steps_per_epoch) {
+      if (unread >= config.log_every || stopped || state.epoch_step == steps_per_epoch) {
         flush_losses();
         if (progress) {
           auto last = state.history[-1];

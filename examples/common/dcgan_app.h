@@ -10,7 +10,10 @@
 #include <torch/script.h>
 
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace hierpar::examples {
 
@@ -27,6 +30,7 @@ struct DCGANTrainConfig {
   std::string strategy = "single";
   int64_t gpus = 0;
   std::string reduce = "host";
+  bool sync_batch_norm = false;        // BatchNorm statistics over all replicas (off: per replica, as the paper)
   int64_t epochs = 5;
   int64_t batch_size = 64;
   double lr = 2e-4, beta1 = 0.5;
@@ -36,6 +40,15 @@ struct DCGANTrainConfig {
   int64_t samples = 64;                // images in each per-epoch grid
   std::string out = "runs/dcgan";
   bool resume = false;
+  // The training step (hierpar::strategy::AdversarialTrainer): CUDA graphs auto (on for CUDA) | on | off;
+  // precision fp32 | tf32 (TF32 convolutions and matmuls) | bf16 (autocast to bf16, channels_last end to
+  // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused.
+  std::string graphs = "auto";
+  std::string precision = "tf32";
+  bool channels_last = false;
+  std::string optimizer = "auto";
+  bool cudnn_benchmark = true;         // false: deterministic cuDNN algorithms (tests comparing two runs)
+  int64_t log_every = 50;              // steps between reading the losses back (the progress bar's values)
   bool quiet = false;                  // no progress bar or messages (tests)
   // Polled after every step; returning true stops like an interrupt: checkpoint, then return 130.
   std::function<bool()> should_stop;
@@ -51,6 +64,20 @@ Config checkpoint_config(const DCGANTrainConfig& config);
 // writes samples, losses and checkpoints. A checkpoint holds replica 0's networks and optimisers, so
 // it resumes under any strategy and device count.
 int train_dcgan(DCGANTrainConfig config);
+
+// How the step runs, resolved from the flags for the placement's device type: throws FlagError naming the
+// flag for unknown values and for requests the device cannot serve (graphs or bf16 on the CPU).
+struct StepSettings {
+  bool graphs = false, fused_adam = false, channels_last = false, tf32 = false;
+  std::optional<c10::ScalarType> autocast_dtype;
+  std::string describe() const;  // e.g. "CUDA graphs on, FusedAdam, bf16 autocast, channels_last"
+};
+StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type);
+
+// Plots the D loss (real + fake) and G loss of several runs' losses.csv files on one PNG; `runs` are
+// (label, csv path). Returns one summary line per run (mean losses over the last quarter of the steps).
+std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                        const std::string& output);
 
 // The placement that `config` asks for (strategy, gpus, reduce, device) in this process's launch;
 // throws FlagError naming the flag for unknown names and Error for impossible requests.

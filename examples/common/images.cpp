@@ -158,4 +158,54 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
   write_png(path, width, height, 3, canvas.rgb.data());
 }
 
+void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<PlotSeries>& series,
+                     const std::string& y_label, const std::string& path, int width, int height) {
+  if (groups.empty() || series.empty()) throw Error(path + ": a bar chart needs at least one group and one series");
+  Canvas canvas(width, height);
+  const int left = 60, right = 20, top = 20 + 14 * static_cast<int>(series.size()), bottom = 40;
+  const int plot_w = width - left - right, plot_h = height - top - bottom;
+  double hi = 0;
+  for (const auto& g : groups)
+    for (double v : g.values)
+      if (std::isfinite(v)) hi = std::max(hi, v);
+  if (hi <= 0) hi = 1;
+  hi *= 1.12;  // room for the value labels
+  const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
+  auto to_y = [&](double v) { return static_cast<int>(std::lround(top + (hi - v) / hi * plot_h)); };
+  for (int t = 0; t <= 4; ++t) {
+    const double v = hi * t / 4;
+    const int y = to_y(v);
+    canvas.rect(left, y, left + plot_w, y + 1, grey);
+    const auto label = format_tick(v);
+    canvas.text(left - 6 - Canvas::text_width(label), y - 3, label, black);
+  }
+  const double group_w = static_cast<double>(plot_w) / groups.size();
+  const double bar_w = group_w * 0.8 / series.size();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const double x0 = left + g * group_w + group_w * 0.1;
+    for (size_t s = 0; s < series.size() && s < groups[g].values.size(); ++s) {
+      const double v = groups[g].values[s];
+      if (!std::isfinite(v)) continue;
+      const int xa = static_cast<int>(std::lround(x0 + s * bar_w)), xb = static_cast<int>(std::lround(x0 + (s + 1) * bar_w)) - 1;
+      canvas.rect(xa, to_y(v), xb, top + plot_h, series[s].rgb);
+      const auto label = format_tick(v);
+      canvas.text((xa + xb) / 2 - Canvas::text_width(label) / 2, to_y(v) - 10, label, black);
+    }
+    const auto& label = groups[g].label;
+    canvas.text(static_cast<int>(left + (g + 0.5) * group_w) - Canvas::text_width(label) / 2, top + plot_h + 7, label,
+                black);
+  }
+  canvas.rect(left, top, left + 1, top + plot_h + 1, black);
+  canvas.rect(left, top + plot_h, left + plot_w + 1, top + plot_h + 1, black);
+  canvas.text(4, 4, y_label, black);
+  int legend_y = 6;
+  for (const auto& s : series) {
+    const int x = left + plot_w - 10 - Canvas::text_width(s.name) - 22;
+    canvas.rect(x, legend_y + 1, x + 16, legend_y + 7, s.rgb);
+    canvas.text(x + 22, legend_y, s.name, black);
+    legend_y += 14;
+  }
+  write_png(path, width, height, 3, canvas.rgb.data());
+}
+
 }  // namespace hierpar::examples

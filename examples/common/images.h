@@ -25,4 +25,14 @@ struct PlotSeries {
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
                      int width = 720, int height = 420);
 
+// A grouped bar chart as a PNG: one group per entry of `groups` (labelled under the axis), one bar per
+// series in each group (values[i] belongs to series i; NaN leaves a gap), value printed above each bar,
+// y from 0, legend top right.
+struct BarGroup {
+  std::string label;
+  std::vector<double> values;
+};
+void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<PlotSeries>& series,
+                     const std::string& y_label, const std::string& path, int width = 900, int height = 420);
+
 }  // namespace hierpar::examples

@@ -1,9 +1,11 @@
 // hierpar-dcgan: the seed paper's DCGAN, trained with stock torch::nn or hierpar layers (--layers).
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
-//                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl]
+//                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl --sync-bn]
+//                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
+//   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv
 #include "common/cli.h"
 #include "common/dcgan_app.h"
 #include "common/images.h"
@@ -13,6 +15,7 @@
 #include <atomic>
 #include <csignal>
 #include <iostream>
+#include <sstream>
 
 namespace {
 
@@ -26,6 +29,7 @@ constexpr const char* kUsage =
     "  train     train a DCGAN; writes samples/, losses.csv, loss.png and checkpoint.pt under --out\n"
     "  generate  write samples of a trained generator as a PNG grid\n"
     "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
+    "  plot      plot the D and G loss curves of several runs (their losses.csv) on one PNG\n"
     "Run hierpar-dcgan <command> --help for its flags.\n";
 
 int train(int argc, char** argv) {
@@ -43,6 +47,7 @@ int train(int argc, char** argv) {
            "hierarchical (a G GPU and a D GPU per replica)")
       .add("gpus", &config.gpus, "devices in all, over every process (0: the strategy's own count)", 0)
       .add("reduce", &config.reduce, "gradient averaging across replicas: host (pinned memory, CPU threads) or nccl")
+      .add("sync-bn", &config.sync_batch_norm, "BatchNorm statistics over all replicas (default: per replica)")
       .add("epochs", &config.epochs, "epochs to train", 1)
       .add("batch-size", &config.batch_size, "images per step over all replicas (the global batch)", 1)
       .add("image-size", &image_size, "32, 64 or 128", 1)
@@ -57,7 +62,12 @@ int train(int argc, char** argv) {
       .add("samples", &config.samples, "images in each sample grid", 1)
       .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
       .add("out", &config.out, "output folder")
-      .add("resume", &config.resume, "continue from <out>/checkpoint.pt");
+      .add("resume", &config.resume, "continue from <out>/checkpoint.pt")
+      .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
+      .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
+      .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
+      .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)")
+      .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
   if (config.beta1 >= 1.0) throw FlagError("--beta1: expected a number in [0, 1), got " + std::to_string(config.beta1));
   config.model.layers = hierpar::parse_layer_set(layers);
@@ -98,6 +108,26 @@ int generate(int argc, char** argv) {
   return 0;
 }
 
+int plot(int argc, char** argv) {
+  std::string output = "losses.png", list;
+  Flags flags("hierpar-dcgan plot");
+  flags.add("output", &output, "PNG file to write")
+      .add("runs", &list, "LABEL=PATH[,LABEL=PATH...]: each run's losses.csv and its legend label");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  if (list.empty()) throw FlagError("--runs: give at least one LABEL=PATH");
+  std::vector<std::pair<std::string, std::string>> runs;
+  std::istringstream items(list);
+  for (std::string item; std::getline(items, item, ',');) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
+      throw FlagError("--runs: expected LABEL=PATH, got '" + item + "'");
+    runs.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+  }
+  for (const auto& line : plot_loss_runs(runs, output)) std::cout << line << "\n";
+  std::cout << "wrote " << output << "\n";
+  return 0;
+}
+
 int export_generator(int argc, char** argv) {
   std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "generator.pt", layers = "hierpar";
   Flags flags("hierpar-dcgan export");
@@ -121,11 +151,12 @@ int main(int argc, char** argv) {
     if (command == "train") return train(argc, argv);
     if (command == "generate") return generate(argc, argv);
     if (command == "export") return export_generator(argc, argv);
+    if (command == "plot") return plot(argc, argv);
     if (command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;
     }
-    throw FlagError(command.empty() ? "missing command (train, generate or export)"
-                                    : "unknown command '" + command + "' (train, generate or export)");
+    throw FlagError(command.empty() ? "missing command (train, generate, export or plot)"
+                                    : "unknown command '" + command + "' (train, generate, export or plot)");
   });
 }

@@ -20,6 +20,14 @@ const char* to_string(Activation activation) {
   return "?";
 }
 
+namespace {
+thread_local BatchNormSync* current_sync = nullptr;
+}  // namespace
+
+BatchNormSync* batch_norm_sync() { return current_sync; }
+BatchNormSyncGuard::BatchNormSyncGuard(BatchNormSync* sync) : previous_(current_sync) { current_sync = sync; }
+BatchNormSyncGuard::~BatchNormSyncGuard() { current_sync = previous_; }
+
 namespace detail {
 
 template <typename Derived>
@@ -100,6 +108,15 @@ torch::Tensor BatchNormActImplBase<Derived>::forward(const torch::Tensor& input)
     num_batches_tracked.add_(1);
     if (!options.momentum().has_value()) {  // cumulative moving average, like torch::nn
       momentum = 1.0 / num_batches_tracked.template item<double>();
+    }
+  }
+  if (BatchNormSync* sync = batch_norm_sync(); sync != nullptr && this->is_training()) {
+    // Synchronized statistics (not the default): the activation is applied after, unfused.
+    torch::Tensor y = sync->forward(input, weight, bias, running_mean, running_var, momentum, options.eps());
+    switch (activation) {
+      case Activation::identity: return y;
+      case Activation::relu: return torch::relu(y);
+      case Activation::leaky_relu: return torch::leaky_relu(y, negative_slope);
     }
   }
   // Batch statistics in training, and in eval when no running statistics are kept (like torch::nn).

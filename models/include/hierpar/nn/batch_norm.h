@@ -14,6 +14,34 @@ namespace hierpar::nn {
 enum class Activation { identity, relu, leaky_relu };
 const char* to_string(Activation activation);
 
+// Synchronized BatchNorm (hierpar::strategy's AdversarialOptions::sync_batch_norm): while a thread has a
+// BatchNormSync installed (BatchNormSyncGuard), the training-mode forward of BatchNorm2d/BatchNormAct2d
+// below, and of the stock torch::nn::BatchNorm2d built by models::make_batch_norm_act2d, normalises on
+// that thread through it, with statistics over every replica. None is installed by default: the
+// default path costs one thread-local read.
+class BatchNormSync {
+ public:
+  virtual ~BatchNormSync() = default;
+  // Batch normalisation in training mode (no activation) of `input` [N, C, H, W] with the statistics of
+  // the whole global batch; `running_mean`/`running_var` (undefined when not tracked) are updated with
+  // `momentum` (already resolved: cumulative averages pass 1 / batches tracked); `weight`/`bias` may be
+  // undefined (affine false).
+  virtual torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
+                                const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
+                                double eps) = 0;
+};
+BatchNormSync* batch_norm_sync();  // this thread's, or nullptr
+class BatchNormSyncGuard {
+ public:
+  explicit BatchNormSyncGuard(BatchNormSync* sync);
+  ~BatchNormSyncGuard();
+  BatchNormSyncGuard(const BatchNormSyncGuard&) = delete;
+  BatchNormSyncGuard& operator=(const BatchNormSyncGuard&) = delete;
+
+ private:
+  BatchNormSync* previous_;
+};
+
 namespace detail {
 // The shared implementation; `Derived` is the concrete Impl so that clone() returns the right type.
 template <typename Derived>

@@ -6,13 +6,28 @@
 // ATen's device-to-device copies, which order the two devices' current streams with CUDA events; the
 // host never waits inside a step except where host averaging must read the gradients.
 //
+// Each step writes its losses into a small buffer on the device; take_losses() reads them back (one host
+// sync), and step() does so itself only when `loss_log_steps` steps are pending. Nothing else reads a value
+// on the host.
+//
+// CUDA graphs (options.cuda_graphs, with options.fused_adam): each replica's step is captured once, on its
+// device, and replayed every step. The first `graph_warmup_steps` steps run eagerly on a side stream (they
+// are real steps); the next is captured and replayed; from then on a step is a copy of the batch into a
+// static input buffer and the replays. The noise is drawn inside the graph from the device's default CUDA
+// generator (graph-safe: the same numbers as an eager step would draw), the optimisers are FusedAdam
+// (capturable), the losses go to the device buffer. With gradient averaging (data parallelism) the step is
+// captured as three graphs replayed in order, with the averaging of D's and G's gradients run eagerly
+// between them: host averaging reads gradients on CPU threads and NCCL collectives are not captured here.
+// Task and hierarchical placements keep G and D on two devices and run one autograd backward across them,
+// which a per-device capture cannot split: they run eagerly (graph_fallback() says why).
+//
 // Usage (a DCGAN example):
 //   auto placement = hierpar::strategy::Placement::from_flags(strategy, gpus, reduce);
 //   std::cout << placement << "\n";
 //   hierpar::strategy::AdversarialTrainer trainer(torch::nn::AnyModule(generator),
 //                                                 torch::nn::AnyModule(discriminator), placement, options);
-//   auto losses = trainer.step(real_batch);           // this process's share of the global batch
-//   if (i % 50 == 0) auto [d, g] = losses.mean();     // the only host sync
+//   trainer.step(real_batch);                          // this process's share of the global batch
+//   if (i % 50 == 0) auto losses = trainer.take_losses();  // [steps, 3] on the CPU: the only host sync
 #pragma once
 
 #include "hierpar/strategy/averaging.h"
@@ -23,6 +38,8 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace hierpar::strategy {
@@ -43,13 +60,37 @@ struct AdamSettings {
 struct AdversarialOptions {
   AdamSettings generator_adam;
   AdamSettings discriminator_adam;
-  // The shape of one noise sample, drawn N(0, 1) on G's device when step() is given no noise.
+  // The shape of one noise sample, drawn N(0, 1) when step() is given no noise: every replica draws the
+  // noise of the whole global batch on its G device and keeps its own rows (the same numbers as one draw
+  // split over the replicas while the devices' generators share seed and state, as manual_seed_all leaves
+  // them); replicas sharing one generator (CPU) get their rows of one draw made before they start.
   std::vector<int64_t> noise_shape{100, 1, 1};
   AdversarialLoss loss = bce_with_logits_loss;
   AveragingOptions averaging;
+  // hierpar::strategy::FusedAdam (a torch::optim::Adam whose step is two fused kernels per network and
+  // device, capturable) instead of torch::optim::Adam. Required by cuda_graphs.
+  bool fused_adam = false;
+  // Capture each replica's step as CUDA graphs and replay them (see the top of this file). Needs CUDA
+  // devices; task/hierarchical placements fall back to eager steps.
+  bool cuda_graphs = false;
+  int64_t graph_warmup_steps = 3;
+  // The forward passes and losses run under autocast to this dtype (e.g. bf16 on CUDA); nullopt: none.
+  std::optional<c10::ScalarType> autocast_dtype;
+  // 4-d parameters and the real batches in channels_last (the networks' activations follow).
+  bool channels_last = false;
+  // Steps whose losses wait on the device before step() reads them back itself (a sync).
+  int64_t loss_log_steps = 50;
+  // Synchronized BatchNorm (--sync-bn; off by default, as in seed 000): the BatchNorm layers of
+  // hierpar's models (both layer sets) normalise with the statistics of the whole global batch, summed
+  // over the replicas through the averager (strategy/sync_batch_norm.h); no effect with one replica.
+  bool sync_batch_norm = false;
 };
 
-// The losses of one step: one 0-dim tensor per local replica, on its D device (reading them syncs).
+// Converts the 4-d parameters of `module` (and its submodules) to channels_last, in place (set_data).
+void convert_to_channels_last(torch::nn::Module& module);
+
+// The losses of one step: one 0-dim tensor per local replica, on its D device (reading them syncs). Under
+// CUDA graphs they are the graph's outputs, overwritten by the next step: copy what must be kept.
 struct StepLosses {
   std::vector<torch::Tensor> discriminator;       // loss on real + loss on fake
   std::vector<torch::Tensor> discriminator_real;  // its two terms, for logs
@@ -72,19 +113,32 @@ class AdversarialTrainer {
 
   // One step on `real` (this process's share of the global batch, any device; split evenly over the
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
-  // otherwise each replica draws its own. Throws, naming the replica, if any replica fails.
+  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails.
   StepLosses step(const torch::Tensor& real, const torch::Tensor& noise = {});
   // The same with each local replica's share given by the caller (reals[i] for local replica i, ideally
   // already on its D device, so that no share crosses devices inside the step); `noises` empty or one
   // per replica.
   StepLosses step_shares(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises = {});
 
+  // The losses of the steps since the last call, as float [steps, 3] on the CPU: columns D loss on real,
+  // D loss on fake, G loss, each the mean over this process's replicas. One host sync.
+  torch::Tensor take_losses();
+
+  // Whether steps run as CUDA graphs, and if options.cuda_graphs was asked for but cannot be used for
+  // this placement, why (one line; empty otherwise).
+  bool graphs() const { return graphs_; }
+  const std::string& graph_fallback() const { return graph_fallback_; }
+  // Kernel nodes of local replica `local`'s captured graphs (0 before the capture).
+  int64_t graph_kernel_nodes(int64_t local = 0) const;
+
   // Makes every replica (here and in other processes) equal to global replica 0: parameters and
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.
   void broadcast_from_replica0();
 
   const Placement& placement() const { return placement_; }
-  // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves).
+  // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
+  // fused_adam the optimisers are FusedAdam, which saves and loads torch::optim::Adam's format). Under
+  // CUDA graphs, state loaded after the first step must be copied into the existing tensors.
   torch::nn::AnyModule& generator(int64_t local = 0);
   torch::nn::AnyModule& discriminator(int64_t local = 0);
   torch::optim::Adam& generator_optimizer(int64_t local = 0);
@@ -93,14 +147,27 @@ class AdversarialTrainer {
  private:
   struct Replica;
   class Workers;
+  enum class Phase { eager, capture };
   StepLosses run_step(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises);
   void step_replica(int64_t local, const torch::Tensor& real, const torch::Tensor& noise, StepLosses& out);
+  void graph_step_replica(int64_t local, const torch::Tensor& real, const torch::Tensor& noise);
+  // The step's work on local replica `local` (both networks' passes, updates, loss bookkeeping); at each
+  // averaging point it averages (eager) or ends a graph segment (capture).
+  void step_body(int64_t local, const torch::Tensor& real, const torch::Tensor& noise, Phase phase);
+  torch::Tensor global_noise(int64_t share, const c10::Device& device) const;  // [share * global replicas, ...]
+  torch::Tensor draw_noise(int64_t local, int64_t share) const;                 // local replica's rows of it
+  void drain_losses();
 
   Placement placement_;
   AdversarialOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<GradientAverager> averager_;
   std::unique_ptr<Workers> workers_;
+  bool graphs_ = false;
+  std::string graph_fallback_;
+  bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)
+  int64_t pending_losses_ = 0;              // steps whose losses are still only on the devices
+  std::vector<torch::Tensor> drained_losses_;  // read back by step() itself, not yet taken
 };
 
 }  // namespace hierpar::strategy

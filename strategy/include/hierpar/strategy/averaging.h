@@ -2,8 +2,10 @@
 //  - host: each replica flattens a network's gradients into one pinned host buffer; the replicas' own
 //    threads (one per replica, like seed 000's OpenMP threads) each sum one slice over all replicas;
 //    the sum goes back to every replica's device (across processes the host sums meet through Gloo);
-//  - collective: each replica flattens a network's gradients into ONE device buffer that a c10d process
-//    group all-reduces (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU).
+//  - collective: a c10d process group (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU) all-reduces
+//    the gradients, either in buckets launched by autograd hooks while the backward still runs (the
+//    default, like PyTorch DDP's reducer) or, with bucket_cap_bytes = 0, as ONE flat buffer per network
+//    after the backward.
 // Both divide the sum by the global replica count on the device, so they agree bit for bit for two replicas.
 // Replicas in one process are threads that are ranks of the same groups (a shared HashStore); replicas in
 // other processes join through a TCPStore at MASTER_ADDR:MASTER_PORT. The code path is the same.
@@ -43,12 +45,34 @@ class GradientAverager {
 
   // Called by every local replica's thread before its first average(): collectives may rendezvous here.
   virtual void connect(int64_t local) = 0;
+
+  // Optional overlap with the backward: local replica `local`'s parameters of `network`, in registration
+  // order, whose gradients later average() calls will average (same tensors, same order). An averager
+  // may register autograd hooks on them that start averaging parts of the gradients while the backward
+  // is still running; average() then only finishes. Called once per replica and network, after
+  // connect(). The default keeps average() doing all the work.
+  virtual void attach(int64_t /*local*/, Network /*network*/, const std::vector<at::Tensor>& /*parameters*/) {}
+
+  // Sums `tensor` (local replica `local`'s, on its device for `network`) over all replicas, in place:
+  // synchronized BatchNorm's per-channel statistics (forward) and gradient sums (backward). Every
+  // replica must call it in the same order relative to its other calls for `network`; it may be called
+  // from the autograd engine's thread of the replica's device.
+  virtual void sum(int64_t local, Network network, const at::Tensor& tensor) = 0;
 };
 
 struct AveragingOptions {
   // Bound on every wait for a peer replica (in-process barriers and c10d collectives): a replica that
   // dies or throws makes the others fail with an error after at most this long, never hang.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Collective averaging only (host averaging always moves one flat buffer per network): gradients are
+  // grouped into buckets of at most this many bytes, in reverse registration order (the backward
+  // produces the last layers' gradients first); a bucket's all-reduce starts, asynchronously, as soon as
+  // the backward has produced all of its gradients and every earlier bucket has started (the same
+  // order on every replica). As in DDP the first bucket is smaller (first_bucket_cap_bytes) so that
+  // communication starts early. 0 turns bucketing off: one flat buffer per network, all-reduced after
+  // the backward (session 1's path, kept for comparison).
+  int64_t bucket_cap_bytes = 25 * 1024 * 1024;
+  int64_t first_bucket_cap_bytes = 1024 * 1024;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).

@@ -5,9 +5,11 @@
 // fused kernels expect) and the moments are allocated in the constructor, not on the first step (a
 // first step inside a capture would otherwise record their zero fill into the graph).
 //
-// The update is torch::optim::Adam's (L2 weight decay added to the gradient, optional AMSGrad), so the
-// two agree to rounding; options are torch::optim::AdamOptions. The learning rate is read when step() is
-// called: a graph captured with one learning rate keeps it.
+// It is a torch::optim::Adam: the update is Adam's (L2 weight decay added to the gradient, optional
+// AMSGrad), so the two agree to rounding, and save()/load() write and read Adam's archive format, so a
+// checkpoint interchanges with torch::optim::Adam (saving reads the step counters on the host: a sync).
+// Options are read from the single parameter group when step() is called: a graph captured with one
+// learning rate keeps it.
 //
 // Usage:
 //   hierpar::strategy::FusedAdam opt(model->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
@@ -20,7 +22,7 @@
 
 namespace hierpar::strategy {
 
-class FusedAdam {
+class FusedAdam : public torch::optim::Adam {
  public:
   // Every parameter must be a dense floating-point leaf; parameters may live on several devices and
   // dtypes (each (device, dtype) group is updated by its own launches).
@@ -28,18 +30,23 @@ class FusedAdam {
                      torch::optim::AdamOptions options = torch::optim::AdamOptions());
 
   // Updates every parameter that has a gradient (a parameter without one is skipped and its step counter
-  // stays, as in torch::optim::Adam). A gradient must have its parameter's strides, which autograd
-  // guarantees for the gradients it creates.
-  void step();
+  // stays, as in torch::optim::Adam). A gradient must have its parameter's strides (except in dimensions
+  // of size 1), which autograd guarantees for the gradients it creates. A closure is refused (it would run a forward on the host).
+  torch::Tensor step(LossClosure closure = nullptr) override;
 
   // set_to_none (the default) launches nothing: the next backward creates the gradients, so no zero fill
   // and no accumulation add runs. set_to_none=false zeroes the existing gradients with one multi-tensor
-  // kernel per group (their storage stays put, for code that holds on to it).
+  // kernel per group (their storage stays put, for code that holds on to it, e.g. a captured graph).
   void zero_grad(bool set_to_none = true);
 
+  // torch::optim::Adam's archive: per-parameter step, exp_avg, exp_avg_sq (and max_exp_avg_sq).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  // Reads that archive (from either class) into this optimiser's device state, in place.
+  void load(torch::serialize::InputArchive& archive) override;
+
   const std::vector<torch::Tensor>& parameters() const { return parameters_; }
-  const torch::optim::AdamOptions& options() const { return options_; }
-  torch::optim::AdamOptions& options() { return options_; }
+  const torch::optim::AdamOptions& options() const;
+  torch::optim::AdamOptions& options();
 
   // State of parameter i (in the constructor's order): its step counter (a 0-dim float32 tensor on its
   // device), first and second moments, and the running maximum of the second moment (AMSGrad only).
@@ -50,7 +57,6 @@ class FusedAdam {
 
  private:
   std::vector<torch::Tensor> parameters_;
-  torch::optim::AdamOptions options_;
   std::vector<torch::Tensor> steps_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_;
   std::vector<std::vector<size_t>> groups_;  // parameter indices sharing a device and dtype
 };

@@ -1,0 +1,173 @@
+#include "hierpar/strategy/captured_step.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/util/Exception.h>
+
+#ifdef HIERPAR_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <vector>
+
+namespace hierpar::strategy {
+
+AutocastScope::AutocastScope(c10::DeviceType device_type, std::optional<c10::ScalarType> dtype)
+    : device_type_(device_type), enabled_(dtype.has_value()) {
+  if (!enabled_) return;
+  was_enabled_ = at::autocast::is_autocast_enabled(device_type_);
+  was_dtype_ = at::autocast::get_autocast_dtype(device_type_);
+  at::autocast::set_autocast_enabled(device_type_, true);
+  at::autocast::set_autocast_dtype(device_type_, *dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!enabled_) return;
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  at::autocast::set_autocast_enabled(device_type_, was_enabled_);
+  at::autocast::set_autocast_dtype(device_type_, was_dtype_);
+}
+
+#ifdef HIERPAR_WITH_CUDA
+
+bool cuda_graphs_available() { return c10::cuda::device_count() > 0; }
+
+struct CapturedStep::Impl {
+  c10::cuda::CUDAStream side;
+  at::cuda::MempoolId_t pool{0, 0};
+  std::vector<std::unique_ptr<at::cuda::CUDAGraph>> graphs;
+  bool capturing = false;
+
+  void begin_segment() {
+    graphs.push_back(std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true));
+    graphs.back()->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+  }
+  void end_segment() {
+    graphs.back()->capture_end();
+    graphs.back()->instantiate();
+  }
+};
+
+namespace {
+c10::cuda::CUDAStream side_stream_for(c10::Device device, const std::optional<c10::Stream>& stream) {
+  TORCH_CHECK(device.is_cuda() && device.has_index(), "CapturedStep: device: expected an indexed CUDA device, got ",
+              device);
+  if (!stream) return c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  TORCH_CHECK(stream->device() == device, "CapturedStep: side_stream: expected a stream of ", device, ", got one of ",
+              stream->device());
+  return c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *stream);
+}
+
+// `waiter` waits for the work queued so far on `producer`.
+void order(const c10::cuda::CUDAStream& producer, const c10::cuda::CUDAStream& waiter) {
+  at::cuda::CUDAEvent event;
+  event.record(producer);
+  event.block(waiter);
+}
+}  // namespace
+
+CapturedStep::CapturedStep(c10::Device device, std::optional<c10::Stream> side_stream)
+    : device_(device), impl_(std::make_unique<Impl>(Impl{side_stream_for(device, side_stream)})) {}
+
+CapturedStep::~CapturedStep() = default;
+
+void CapturedStep::warm_up(const std::function<void()>& body) {
+  c10::cuda::CUDAGuard device_guard(device_);
+  const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
+  order(current, impl_->side);
+  {
+    c10::cuda::CUDAStreamGuard stream_guard(impl_->side);
+    body();
+  }
+  order(impl_->side, current);
+}
+
+void CapturedStep::capture(const std::function<void()>& body) {
+  c10::cuda::CUDAGuard device_guard(device_);
+  const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
+  impl_->graphs.clear();
+  impl_->pool = at::cuda::graph_pool_handle();
+  // The capture reads what the current stream wrote (parameters, static inputs) only when replayed, but
+  // the side stream must not start capturing while earlier work on it is pending.
+  order(current, impl_->side);
+  c10::cuda::CUDAStreamGuard stream_guard(impl_->side);
+  impl_->capturing = true;
+  try {
+    impl_->begin_segment();
+    body();
+    impl_->end_segment();
+  } catch (...) {
+    impl_->capturing = false;
+    if (!impl_->graphs.empty()) {
+      // End the broken capture so that the stream is usable again; the error that stopped it is the one
+      // to report.
+      try {
+        impl_->graphs.back()->capture_end();
+      } catch (...) {
+      }
+    }
+    impl_->graphs.clear();
+    throw;
+  }
+  impl_->capturing = false;
+}
+
+void CapturedStep::split() {
+  TORCH_CHECK(impl_->capturing, "CapturedStep: split() is only valid inside capture()");
+  impl_->end_segment();
+  impl_->begin_segment();
+}
+
+bool CapturedStep::captured() const { return !impl_->graphs.empty() && !impl_->capturing; }
+
+int64_t CapturedStep::segments() const { return static_cast<int64_t>(impl_->graphs.size()); }
+
+void CapturedStep::replay(int64_t segment) {
+  TORCH_CHECK(captured() && segment >= 0 && segment < segments(), "CapturedStep: replay: no captured segment ",
+              segment, " (", segments(), " captured)");
+  c10::cuda::CUDAGuard device_guard(device_);
+  impl_->graphs[segment]->replay();
+}
+
+int64_t CapturedStep::kernel_nodes() const {
+  int64_t kernels = 0;
+  for (const auto& graph : impl_->graphs) {
+    cudaGraph_t raw = graph->raw_cuda_graph();
+    size_t count = 0;
+    C10_CUDA_CHECK(cudaGraphGetNodes(raw, nullptr, &count));
+    std::vector<cudaGraphNode_t> nodes(count);
+    C10_CUDA_CHECK(cudaGraphGetNodes(raw, nodes.data(), &count));
+    for (auto node : nodes) {
+      cudaGraphNodeType type;
+      C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+      kernels += type == cudaGraphNodeTypeKernel;
+    }
+  }
+  return kernels;
+}
+
+#else  // a LibTorch without CUDA: nothing can be captured
+
+bool cuda_graphs_available() { return false; }
+
+struct CapturedStep::Impl {};
+
+CapturedStep::CapturedStep(c10::Device device, std::optional<c10::Stream>) : device_(device) {
+  TORCH_CHECK(false, "CapturedStep: this build of hierpar has no CUDA, so no CUDA graphs");
+}
+CapturedStep::~CapturedStep() = default;
+void CapturedStep::warm_up(const std::function<void()>&) {}
+void CapturedStep::capture(const std::function<void()>&) {}
+void CapturedStep::split() {}
+bool CapturedStep::captured() const { return false; }
+int64_t CapturedStep::segments() const { return 0; }
+void CapturedStep::replay(int64_t) {}
+int64_t CapturedStep::kernel_nodes() const { return 0; }
+
+#endif
+
+}  // namespace hierpar::strategy

@@ -1,0 +1,75 @@
+// Pieces for running a whole training step as CUDA graphs, shared by AdversarialTrainer and the
+// benchmarks (bench/bench_dcgan_step.cpp):
+//  - AutocastScope: torch.autocast as a C++ scope;
+//  - CapturedStep: one step of work on one device captured as a sequence of CUDA graphs ("segments")
+//    that share one private memory pool and are replayed in capture order, with host work in between
+//    (e.g. gradient averaging that cannot be captured) -- the recipe of torch.cuda.graph: warm-up steps on
+//    a side stream, capture on that stream, replay on the current stream.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+
+namespace hierpar::strategy {
+
+// torch.autocast(device_type, dtype) as a scope: enables autocast for `device_type` with `dtype` and, on
+// leaving the outermost scope, drops the cached low-precision copies of the weights (they go stale once
+// the optimiser steps). A disengaged dtype (std::nullopt) makes the scope do nothing.
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType device_type, std::optional<c10::ScalarType> dtype);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  c10::DeviceType device_type_;
+  bool enabled_, was_enabled_ = false;
+  c10::ScalarType was_dtype_ = c10::kBFloat16;
+};
+
+// Whether this build and machine can capture CUDA graphs (a CUDA build with a visible GPU).
+bool cuda_graphs_available();
+
+class CapturedStep {
+ public:
+  // Work of `device` (a CUDA device); `side_stream` (a stream of that device) is where warm-up and
+  // capture run, default a stream from the pool. Throws on a build without CUDA.
+  explicit CapturedStep(c10::Device device, std::optional<c10::Stream> side_stream = std::nullopt);
+  ~CapturedStep();
+  CapturedStep(const CapturedStep&) = delete;
+  CapturedStep& operator=(const CapturedStep&) = delete;
+
+  // Runs `body` eagerly on the side stream, ordered after the current stream's work and before its
+  // later work (what a capture needs first: lazy initialisations, cuDNN's algorithm search, autograd's
+  // streams of the parameters' gradient accumulators).
+  void warm_up(const std::function<void()>& body);
+
+  // Captures `body` on the side stream without running it; every call of split() inside `body` ends a
+  // segment and begins the next. Capture mode is thread-local, so that other threads (other replicas,
+  // a data loader) may keep calling CUDA while this one captures. Replaces an earlier capture.
+  void capture(const std::function<void()>& body);
+  void split();
+
+  bool captured() const;
+  int64_t segments() const;
+  // Replays segment `i` on the current stream; segments must be replayed in order 0, 1, ... each step.
+  void replay(int64_t segment);
+  // Kernel nodes over all segments (cudaGraphGetNodes).
+  int64_t kernel_nodes() const;
+
+  c10::Device device() const { return device_; }
+
+ private:
+  struct Impl;
+  c10::Device device_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hierpar::strategy

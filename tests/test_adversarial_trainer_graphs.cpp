@@ -1,0 +1,277 @@
+// AdversarialTrainer's step machinery (issue 7): the device-side loss log read every N steps, the noise
+// drawn by the trainer, FusedAdam as its optimiser, channels_last, and CUDA-graph steps against eager
+// steps (same seed, K steps, same parameters and losses). CPU tests run everywhere; the graph tests need a
+// GPU and skip with a reason without one.
+//
+// Tolerances: FusedAdam vs torch::optim::Adam and channels_last vs contiguous change only the order of
+// floating-point operations; after K Adam steps (lr 1e-3) the parameters then differ by a few float32
+// rounding units, except in gradient elements that are sums of cancelling terms, where Adam's m/sqrt(v)
+// carries their larger relative error (see test_strategy.cpp's kSplitBatchTolerance): 1e-5 absolute (1%
+// of lr) admits that and is far below one step's movement. Graph replays run the very kernels of the eager
+// steps on the same data: with deterministic cuDNN algorithms they agree to the same tolerance (seen: bit
+// for bit), and bf16 autocast steps to bf16's tolerance.
+#include "testing.h"
+
+#include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/fused_adam.h"
+
+namespace hs = hierpar::strategy;
+using hierpar::testing::Tolerance;
+
+namespace {
+
+constexpr int64_t kNoise = 8;
+constexpr Tolerance kReorderTolerance{1e-5, 1e-5};
+
+// A tiny DCGAN-shaped pair: G noise [B, 8, 1, 1] -> [B, 3, 8, 8], D -> a logit per image, BatchNorm in both.
+struct PairNetImpl : torch::nn::Cloneable<PairNetImpl> {
+  explicit PairNetImpl(bool generator) : generator(generator) { reset(); }
+  void reset() override {
+    torch::nn::Sequential s;
+    if (generator) {
+      s->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(kNoise, 6, 4).bias(false)));
+      s->push_back(torch::nn::BatchNorm2d(6));
+      s->push_back(torch::nn::ReLU());
+      s->push_back(torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(6, 3, 4).stride(2).padding(1).bias(false)));
+      s->push_back(torch::nn::Tanh());
+    } else {
+      s->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 6, 4).stride(2).padding(1).bias(false)));
+      s->push_back(torch::nn::BatchNorm2d(6));
+      s->push_back(torch::nn::LeakyReLU(torch::nn::LeakyReLUOptions().negative_slope(0.2)));
+      s->push_back(torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 1, 4).bias(false)));
+    }
+    layers = register_module("layers", s);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = layers->forward(x);
+    return generator ? y : y.flatten();
+  }
+  bool generator;
+  torch::nn::Sequential layers{nullptr};
+};
+TORCH_MODULE(PairNet);
+
+hs::AdversarialOptions base_options() {
+  hs::AdversarialOptions options;
+  options.noise_shape = {kNoise, 1, 1};
+  options.generator_adam.lr = options.discriminator_adam.lr = 1e-3;
+  return options;
+}
+
+struct TrainedRun {
+  std::vector<torch::Tensor> state;  // G's then D's parameters and buffers, on the CPU
+  torch::Tensor losses;              // take_losses() over the whole run
+  std::vector<std::pair<double, double>> step_means;  // StepLosses::mean() of every step
+  int64_t graph_nodes = 0;
+};
+
+// `steps` steps from parameters seeded with `init_seed`, on batches `reals[k]`; the noise is drawn by the
+// trainer (from the generator seeded with `noise_seed`) unless `noises` is given.
+TrainedRun train(const hs::Placement& placement, hs::AdversarialOptions options, const std::vector<torch::Tensor>& reals,
+          uint64_t init_seed, uint64_t noise_seed, const std::vector<torch::Tensor>& noises = {}) {
+  torch::manual_seed(init_seed);
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  torch::manual_seed(noise_seed);
+  if (torch::cuda::is_available()) torch::cuda::manual_seed_all(noise_seed);
+  TrainedRun run;
+  for (size_t k = 0; k < reals.size(); ++k) {
+    auto losses = noises.empty() ? trainer.step(reals[k]) : trainer.step(reals[k], noises[k]);
+    run.step_means.push_back(losses.mean());
+  }
+  run.losses = trainer.take_losses();
+  for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
+    for (const auto& p : module->parameters()) run.state.push_back(p.detach().cpu().contiguous().clone());
+    for (const auto& b : module->buffers()) run.state.push_back(b.detach().cpu().clone());
+  }
+  run.graph_nodes = trainer.graph_kernel_nodes();
+  return run;
+}
+
+std::vector<torch::Tensor> batches(int64_t steps, int64_t batch, const torch::Device& device) {
+  std::vector<torch::Tensor> out;
+  for (int64_t k = 0; k < steps; ++k) out.push_back(hierpar::testing::random_tensor({batch, 3, 8, 8}, torch::TensorOptions().dtype(torch::kFloat).device(device)));
+  return out;
+}
+
+void expect_same_run(const TrainedRun& actual, const TrainedRun& expected, Tolerance tol, const std::string& what) {
+  ASSERT_EQ(actual.state.size(), expected.state.size()) << what;
+  for (size_t i = 0; i < actual.state.size(); ++i)
+    hierpar::testing::expect_close(actual.state[i], expected.state[i], tol, what + ": state tensor " + std::to_string(i));
+  hierpar::testing::expect_close(actual.losses, expected.losses, tol, what + ": loss log");
+}
+
+// The run must have trained: a comparison of untouched parameters would pass for anything.
+void expect_moved(const TrainedRun& run, uint64_t init_seed) {
+  torch::manual_seed(init_seed);
+  PairNet g(true), d(false);
+  std::vector<torch::Tensor> initial;
+  for (auto* module : {static_cast<torch::nn::Module*>(g.get()), static_cast<torch::nn::Module*>(d.get())})
+    for (const auto& p : module->parameters()) initial.push_back(p.detach());
+  for (size_t i = 0; i < initial.size(); ++i)
+    EXPECT_FALSE(torch::equal(run.state[i], initial[i])) << "parameter " << i << " did not move";
+}
+
+hs::Placement cpu_placement(const char* scheme, int64_t devices) {
+  return hs::Placement::from_flags(scheme, devices, "host", c10::DeviceType::CPU, {});
+}
+
+}  // namespace
+
+// ---- CPU ----------------------------------------------------------------------------------------------
+
+// The loss log holds every step's (D real, D fake, G) losses; step() drains it itself when it is full.
+TEST(AdversarialTrainerSteps, LossLogKeepsEveryStep) {
+  auto options = base_options();
+  options.loss_log_steps = hierpar::testing::rand_int(1, 3);
+  const int64_t steps = 7;
+  const auto reals = batches(steps, 4, torch::kCPU);
+  torch::manual_seed(3);
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1), options);
+  std::vector<torch::Tensor> expected;
+  for (int64_t k = 0; k < steps; ++k) {
+    auto l = trainer.step(reals[k]);
+    expected.push_back(torch::stack({l.discriminator_real[0], l.discriminator_fake[0], l.generator[0]}).clone());
+    hierpar::testing::expect_close(l.discriminator[0], l.discriminator_real[0] + l.discriminator_fake[0], "D loss = real + fake");
+    if (k == 2) {
+      hierpar::testing::expect_close(trainer.take_losses(), torch::stack(expected), Tolerance{0, 0}, "first 3 steps");
+      expected.clear();
+    }
+  }
+  hierpar::testing::expect_close(trainer.take_losses(), torch::stack(expected), Tolerance{0, 0},
+                                 "steps 4-7 with a log of " + std::to_string(options.loss_log_steps));
+  EXPECT_EQ(trainer.take_losses().size(0), 0) << "nothing pending after a take";
+}
+
+// The trainer's own noise is the global batch's draw split over the replicas: the same as giving it.
+TEST(AdversarialTrainerSteps, DrawnNoiseEqualsGivenNoise) {
+  const int64_t steps = 3, batch = 4;
+  const auto reals = batches(steps, batch, torch::kCPU);
+  const uint64_t noise_seed = hierpar::testing::rng()();
+  torch::manual_seed(noise_seed);
+  std::vector<torch::Tensor> noises;
+  for (int64_t k = 0; k < steps; ++k) noises.push_back(torch::randn({batch, kNoise, 1, 1}));
+  for (const auto& [scheme, devices] : {std::pair{"single", 1}, std::pair{"data", 2}}) {
+    const auto placement = cpu_placement(scheme, devices);
+    // Noise drawn first in each step by the trainer; the given noise was drawn up front with the same seed.
+    const TrainedRun drawn = train(placement, base_options(), reals, 11, noise_seed);
+    const TrainedRun given = train(placement, base_options(), reals, 11, noise_seed + 1, noises);
+    expect_same_run(drawn, given, Tolerance{0, 0}, std::string(scheme) + ": drawn vs given noise");
+  }
+}
+
+TEST(AdversarialTrainerSteps, FusedAdamMatchesTorchAdam) {
+  const auto reals = batches(4, 6, torch::kCPU);
+  auto fused = base_options();
+  fused.fused_adam = true;
+  const TrainedRun a = train(cpu_placement("single", 1), fused, reals, 5, 9);
+  const TrainedRun b = train(cpu_placement("single", 1), base_options(), reals, 5, 9);
+  expect_moved(a, 5);
+  expect_same_run(a, b, kReorderTolerance, "FusedAdam vs torch::optim::Adam");
+}
+
+TEST(AdversarialTrainerSteps, ChannelsLastMatchesContiguous) {
+  const auto reals = batches(3, 6, torch::kCPU);
+  auto channels_last = base_options();
+  channels_last.channels_last = true;
+  channels_last.fused_adam = true;
+  auto contiguous = base_options();
+  contiguous.fused_adam = true;
+  const TrainedRun a = train(cpu_placement("single", 1), channels_last, reals, 8, 2);
+  const TrainedRun b = train(cpu_placement("single", 1), contiguous, reals, 8, 2);
+  expect_moved(a, 8);
+  expect_same_run(a, b, kReorderTolerance, "channels_last vs contiguous");
+}
+
+TEST(AdversarialTrainerSteps, RejectsBadOptions) {
+  auto make = [](const hs::AdversarialOptions& options, const hs::Placement& placement) {
+    PairNet g(true), d(false);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  };
+  auto options = base_options();
+  options.cuda_graphs = true;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "cuda_graphs needs fused_adam");
+  options.fused_adam = true;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "cuda_graphs needs CUDA devices, got G cpu");
+  options = base_options();
+  options.loss_log_steps = 0;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "loss_log_steps must be at least 1, got 0");
+}
+
+// ---- CUDA graphs ----------------------------------------------------------------------------------------
+
+namespace {
+void deterministic_cudnn() {
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+  at::globalContext().setAllowTF32CuBLAS(false);
+}
+}  // namespace
+
+// K steps as graphs (2 eager warm-up steps, a capture, replays) equal K eager steps: parameters, BatchNorm
+// statistics and every step's losses; in fp32 and in bf16 autocast with channels_last.
+TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
+  HIERPAR_REQUIRE_CUDA();
+  deterministic_cudnn();
+  const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
+  const auto reals = batches(9, 16, torch::kCUDA);
+  const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
+  for (bool bf16 : {false, true}) {
+    auto eager = base_options();
+    eager.fused_adam = true;
+    eager.loss_log_steps = 4;
+    if (bf16) {
+      eager.autocast_dtype = torch::kBFloat16;
+      eager.channels_last = true;
+    }
+    auto graphs = eager;
+    graphs.cuda_graphs = true;
+    graphs.graph_warmup_steps = 2;
+    const TrainedRun a = train(placement, graphs, reals, init, noise);
+    const TrainedRun b = train(placement, eager, reals, init, noise);
+    const std::string what = bf16 ? "bf16 + channels_last: graphs vs eager" : "fp32: graphs vs eager";
+    EXPECT_GT(a.graph_nodes, 10) << what << ": the step was captured";
+    EXPECT_EQ(b.graph_nodes, 0);
+    expect_moved(a, init);
+    ASSERT_EQ(a.losses.size(0), 9) << what;
+    expect_same_run(a, b, bf16 ? hierpar::testing::tolerance_for(torch::kBFloat16) : kReorderTolerance, what);
+    for (size_t k = 0; k < a.step_means.size(); ++k) {
+      EXPECT_NEAR(a.step_means[k].first, b.step_means[k].first, 1e-4) << what << " step " << k;
+      EXPECT_NEAR(a.step_means[k].second, b.step_means[k].second, 1e-4) << what << " step " << k;
+    }
+  }
+}
+
+// Data parallelism over 2 GPUs with host averaging: three graphs per replica with the averaging between.
+TEST(AdversarialTrainerGraphs, DataParallelHostAveragingGraphsEqualEager) {
+  HIERPAR_REQUIRE_CUDA();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  deterministic_cudnn();
+  const auto placement = hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {});
+  const auto reals = batches(6, 16, torch::kCUDA);
+  auto eager = base_options();
+  eager.fused_adam = true;
+  auto graphs = eager;
+  graphs.cuda_graphs = true;
+  graphs.graph_warmup_steps = 2;
+  const TrainedRun a = train(placement, graphs, reals, 4, 6);
+  const TrainedRun b = train(placement, eager, reals, 4, 6);
+  EXPECT_GT(a.graph_nodes, 10);
+  expect_same_run(a, b, kReorderTolerance, "data x2, host averaging: graphs vs eager");
+}
+
+// Placements whose step spans two devices fall back to eager steps and say why.
+TEST(AdversarialTrainerGraphs, TaskPlacementFallsBackToEager) {
+  HIERPAR_REQUIRE_CUDA();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  auto options = base_options();
+  options.fused_adam = options.cuda_graphs = true;
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
+                                 hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CUDA, {}), options);
+  EXPECT_FALSE(trainer.graphs());
+  EXPECT_NE(trainer.graph_fallback().find("CUDA graphs off: a task step runs one backward across"), std::string::npos)
+      << trainer.graph_fallback();
+}
