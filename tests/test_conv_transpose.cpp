@@ -16,7 +16,9 @@
 #include "hierpar/nn/conv_transpose.h"
 #include "hierpar/ops.h"
 
+#include <array>
 #include <sstream>
+#include <tuple>
 
 namespace {
 
@@ -141,6 +143,25 @@ void compare(const Results& got, const Results& ref, double rel, const std::stri
   expect_close(got.grad_input, ref.grad_input, scaled(rel, ref.grad_input), what + " grad_input");
   expect_close(got.grad_weight, ref.grad_weight, scaled(rel, ref.grad_weight), what + " grad_weight");
   if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
+}
+
+// hierpar's forward + backward of `c` on CUDA in `dtype` against ATen's in float64; a channels_last input keeps
+// its layout through output and grad_input. Returns hierpar's results.
+Results check_cuda_case(const Case& c, const Tensors& t, torch::Dtype dtype, const std::string& what) {
+  const auto got = run(c, t, /*aten=*/false);
+  compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
+  if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
+    EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
+    EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
+  }
+  return got;
+}
+
+// The backward asked for the gradients in `mask` only (grad_input, grad_weight, grad_bias).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward_only(const Case& c, const Tensors& t,
+                                                                      std::array<bool, 3> mask) {
+  return hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
+                                                 c.output_padding, c.groups, c.dilation, mask);
 }
 
 void check_random_cases(const torch::Device& device, int trials) {
@@ -378,16 +399,9 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
       const std::string what = std::string("CUDA k4s2p1 ") + c10::toString(dtype) + " " + c.describe();
-      const auto got = run(c, t, /*aten=*/false);
-      compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
-      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
-        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
-        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
-      }
+      const auto got = check_cuda_case(c, t, dtype, what);
       // Each gradient alone (the backward computes only what is asked for).
-      const auto only_weight = hierpar::ops::conv_transpose2d_backward(
-          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
-          {false, true, false});
+      const auto only_weight = backward_only(c, t, {false, true, false});
       EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
       // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
       expect_close(std::get<1>(only_weight), got.grad_weight, scaled(rel_tolerance(dtype, true), got.grad_weight),
@@ -402,8 +416,8 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   // ops/cuda/conv_transpose_small_cout.cu for fp32, bf16 and fp16 (float64 goes the general path), bias or not.
   // Random C_in across the 16-channel forward chunks and the 64-channel grad_input chunks (1..150), sizes across
   // the 32 x 8 forward tile (odd, 1..40, non-square), batch 1 and odd, every input layout (strided views are read
-  // in place), both weight layouts, unbatched inputs; grad_weight's block partials are summed by a second kernel.
-  // C_in * C_out > 1024 takes the general path.
+  // in place), both weight layouts, unbatched inputs; grad_weight goes the general path (column buffer + GEMM).
+  // C_in * C_out > 1024 takes the general path for every pass.
   std::vector<Case> cases;
   for (int trial = 0; trial < 12; ++trial) {
     const int64_t cout = rand_int(1, 4);
@@ -420,19 +434,11 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
       const std::string what = std::string("CUDA k4s2p1 small C_out ") + c10::toString(dtype) + " " + c.describe();
-      const auto got = run(c, t, /*aten=*/false);
-      compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
-      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
-        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
-        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
-      }
-      // Each gradient alone; the block partials are added in a fixed order, so grad_weight is bitwise repeatable.
-      const auto only_weight = hierpar::ops::conv_transpose2d_backward(
-          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
-          {false, true, false});
-      const auto only_input = hierpar::ops::conv_transpose2d_backward(
-          t.grad_output, t.input, t.weight, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
-          {true, false, false});
+      const auto got = check_cuda_case(c, t, dtype, what);
+      // Each gradient alone, bitwise equal to the joint call: grad_input's kernel has no atomics, and grad_weight
+      // is the same deterministic GEMM whichever gradients are asked for.
+      const auto only_weight = backward_only(c, t, {false, true, false});
+      const auto only_input = backward_only(c, t, {true, false, false});
       EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
       EXPECT_FALSE(std::get<1>(only_input).defined()) << what;
       EXPECT_TRUE(torch::equal(std::get<1>(only_weight), got.grad_weight)) << what << ": grad_weight alone";
