@@ -66,6 +66,19 @@ class Report {
 struct Options {
   bool quick = false;  // fewer repeats and shapes, for a smoke run
   std::string out_prefix;  // "<out>/<gpu>-<suite>": a suite may write files beside its JSON (e.g. <prefix>.png)
+  std::vector<int64_t> batches;  // --batches: suites timing a training step run only these batch sizes (empty: theirs)
+
+  // The batch sizes a step suite runs: its own list, narrowed to --batches when given.
+  std::vector<int64_t> pick_batches(const std::vector<int64_t>& own) const {
+    if (batches.empty()) return own;
+    std::vector<int64_t> picked;
+    for (int64_t b : own) {
+      for (int64_t wanted : batches) {
+        if (b == wanted) picked.push_back(b);
+      }
+    }
+    return picked;
+  }
 };
 
 using Suite = std::function<void(Report&, const Options&)>;

@@ -425,8 +425,8 @@ void dcgan_step_suite(Report& report, const Options& options) {
   const char* profile_path = std::getenv("HIERPAR_STEP_PROFILE");
   std::unique_ptr<std::ofstream> profile_out;
   if (profile_path) profile_out = std::make_unique<std::ofstream>(profile_path);
-  const std::vector<int64_t> batches = options.quick ? std::vector<int64_t>{64, 1024}
-                                                     : std::vector<int64_t>{64, 256, 1024, 4096};
+  const std::vector<int64_t> batches = options.pick_batches(options.quick ? std::vector<int64_t>{64, 1024}
+                                                                         : std::vector<int64_t>{64, 256, 1024, 4096});
   std::vector<Row> rows;
   warm_side_stream();
   for (int64_t batch : batches) {

@@ -119,6 +119,13 @@ void strategy_suite(Report& report, const Options& options) {
   };
   std::vector<Case> cases = {{64, {false}}, {1024, {false}}, {4096, {false}}, {4096, {true}}};
   if (options.quick) cases = {{64, {false}}, {1024, {false}}};
+  if (!options.batches.empty()) {  // --batches narrows the cases to those global batches
+    std::vector<Case> picked;
+    for (const Case& c : cases) {
+      if (!options.pick_batches({c.batch}).empty()) picked.push_back(c);
+    }
+    cases = picked;
+  }
   const int runs = options.quick ? 3 : 5;
   hs::AdversarialOptions trainer_options;  // DCGAN's Adam (2e-4, beta1 0.5), BCE with logits
 

@@ -1,6 +1,6 @@
 // hierpar-bench: runs benchmark suites on the GPU, prints a table per suite and writes
 // <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
-//   hierpar-bench [all | SUITE...] [--quick] [--out DIR] [--list]
+//   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--out DIR] [--list]
 #include "bench.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -13,8 +13,10 @@
 #include <algorithm>
 #include <cctype>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -39,7 +41,7 @@ void print_stack_and_reraise(int signal) {
 }
 
 int usage(const std::string& error) {
-  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--out DIR] [--list]\n";
+  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--out DIR] [--list]\n";
   return 2;
 }
 
@@ -57,6 +59,16 @@ int main(int argc, char** argv) {
     std::string arg = argv[i];
     if (arg == "--quick") {
       options.quick = true;
+    } else if (arg == "--batches") {
+      if (++i == argc) return usage("--batches needs a list of batch sizes, e.g. 4096 or 64,1024");
+      std::stringstream list(argv[i]);
+      std::string item;
+      while (std::getline(list, item, ',')) {
+        char* end = nullptr;
+        const long long batch = std::strtoll(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || batch < 1) return usage("--batches: '" + item + "' is not a batch size");
+        options.batches.push_back(batch);
+      }
     } else if (arg == "--out") {
       if (++i == argc) return usage("--out needs a directory");
       out_dir = argv[i];
