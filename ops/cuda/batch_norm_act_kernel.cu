@@ -496,10 +496,6 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
 
   // xhat coefficients and gamma of this thread's channels.
   acc_t gamma[K], mp[K], mn[kHasX ? 1 : K], b0[K];  // with the input, mn = mp
-  auto xhat_coef = [&](bool pos, int k) {
-    if constexpr (kHasX) return mp[k];
-    else return pos ? mp[k] : mn[k];
-  };
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t ch = active ? channel(k) : 0;
@@ -514,6 +510,10 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       b0[k] = active && a.bias ? -a.bias[ch] * mp[k] : acc_t(0);
     }
   }
+  auto xhat_coef = [&](bool pos, int k) {
+    if constexpr (kHasX) return mp[k];
+    else return pos ? mp[k] : mn[k];
+  };
   struct LoadedX {
     VecT dy, out, x;
   };
@@ -620,10 +620,6 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   // grad_input = k * (dy' - mean(dy') - xhat * mean(dy' xhat)) with k = gamma * invstd (training; eval
   // keeps k * dy'), i.e. k * dy' + src * (out > 0 ? cp : cn) + c0.
   acc_t kk[K], cp[K], cn[kHasX ? 1 : K], c0[K];
-  auto src_coef = [&](bool pos, int k) {
-    if constexpr (kHasX) return cp[k];
-    else return pos ? cp[k] : cn[k];
-  };
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     kk[k] = gamma[k] * a.save_invstd[channel(k)];
@@ -636,6 +632,10 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     if constexpr (!kHasX) cn[k] = -cm * mn[k];
     c0[k] = -cm * b0[k] - kk[k] * mean_dy;
   }
+  auto src_coef = [&](bool pos, int k) {
+    if constexpr (kHasX) return cp[k];
+    else return pos ? cp[k] : cn[k];
+  };
   for_rows_reversed(
       r0, r1, by,
       [&](int64_t r) {
