@@ -55,7 +55,7 @@ struct AdversarialTrainer::Replica {
   std::unique_ptr<CapturedStep> graph;
   torch::Tensor static_real, static_noise;
   bool noise_given = false;
-  // --- synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
+  // Synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
   std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;
   int64_t warmup_done = 0;
 };
@@ -293,7 +293,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
-    // --- bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp)
+    // Bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp).
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
       averager_->attach(i, Network::generator, r.generator_parameters);
@@ -308,7 +308,6 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
                         "forward and backward passes, which this trainer does not capture; steps run eagerly";
     }
-    // ---
   }
 }
 
