@@ -140,6 +140,13 @@ void strategy_suite(Report& report, const Options& options) {
                                 (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name();
+      const auto skipped_by_flag = std::find_if(options.skip.begin(), options.skip.end(), [&](const std::string& text) {
+        return label.find(text) != std::string::npos;
+      });
+      if (skipped_by_flag != options.skip.end()) {
+        skipped.push_back(label + ": --skip '" + *skipped_by_flag + "'");
+        continue;
+      }
       if (row.gpus > visible) {
         skipped.push_back(label + ": needs " + std::to_string(row.gpus) + " GPUs, " + std::to_string(visible) +
                           " present");

@@ -1,6 +1,6 @@
 // hierpar-bench: runs benchmark suites on the GPU, prints a table per suite and writes
 // <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
-//   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--out DIR] [--list]
+//   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]
 #include "bench.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -41,7 +41,7 @@ void print_stack_and_reraise(int signal) {
 }
 
 int usage(const std::string& error) {
-  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--out DIR] [--list]\n";
+  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n";
   return 2;
 }
 
@@ -69,6 +69,9 @@ int main(int argc, char** argv) {
         if (item.empty() || *end != '\0' || batch < 1) return usage("--batches: '" + item + "' is not a batch size");
         options.batches.push_back(batch);
       }
+    } else if (arg == "--skip") {
+      if (++i == argc) return usage("--skip needs the text of the row labels to leave out, e.g. 'sync BN'");
+      options.skip.push_back(argv[i]);
     } else if (arg == "--out") {
       if (++i == argc) return usage("--out needs a directory");
       out_dir = argv[i];

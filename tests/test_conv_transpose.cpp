@@ -412,16 +412,20 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
 
 TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
-  // Kernel 4, stride 2, padding 1, groups 1, C_out <= 4 (DCGAN's RGB / grayscale layer): the CUDA-core kernels of
-  // ops/cuda/conv_transpose_small_cout.cu for fp32, bf16 and fp16 (float64 goes the general path), bias or not.
-  // Random C_in across the 16-channel forward chunks and the 64-channel grad_input chunks (1..150), sizes across
-  // the 32 x 8 forward tile (odd, 1..40, non-square), batch 1 and odd, every input layout (strided views are read
-  // in place), both weight layouts, unbatched inputs; grad_weight goes the general path (column buffer + GEMM).
-  // C_in * C_out > 1024 takes the general path for every pass.
+  // Kernel 4, stride 2, padding 1, groups 1, C_out <= 4 (DCGAN's RGB / grayscale layer): the kernels of
+  // ops/cuda/conv_transpose_small_cout.cu, bias or not; float64 and C_in * C_out > 1024 take the general path.
+  //  - bf16 / fp16 with C_in % 16 == 0 take the tensor-core kernels (forward and grad_weight only for a channels_last
+  //    input): half the random cases draw such a C_in, across the 32-channel chunks of the grad kernels (48, 80);
+  //    sizes across the 32 x 8 position tile (odd, 1..40, non-square); a batch large enough (140 images of 4 tiles
+  //    against at most 4 blocks per SM) that grad_weight's blocks loop over several tiles.
+  //  - fp32 and the other channel counts take the CUDA-core kernels (C_in 1..150 across their 16-channel forward and
+  //    64-channel grad_input chunks), every input layout (strided views are read in place); their grad_weight goes
+  //    the general path (column buffer + GEMM).
+  // Batch 1 and odd, both weight layouts, unbatched inputs.
   std::vector<Case> cases;
-  for (int trial = 0; trial < 12; ++trial) {
+  for (int trial = 0; trial < 14; ++trial) {
     const int64_t cout = rand_int(1, 4);
-    const int64_t cin = trial == 0 ? 1 : rand_int(1, 150);
+    const int64_t cin = trial == 0 ? 1 : trial % 2 == 0 ? 16 * rand_int(1, 5) : rand_int(1, 150);
     const int64_t batch = trial == 1 ? 1 : rand_int(1, 5);
     cases.push_back(Case{batch, cin, cout, rand_int(1, 40), rand_int(1, 40), 1, {4, 4}, {2, 2}, {1, 1}, {0, 0},
                          {1, 1}, coin(), static_cast<Layout>(rand_int(0, 2)), coin(), rand_int(0, 5) == 0});
@@ -429,14 +433,17 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   for (auto layout : {Layout::contiguous, Layout::channels_last}) {
     cases.push_back(Case{9, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, coin(), false});
     cases.push_back(Case{2, 300, 4, 5, 3, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, layout, coin(), false});
+    cases.push_back(Case{3, 48, 2, 9, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, layout, coin(), false});
   }
+  cases.push_back(Case{140, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
+                       false, false});
   for (const Case& c : cases) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
       const std::string what = std::string("CUDA k4s2p1 small C_out ") + c10::toString(dtype) + " " + c.describe();
       const auto got = check_cuda_case(c, t, dtype, what);
-      // Each gradient alone, bitwise equal to the joint call: grad_input's kernel has no atomics, and grad_weight
-      // is the same deterministic GEMM whichever gradients are asked for.
+      // Each gradient alone, bitwise equal to the joint call: no kernel of this path uses atomics (grad_weight's
+      // block sums are added in a fixed order), and the general path's GEMM is deterministic.
       const auto only_weight = backward_only(c, t, {false, true, false});
       const auto only_input = backward_only(c, t, {true, false, false});
       EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;

@@ -20,15 +20,20 @@
 // straight in the caller's layout by the epilogue (NCHW or NHWC), so there is no conversion on the way out.
 // Grids too small to fill the GPU split K and accumulate in an fp32 workspace (then one copy to the output).
 //
-// Tiles: 128 x BN x (32 16-bit | 16 fp32 elements), BN in {128, 64, 32, 16} chosen from the GEMM's N, 8 warps
-// (warp tiles 64x32 at BN = 128). Mainloop: a 4-stage cp.async pipeline in dynamic shared memory (16-byte
-// copies, zero-filled at the borders through a source size of 0), fragments read with ldmatrix (.trans for the
-// N- or M-contiguous operands) and multiplied with mma.sync (bf16/fp16 m16n8k16, TF32 m16n8k8; fp32
-// accumulation). Rows are padded so ldmatrix and the fp32 scalar fragment loads are free of bank conflicts.
-// Channel counts that allow no 16-byte copy (not a multiple of 8 for 16-bit, 4 for fp32) are loaded with
-// scalar loads into the same stages (synchronously), so any channel count is handled.
+// Tiles: 128 x BN x (64 16-bit | 32 fp32 elements: 128 bytes of K), BN in {128, 64, 32, 16} chosen from the
+// GEMM's N, 8 warps (warp tiles 64x32 at BN = 128). Mainloop: a 3-stage cp.async pipeline in dynamic shared
+// memory (105 KB at most: two CTAs per SM; 16-byte copies, zero-filled at the borders through a source size of
+// 0), fragments read with ldmatrix (.trans for the N- or M-contiguous operands) and multiplied with mma.sync
+// (bf16/fp16 m16n8k16, TF32 m16n8k8; fp32 accumulation). Rows are padded so ldmatrix and the fp32 scalar
+// fragment loads are free of bank conflicts. The gather addresses are set up once per CTA (per M row: source
+// offset and a bit mask of the taps inside the image) and stepped per K-tile, with no integer division in the
+// mainloop (Nsight Compute on the earlier per-copy divisions: 10.7 issued instructions per MMA, the XU pipe at
+// 14-25% and the tensor pipe at 11-27%). Channel counts that allow no 16-byte copy (not a multiple of 8 for
+// 16-bit, 4 for fp32) are loaded with scalar loads into the same stages (synchronously), so any channel count
+// is handled.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/mma.cuh"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -46,13 +51,13 @@ namespace hierpar::detail {
 namespace {
 
 constexpr int kThreads = 256;  // 8 warps
-constexpr int kStages = 4;
+constexpr int kStages = 3;
 
 template <typename scalar_t, int BN_, bool kWgrad>
 struct Tile {
   static constexpr int ESZ = int(sizeof(scalar_t));
   static constexpr int BM = 128, BN = BN_;
-  static constexpr int BK = 64 / ESZ;   // 64 bytes of K per tile row
+  static constexpr int BK = 128 / ESZ;  // 128 bytes of K per tile row (64 16-bit / 32 fp32 elements)
   static constexpr int VEC = 16 / ESZ;  // elements per 16-byte copy
   static constexpr int KSTEP = ESZ == 4 ? 8 : 16;  // the MMA's K
   static constexpr int WN = BN >= 128 ? 4 : (BN >= 32 ? 2 : 1);
@@ -60,16 +65,16 @@ struct Tile {
   static constexpr int WARP_M = BM / WM, WARP_N = BN / WN;
   static constexpr int MI = WARP_M / 16, NI = WARP_N / 8;
   // A in smem: [BM][BK] (K-contiguous) for the convolutions, [BK][BM] (M-contiguous) for grad_weight, whose A
-  // is contiguous along M (the output channels of one tap). Padding: K-contiguous rows are 80 bytes apart (an
-  // odd multiple of 16: the 8 rows of an ldmatrix hit all 32 banks); M/N-contiguous rows get 8 elements, an
-  // odd multiple of 16 bytes for 16-bit (ldmatrix.trans) and 8 words mod 32 for fp32 (scalar fragment
-  // loads by (k = lane % 4, n = lane / 4)).
+  // is contiguous along M (the output channels of one tap). Padding: K-contiguous rows are 144 bytes apart (an
+  // odd multiple of 16: the 8 rows of an ldmatrix hit all 32 banks, and 8 lanes' 16-byte cp.async of one row
+  // fill 32 distinct banks); M/N-contiguous rows get 8 elements, an odd multiple of 16 bytes for 16-bit
+  // (ldmatrix.trans) and 8 words mod 32 for fp32 (scalar fragment loads by (k = lane % 4, n = lane / 4)).
   static constexpr int LDA = kWgrad ? BM + 8 : BK + VEC;
   static constexpr int A_ELEMS = kWgrad ? BK * LDA : BM * LDA;
   static constexpr int LDB = BN + 8;
   static constexpr int B_ELEMS = BK * LDB;
   static constexpr int STAGE_BYTES = (A_ELEMS + B_ELEMS) * ESZ;
-  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES;
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES;  // <= 105 KB: two CTAs per SM
   static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WM * WARP_M == BM && WN * WARP_N == BN, "warp tiling");
   static_assert((A_ELEMS * ESZ) % 16 == 0 && STAGE_BYTES % 16 == 0, "16-byte aligned stages");
 };
@@ -86,7 +91,8 @@ struct GemmArgs {
   int64_t act_sN, act_sH, act_sW;
   int act_H, act_W, act_C;
   int rows_H, rows_W;
-  int taps_w, src_scale, src_off, src_dir;
+  int taps_w, taps_shift, ntaps;  // taps per kernel row (a power of two: 2 or 4), its log2, taps in all
+  int src_scale, src_off, src_dir;
   const void* b;  // row-major [K, N] (per phase for the forward), leading dimension N
   int64_t b_phase_stride;
   void* c;  // scalar_t, or float when c_atomic
@@ -99,60 +105,20 @@ struct GemmArgs {
 template <typename scalar_t>
 using bits_t = std::conditional_t<sizeof(scalar_t) == 2, uint16_t, uint32_t>;
 
-__device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+using mma::cp_async16;
+using mma::cp_async_commit;
+using mma::cp_async_wait;
+using mma::ldmatrix_x4;
+using mma::ldmatrix_x4_trans;
+using mma::smem_addr;
+using mma::to_tf32;
 
-// 16-byte global -> shared copy; with `pred` false nothing is read and the 16 bytes are zero-filled.
-__device__ inline void cp_async16(void* dst, const void* src, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(pred ? 16 : 0));
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ inline uint32_t to_tf32(uint32_t bits) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(bits)));
-  return r;
-}
-
-// d += a * b on one 16 x 8 tile (K = 16 for 16-bit, 8 for TF32).
-template <typename scalar_t>
-__device__ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else if constexpr (std::is_same_v<scalar_t, at::Half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-template <typename scalar_t, int BN, bool kWgrad>
-__global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmArgs a) {
+// kVec: a.a_vec and a.b_vec hold, so the kernel has only the 16-byte-copy paths (no scalar fallback code in
+// the mainloop: fewer instructions, no branches, a smaller instruction footprint).
+// Two CTAs per SM (128 registers); three for BN <= 32 (70 KB of shared memory, <= 80 registers), which have
+// short K loops (64->32 forward: K = 256) and gain from a third CTA covering the pipeline fill and epilogue.
+template <typename scalar_t, int BN, bool kWgrad, bool kVec>
+__global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kernel(const GemmArgs a) {
   using T = Tile<scalar_t, BN, kWgrad>;
   using bits = bits_t<scalar_t>;
   constexpr int BM = T::BM, BK = T::BK, VEC = T::VEC, ESZ = T::ESZ;
@@ -172,134 +138,171 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
   const bits* bmat = static_cast<const bits*>(a.b) + phase * a.b_phase_stride;
   const int rows_hw = a.rows_H * a.rows_W;
 
-  // ---- A: per-thread fixed part of the gather ------------------------------------------------------------
+  // ---- A: the gather, with its addresses kept incrementally (no integer division per K-tile) ---------------
+  // load_a is called for K-tiles kt_begin, kt_begin + 1, ... in this order (the pipeline's order), so each
+  // thread carries where its next copies come from and steps it by BK.
   constexpr int A_VPR = kWgrad ? BM / VEC : BK / VEC;  // 16-byte vectors per smem row
   constexpr int A_ROWS_PER_PASS = kThreads / A_VPR;
   constexpr int A_ITERS = (kWgrad ? BK : BM) / A_ROWS_PER_PASS;
   static_assert(A_ITERS * A_ROWS_PER_PASS == (kWgrad ? BK : BM), "A tile mapping");
   const int a_v = tid % A_VPR, a_r = tid / A_VPR;
-  // Convolutions: the M row of each load (fixed over K): its batch offset and its unshifted source pixel.
-  int64_t a_base[kWgrad ? 1 : A_ITERS];
-  int a_y[kWgrad ? 1 : A_ITERS], a_x[kWgrad ? 1 : A_ITERS];
-  // grad_weight: the M column (tap, channel) of this thread's vector, fixed over K.
+  const int sH = int(a.act_sH), sW = int(a.act_sW);  // 32-bit element offsets (k4s2p1_fast_path_applies)
+  auto in_src = [&](int y, int x) { return y >= 0 && y < a.act_H && x >= 0 && x < a.act_W; };
+  auto a_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES); };
+  auto b_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES + T::A_ELEMS * ESZ); };
+
+  // Convolutions: per M row of this thread, the offset of its unshifted source pixel and a bit per tap that is
+  // inside the source (rows past M: no bit, so they read zeros); this thread's K position as (tap, channel).
+  int row_off[kWgrad ? 1 : A_ITERS];
+  uint32_t row_taps[kWgrad ? 1 : A_ITERS];
+  int k_tap = 0, k_chan = 0;
+  // grad_weight: the M column (tap, channel) of this thread's vector, fixed over K; per K row (input pixel) of
+  // this thread, the pixel's batch offset and coordinates, stepped by BK pixels per K-tile.
   int w_ty = 0, w_tx = 0, w_c = 0;
   bool w_valid = false;
+  int pix_nb[kWgrad ? A_ITERS : 1], pix_y[kWgrad ? A_ITERS : 1], pix_x[kWgrad ? A_ITERS : 1];
+  int step_x = 0, step_y = 0, step_nb = 0;
   if constexpr (!kWgrad) {
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
       const int m = m0 + a_r + i * A_ROWS_PER_PASS;
-      a_base[i] = 0;
-      a_y[i] = INT_MIN / 4;  // never inside the source: rows past M read zeros
-      a_x[i] = INT_MIN / 4;
+      row_off[i] = 0;
+      row_taps[i] = 0;
       if (m < a.M) {
         const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
-        a_base[i] = n * a.act_sN;
-        a_y[i] = a.src_scale * my + a.src_off + py;
-        a_x[i] = a.src_scale * mx + a.src_off + px;
+        const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
+        row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
+        for (int t = 0; t < a.ntaps; ++t) {
+          const int ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
+          if (in_src(y0 + a.src_dir * ty, x0 + a.src_dir * tx)) row_taps[i] |= 1u << t;
+        }
       }
     }
+    const int k0 = kt_begin * BK + a_v * VEC;
+    k_tap = k0 / a.act_C;
+    k_chan = k0 - k_tap * a.act_C;
   } else {
     const int m = m0 + a_v * VEC;
     w_valid = m < a.M;
     const int t = m / a.act_C;
     w_c = m - t * a.act_C;
-    w_ty = t / a.taps_w;
-    w_tx = t - w_ty * a.taps_w;
+    w_ty = t >> a.taps_shift;
+    w_tx = t & (a.taps_w - 1);
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const int p = kt_begin * BK + a_r + i * A_ROWS_PER_PASS;
+      const int n = p / rows_hw, rem = p - n * rows_hw;
+      pix_nb[i] = n * int(a.act_sN);
+      pix_y[i] = rem / a.rows_W;
+      pix_x[i] = rem - pix_y[i] * a.rows_W;
+    }
+    step_x = BK % a.rows_W;
+    step_y = (BK / a.rows_W) % a.rows_H;
+    step_nb = (BK / rows_hw) * int(a.act_sN);
   }
-
-  auto in_src = [&](int y, int x) { return y >= 0 && y < a.act_H && x >= 0 && x < a.act_W; };
-  auto a_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES); };
-  auto b_stage = [&](int s) { return reinterpret_cast<bits*>(smem + s * T::STAGE_BYTES + T::A_ELEMS * ESZ); };
 
   // Issues the copies of K-tile kt into stage s: cp.async where 16-byte copies apply, else scalar loads stored
   // synchronously (both are visible after the barrier that precedes the stage's use).
   auto load_a = [&](int s, int kt) {
     bits* As = a_stage(s);
+    if constexpr (!kWgrad) {
+      const int tap_off = a.src_dir * ((k_tap >> a.taps_shift) * sH + (k_tap & (a.taps_w - 1)) * sW) + k_chan;
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int r = a_r + i * A_ROWS_PER_PASS;
-      bits* dst = As + r * T::LDA + a_v * VEC;
-      if constexpr (!kWgrad) {
-        const int k = kt * BK + a_v * VEC;
-        if (a.a_vec) {  // act_C % VEC == 0: the vector lies in one tap
-          bool ok = k < a.K;
-          const bits* src = act;
-          if (ok) {
-            const int t = k / a.act_C, c = k - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
-            const int y = a_y[i] + a.src_dir * ty, x = a_x[i] + a.src_dir * tx;
-            ok = in_src(y, x);
-            if (ok) src = act + a_base[i] + y * a.act_sH + x * a.act_sW + c;
-          }
-          cp_async16(dst, src, ok);
+      for (int i = 0; i < A_ITERS; ++i) {
+        bits* dst = As + (a_r + i * A_ROWS_PER_PASS) * T::LDA + a_v * VEC;
+        if (kVec || a.a_vec) {  // act_C % VEC == 0: the vector lies in one tap; taps past K have no bit
+          const bool ok = k_tap < 32 && ((row_taps[i] >> k_tap) & 1u);
+          cp_async16(dst, ok ? act + (row_off[i] + tap_off) : act, ok);
         } else {
           uint4 v = make_uint4(0, 0, 0, 0);
           bits* e = reinterpret_cast<bits*>(&v);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
-            const int kj = k + j;
-            if (kj < a.K) {
-              const int t = kj / a.act_C, c = kj - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
-              const int y = a_y[i] + a.src_dir * ty, x = a_x[i] + a.src_dir * tx;
-              if (in_src(y, x)) e[j] = act[a_base[i] + y * a.act_sH + x * a.act_sW + c];
+            const int kj = kt * BK + a_v * VEC + j;
+            const int t = kj / a.act_C, c = kj - t * a.act_C;
+            if (kj < a.K && ((row_taps[i] >> t) & 1u)) {
+              const int ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
+              e[j] = act[row_off[i] + a.src_dir * (ty * sH + tx * sW) + c];
             }
           }
           *reinterpret_cast<uint4*>(dst) = v;
         }
-      } else {
-        const int p = kt * BK + r;  // input pixel (the GEMM's K)
-        int64_t base = 0;
-        int y0 = INT_MIN / 4, x0 = INT_MIN / 4;
-        if (p < a.K) {
-          const int n = p / rows_hw, rem = p - n * rows_hw, iy = rem / a.rows_W, ix = rem - iy * a.rows_W;
-          base = n * a.act_sN;
-          y0 = a.src_scale * iy + a.src_off;
-          x0 = a.src_scale * ix + a.src_off;
-        }
-        if (a.a_vec) {
+      }
+      k_chan += BK;
+      while (k_chan >= a.act_C) {
+        k_chan -= a.act_C;
+        ++k_tap;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i) {
+        const int r = a_r + i * A_ROWS_PER_PASS;
+        bits* dst = As + r * T::LDA + a_v * VEC;
+        const bool p_ok = kt * BK + r < a.K;  // input pixel (the GEMM's K) exists
+        const int y0 = a.src_scale * pix_y[i] + a.src_off, x0 = a.src_scale * pix_x[i] + a.src_off;
+        if (kVec || a.a_vec) {
           const int y = y0 + a.src_dir * w_ty, x = x0 + a.src_dir * w_tx;
-          const bool ok = w_valid && in_src(y, x);
-          cp_async16(dst, ok ? act + base + y * a.act_sH + x * a.act_sW + w_c : act, ok);
+          const bool ok = p_ok && w_valid && in_src(y, x);
+          cp_async16(dst, ok ? act + (pix_nb[i] + y * sH + x * sW + w_c) : act, ok);
         } else {
           uint4 v = make_uint4(0, 0, 0, 0);
           bits* e = reinterpret_cast<bits*>(&v);
 #pragma unroll
           for (int j = 0; j < VEC; ++j) {
             const int m = m0 + a_v * VEC + j;
-            if (m < a.M) {
-              const int t = m / a.act_C, c = m - t * a.act_C, ty = t / a.taps_w, tx = t - ty * a.taps_w;
+            if (p_ok && m < a.M) {
+              const int t = m / a.act_C, c = m - t * a.act_C, ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
               const int y = y0 + a.src_dir * ty, x = x0 + a.src_dir * tx;
-              if (in_src(y, x)) e[j] = act[base + y * a.act_sH + x * a.act_sW + c];
+              if (in_src(y, x)) e[j] = act[pix_nb[i] + y * sH + x * sW + c];
             }
           }
           *reinterpret_cast<uint4*>(dst) = v;
         }
+        // Next K-tile: BK pixels further (step_x < rows_W and step_y < rows_H, so one carry each).
+        pix_x[i] += step_x;
+        if (pix_x[i] >= a.rows_W) {
+          pix_x[i] -= a.rows_W;
+          ++pix_y[i];
+        }
+        pix_y[i] += step_y;
+        if (pix_y[i] >= a.rows_H) {
+          pix_y[i] -= a.rows_H;
+          pix_nb[i] += int(a.act_sN);
+        }
+        pix_nb[i] += step_nb;
       }
     }
   };
 
   // ---- B: a row-major [K, N] matrix (prepacked weight, or the dense NHWC input for grad_weight) ----------
+  // A thread copies the same column vector of rows b_kr, b_kr + B_ROWS_PER_PASS, ... of every K-tile.
   constexpr int B_VPR = BN / VEC;
   constexpr int B_VECS = BK * B_VPR;
   constexpr int B_ITERS = (B_VECS + kThreads - 1) / kThreads;
+  constexpr int B_ROWS_PER_PASS = kThreads / B_VPR;
+  static_assert(kThreads % B_VPR == 0, "B tile mapping");
+  const int b_kr = tid / B_VPR, b_col = (tid % B_VPR) * VEC, b_n = n0 + b_col;
+  const bool b_n_ok = b_n < a.N;
   auto load_b = [&](int s, int kt) {
     bits* Bs = b_stage(s);
+    const bits* tile = bmat + int64_t(kt) * BK * a.N;
+    const int rows_left = a.K - kt * BK;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
-      const int v = tid + i * kThreads;
-      if (B_VECS % kThreads != 0 && v >= B_VECS) continue;
-      const int kr = v / B_VPR, k = kt * BK + kr, n = n0 + (v % B_VPR) * VEC;
-      bits* dst = Bs + kr * T::LDB + (v % B_VPR) * VEC;
-      const bits* row = bmat + int64_t(k) * a.N;
-      if (a.b_vec) {  // N % VEC == 0: a vector is all in or all out
-        const bool ok = k < a.K && n < a.N;
-        cp_async16(dst, ok ? row + n : bmat, ok);
+      const int kr = b_kr + i * B_ROWS_PER_PASS;
+      if (B_VECS % kThreads != 0 && kr >= BK) continue;
+      bits* dst = Bs + kr * T::LDB + b_col;
+      const bits* row = tile + kr * a.N;
+      if (kVec || a.b_vec) {  // N % VEC == 0: a vector is all in or all out
+        const bool ok = b_n_ok && kr < rows_left;
+        cp_async16(dst, ok ? row + b_n : bmat, ok);
       } else {
         uint4 val = make_uint4(0, 0, 0, 0);
         bits* e = reinterpret_cast<bits*>(&val);
-        if (k < a.K) {
+        if (kr < rows_left) {
 #pragma unroll
           for (int j = 0; j < VEC; ++j)
-            if (n + j < a.N) e[j] = row[n + j];
+            if (b_n + j < a.N) e[j] = row[b_n + j];
         }
         *reinterpret_cast<uint4*>(dst) = val;
       }
@@ -367,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 2) implicit_gemm_kernel(const GemmAr
 #pragma unroll
       for (int mi = 0; mi < T::MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < T::NI; ++ni) mma<scalar_t>(acc[mi][ni], af[mi], bf[ni]);
+        for (int ni = 0; ni < T::NI; ++ni) mma::mma<scalar_t>(acc[mi][ni], af[mi], bf[ni]);
     }
   };
 
@@ -489,17 +492,20 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 int pick_bn(int n) { return n > 64 ? 128 : n > 32 ? 64 : n > 16 ? 32 : 16; }
 
-// Splits K when the output tiles alone cannot fill the GPU (two CTAs per SM), keeping >= 8 K-tiles per split
-// (each split adds one fp32 atomic per output element).
+// Splits K when the output tiles alone cannot fill the GPU (two CTAs per SM), into as many splits as still fit
+// in one wave (a wave and a few CTAs would cost two waves: 256->128 grad_weight had 9 x 32 CTAs on 264 slots),
+// keeping >= 4 K-tiles (256 16-bit / 128 fp32 elements of K) per split (each split adds one fp32 atomic per
+// output element). Grids of half a wave or more are not split (a split costs a zeroed workspace and atomics).
 // Sets a.splits / a.ktiles_per_split and returns whether the result must be accumulated atomically.
 template <typename scalar_t>
 bool plan_splits(GemmArgs& a, int phases, bool always_split) {
-  constexpr int BK = 64 / int(sizeof(scalar_t));
+  constexpr int BK = 128 / int(sizeof(scalar_t));
   const int64_t tiles = int64_t((a.M + 127) / 128) * ((a.N + pick_bn(a.N) - 1) / pick_bn(a.N)) * phases;
   const int ktiles = (a.K + BK - 1) / BK;
   const int64_t target = 2 * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   int splits = 1;
-  if (tiles < target) splits = int(std::min<int64_t>((target + tiles - 1) / tiles, std::max(1, ktiles / 8)));
+  if (2 * tiles <= target || always_split)
+    splits = int(std::max<int64_t>(1, std::min<int64_t>(target / tiles, std::max(1, ktiles / 4))));
   splits = std::min(splits, 65535 / phases);
   a.ktiles_per_split = (ktiles + splits - 1) / splits;
   a.splits = std::max(1, (ktiles + a.ktiles_per_split - 1) / a.ktiles_per_split);
@@ -509,7 +515,8 @@ bool plan_splits(GemmArgs& a, int phases, bool always_split) {
 template <typename scalar_t, int BN, bool kWgrad>
 void launch_tile(const GemmArgs& a, const dim3& grid, cudaStream_t stream) {
   constexpr int smem = Tile<scalar_t, BN, kWgrad>::SMEM_BYTES;
-  auto kernel = implicit_gemm_kernel<scalar_t, BN, kWgrad>;
+  auto kernel = a.a_vec && a.b_vec ? implicit_gemm_kernel<scalar_t, BN, kWgrad, true>
+                                   : implicit_gemm_kernel<scalar_t, BN, kWgrad, false>;
   // Above the 48 KB default: opt in (per device, so on every call; it is a cheap attribute write).
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<grid, kThreads, smem, stream>>>(a);
@@ -632,6 +639,8 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
       a.rows_H = int(g.in_h);
       a.rows_W = int(g.in_w);
       a.taps_w = 2;
+      a.taps_shift = 1;
+      a.ntaps = 4;
       a.src_scale = 1;
       a.src_off = 0;  // + phase
       a.src_dir = -1;
@@ -672,6 +681,8 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
       GemmArgs common{};
       set_activation<scalar_t>(common, go);
       common.taps_w = 4;
+      common.taps_shift = 2;
+      common.ntaps = 16;
       common.src_scale = 2;
       common.src_off = -1;
       common.src_dir = 1;

@@ -36,8 +36,12 @@ bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType 
 // bias may be undefined.
 void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
                                const at::Tensor& bias, const at::Tensor& out);
-// grad_input only (grad_weight takes the general path: see conv_transpose_small_cout.cu).
 void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
                                   const at::Tensor& weight, const at::Tensor& grad_input);
+// grad_weight has a kernel here for bf16 / fp16 with C_in % 16 == 0 and an input whose channels are innermost
+// (channels_last); the other cases take the general path (column buffer + cuBLAS).
+bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, const at::Tensor& input4);
+void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                   const at::Tensor& input4, const at::Tensor& grad_weight);
 
 }  // namespace hierpar::detail

@@ -2,7 +2,7 @@
 // hierpar's own col2im gather (forward, no atomics) and im2col (backward) kernels. No cuDNN, no
 // at::convolution. Kernel 4 / stride 2 / padding 1 without bias (DCGAN's upsampling layers) takes the
 // phase-decomposed implicit-GEMM path of conv_transpose_k4s2p1.cu instead (C_out >= 16), and with C_out <= 4 (bias
-// or not) the CUDA-core kernels of conv_transpose_small_cout.cu; this general path does the rest.
+// or not) the kernels of conv_transpose_small_cout.cu; this general path does the rest.
 //
 // Layouts, natively (no NCHW<->NHWC conversion of activations):
 //  - channels_last (and any input whose [N*H*W, C_in] row view is dense, e.g. 1x1 spatial): the input IS a
@@ -262,12 +262,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
     if (general_input) grad_input.zero_();
     if (general_weight) grad_weight.zero_();
     general_input = general_weight = false;
-  } else if (general_input && k4s2p1_small_cout_applies(g, input.scalar_type())) {
-    // Small C_out: the direct kernel wins grad_input (memory-bound; 158 vs stock 209 us at the DCGAN's 32->3,
-    // batch 1024 bf16), but its grad_weight reduction lost to the GEMM below (1225 us against a whole general
-    // backward of under 1033), so grad_weight stays on the general path.
-    k4s2p1_small_cout_grad_input(g, go, weight, grad_input);
-    general_input = false;
+  } else if ((general_input || general_weight) && k4s2p1_small_cout_applies(g, input.scalar_type())) {
+    if (general_input) {
+      k4s2p1_small_cout_grad_input(g, go, weight, grad_input);
+      general_input = false;
+    }
+    if (general_weight && k4s2p1_small_cout_grad_weight_applies(g, input4)) {
+      k4s2p1_small_cout_grad_weight(g, go, input4, grad_weight);
+      general_weight = false;
+    }
   } else if ((general_input || general_weight) && k4s2p1_fast_path_applies(g, input.scalar_type())) {
     k4s2p1_backward(g, go, input4, weight, grad_input, layout == c10::MemoryFormat::ChannelsLast, grad_weight);
     general_input = general_weight = false;

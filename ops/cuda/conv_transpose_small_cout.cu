@@ -1,22 +1,22 @@
 // Small-C_out kernels of hierpar::conv_transpose2d for kernel 4, stride 2, padding 1 (DCGAN's last layer,
-// 32 -> 3 channels): CUDA-core kernels with fp32 accumulation, reading every tensor through its strides (NCHW,
-// channels_last or any other 4-d layout: no conversion copies, no weight packing).
-//
-// Why not the implicit GEMM of conv_transpose_k4s2p1.cu: with C_out <= 4 the forward GEMM's N fills 4 of a
-// 16-wide MMA tile, grad_input's A operand gathers 3-channel pixels (no 16-byte loads) and grad_weight's M is
-// 48; the layer is memory-bound anyway (batch 1024 bf16: ~250 MB, a ~60 us floor), so the arithmetic runs on
-// the CUDA cores from shared memory and each kernel reads its inputs about once.
-//  - forward: a block is a 32 x 8 tile of input positions (one thread each); per 16-channel chunk it stages
-//    the tile plus a one-pixel halo (fp32, channel-major so the threads' reads are conflict-free) and the
-//    chunk's weights, and each thread accumulates the 4 output pixels (2qy + py, 2qx + px) x C_out it owns
-//    from the 3 x 3 input neighbourhood: out[2q + p] += x[q + d] * w[p + 1 - 2d] for d in {-1, 0, 1}.
-//  - grad_input: a thread per input pixel keeps the 4 x 4 x C_out grad_output patch its taps read in registers
-//    and produces 8 input channels at a time against weights staged in shared memory ([tap, co][ci]).
-//  grad_weight is not here: a CUDA-core reduction over every input pixel (one thread per (ci, co) summing 16
-//  taps) measured 1225 us at batch 1024 bf16 against stock's 227, while the general path's im2col + cuBLAS
-//  GEMM takes well under the 1033 us of its whole backward; conv_transpose_kernel.cu sends grad_weight there.
+// 32 -> 3 channels). The layer is memory-bound (batch 1024 bf16: input 64 MB, output 25 MB, so each pass has a
+// ~25 us floor on an H200), but its arithmetic is not small either (3.2 GFLOP a pass), too much for the CUDA cores
+// to stay near that floor. So:
+//  - bf16 / fp16 with C_in % 16 == 0 (the DCGAN case): tensor-core kernels (mma.sync, fp32 accumulation) that
+//    treat each input position as a tiny GEMM row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel
+//    reads its inputs about once (the tiles' halos aside). The forward and grad_weight need channels innermost
+//    (channels_last) input for their 16-byte copies; grad_input reads grad_output through its strides.
+//  - otherwise (fp32, which keeps true fp32 arithmetic here, or odd channel counts, or NCHW input): CUDA-core
+//    kernels reading every tensor through its strides. Forward: a block is a 32 x 8 tile of input positions (one
+//    thread each); per 16-channel chunk it stages the tile plus a one-pixel halo (fp32, channel-major so the
+//    threads' reads are conflict-free) and the chunk's weights, and each thread accumulates the 4 output pixels
+//    (2qy + py, 2qx + px) x C_out it owns from the 3 x 3 input neighbourhood. grad_input: a thread per input
+//    pixel keeps the 4 x 4 x C_out grad_output patch its taps read in registers and produces 8 input channels at
+//    a time against weights staged in shared memory. grad_weight takes the general path (im2col + cuBLAS): a
+//    CUDA-core reduction measured 1225 us at batch 1024 bf16 against stock's 227.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/mma.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -222,6 +222,341 @@ __global__ void __launch_bounds__(kThreads) small_cout_grad_input_kernel(const S
   }
 }
 
+// ---- tensor-core kernels (bf16 / fp16, C_in % 16 == 0) --------------------------------------------------------
+// A block owns 8 rows x 32 columns of input positions, one row per warp (two 16-row MMA tiles of 16 positions).
+// The three passes as small GEMMs per position, with the zero-padded C_out (<= 4) spread along N or K:
+//  - forward: N = (py, px, co) = 16, K = (neighbour d of the 3 x 3 neighbourhood, ci): out[2q + p] gets
+//    x[q + d] * w[p + 1 - 2d]; phase row py = 0 never uses dy = +1 and py = 1 never dy = -1, so 12 of the 18
+//    (neighbour, 8-column half) MMAs remain. A comes straight from the staged input tile with ldmatrix (a pixel's
+//    16 channels are one 32-byte row), B (the weights of one 16-channel chunk) from shared memory.
+//  - grad_input: K = (ky, kx, co) = 64, N = ci; A is the 4 x 4 x 4 grad_output patch of the position, read from the
+//    staged grad_output tile as 32-bit channel pairs.
+//  - grad_weight: M = ci, N = (ky, kx, co) = 64, K = input positions; A = x^T by ldmatrix.trans from the input
+//    tile, B gathered from the grad_output tile. Blocks loop over tiles and keep their sums in registers; the
+//    blocks' partial sums are added in a fixed order by a second kernel (deterministic, no atomics).
+constexpr int kMmaRows = 8, kMmaCols = 32;
+constexpr int kGoRows = 2 * kMmaRows + 2, kGoCols = 2 * kMmaCols + 2;  // grad_output pixels a tile's taps reach
+constexpr int kCiChunk = 32;                                           // input channels per grad block
+
+using mma::cp_async16;
+using mma::ldmatrix_x4;
+using mma::ldmatrix_x4_trans;
+using mma::smem_addr;
+
+__device__ inline uint32_t ld32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Staging from global memory in two halves: every load of a thread is issued before the first store to shared
+// memory, so a block waits for one memory latency rather than one per loop trip (which, measured, made these
+// kernels 3-4x slower than their memory traffic).
+constexpr int kGoElems = kGoRows * kGoCols * 4;
+constexpr int kGoLoads = (kGoElems + kThreads - 1) / kThreads;
+
+// The grad_output pixels [2 iy0 - 1, 2 iy0 + 2 kMmaRows] x [2 ix0 - 1, 2 ix0 + 2 kMmaCols] of image n as
+// [row][column][co padded to 4] (zero outside the image and for co >= C_out).
+template <int CO>
+__device__ inline void load_grad_output(const SmallArgs& a, int n, int iy0, int ix0, uint16_t (&v)[kGoLoads]) {
+  const uint16_t* go = static_cast<const uint16_t*>(a.go) + n * a.gos.n;
+#pragma unroll
+  for (int i = 0; i < kGoLoads; ++i) {
+    const int e = threadIdx.x + i * kThreads, co = e & 3, p = e >> 2, r = p / kGoCols, c = p - r * kGoCols;
+    const int gy = 2 * iy0 - 1 + r, gx = 2 * ix0 - 1 + c;
+    v[i] = 0;
+    if (e < kGoElems && co < CO && gy >= 0 && gy < 2 * a.H && gx >= 0 && gx < 2 * a.W)
+      v[i] = go[co * a.gos.c + gy * a.gos.y + gx * a.gos.x];
+  }
+}
+__device__ inline void store_grad_output(uint16_t* gs, const uint16_t (&v)[kGoLoads]) {
+#pragma unroll
+  for (int i = 0; i < kGoLoads; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    if (e < kGoElems) gs[e] = v[i];
+  }
+}
+
+// CH: input channels staged at a time (16 or 32; the DCGAN's 32 are one chunk, so a block waits for memory once).
+template <typename scalar_t, int CO, int CH>
+__global__ void __launch_bounds__(kThreads, CH == 32 ? 2 : 3) small_cout_forward_mma_kernel(const SmallArgs a) {
+  constexpr int HY = kMmaRows + 2, HX = kMmaCols + 2;
+  constexpr int LD = CH + 8;  // 48- or 80-byte rows: an ldmatrix's 8 rows (8 pixels) hit 8 distinct bank groups
+  constexpr int kWeightLoads = 9 * 16 * CH / kThreads;
+  __shared__ __align__(16) uint16_t xs[HY * HX * LD];  // the chunk's channels of the tile plus a 1-pixel halo
+  __shared__ __align__(16) uint16_t wsm[9 * 16 * LD];  // [neighbour][n = py*8 + px*4 + co][ci]
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int qx0 = blockIdx.x * kMmaCols, qy0 = blockIdx.y * kMmaRows, qy = qy0 + warp;
+
+  for (int n = blockIdx.z; n < a.batch; n += gridDim.z) {
+    float acc[2][2][4] = {};  // [16-position tile][py][fragment]
+    for (int c0 = 0; c0 < a.cin; c0 += CH) {
+      __syncthreads();  // the previous chunk's reads are done
+      for (int v = threadIdx.x; v < HY * HX * (CH / 8); v += kThreads) {
+        const int p = v / (CH / 8), cv = v % (CH / 8), hy = p / HX, hx = p - hy * HX, y = qy0 - 1 + hy,
+                  xx = qx0 - 1 + hx;
+        const bool in = y >= 0 && y < a.H && xx >= 0 && xx < a.W;
+        cp_async16(xs + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c0 + cv * 8 : x, in);
+      }
+      mma::cp_async_commit();
+      uint16_t wv[kWeightLoads];
+#pragma unroll
+      for (int i = 0; i < kWeightLoads; ++i) {
+        const int e = threadIdx.x + i * kThreads, ci = e % CH, nn = (e / CH) & 15, d = e / (16 * CH);
+        const int py = nn >> 3, px = (nn >> 2) & 1, co = nn & 3;
+        const int ky = py + 1 - 2 * (d / 3 - 1), kx = px + 1 - 2 * (d % 3 - 1);
+        wv[i] = 0;
+        if (co < CO && ky >= 0 && ky < 4 && kx >= 0 && kx < 4)
+          wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + ky * a.ws.y + kx * a.ws.x];
+      }
+#pragma unroll
+      for (int i = 0; i < kWeightLoads; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        wsm[(e / CH) * LD + e % CH] = wv[i];
+      }
+      mma::cp_async_wait<0>();
+      __syncthreads();
+#pragma unroll
+      for (int d = 0; d < 9; ++d) {
+        const int dy = d / 3 - 1, dx = d % 3 - 1;
+#pragma unroll
+        for (int kk = 0; kk < CH; kk += 16) {
+          uint32_t bf[2][2];
+#pragma unroll
+          for (int py = 0; py < 2; ++py) {
+            const uint16_t* wp = wsm + (d * 16 + py * 8 + g) * LD + kk + 2 * t4;
+            bf[py][0] = ld32(wp);
+            bf[py][1] = ld32(wp + 8);
+          }
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            uint32_t af[4];
+            const int pix = (warp + 1 + dy) * HX + mt * 16 + (lane & 15) + 1 + dx;
+            ldmatrix_x4(af, smem_addr(xs + pix * LD + kk) + (lane >> 4) * 16);
+            if (dy <= 0) mma::mma<scalar_t>(acc[mt][0], af, bf[0]);
+            if (dy >= 0) mma::mma<scalar_t>(acc[mt][1], af, bf[1]);
+          }
+        }
+      }
+    }
+    // C fragment: position row g (+8), column n = py*8 + 2*t4 (+1) = (px = t4 / 2, co = 2 * (t4 % 2) (+1)).
+    if (qy < a.H) {
+      scalar_t* out = static_cast<scalar_t*>(a.out) + n * a.os.n;
+      const scalar_t* bias = static_cast<const scalar_t*>(a.bias);
+      const int px = t4 >> 1, co0 = (t4 & 1) * 2;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int qx = qx0 + mt * 16 + g + 8 * h;
+          if (qx >= a.W) continue;
+#pragma unroll
+          for (int py = 0; py < 2; ++py)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int co = co0 + e;
+              if (co >= CO) continue;
+              const float b = bias != nullptr ? static_cast<float>(bias[co]) : 0.f;
+              out[co * a.os.c + (2 * qy + py) * a.os.y + (2 * qx + px) * a.os.x] =
+                  static_cast<scalar_t>(acc[mt][py][2 * h + e] + b);
+            }
+        }
+    }
+  }
+}
+
+template <typename scalar_t, int CO>
+__global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(const SmallArgs a, int tiles_x,
+                                                                             bool pair_store) {
+  constexpr int LD = 64 + 8;  // [ci][k = (ky*4 + kx)*4 + co]: 144-byte rows, conflict-free B fragment reads
+  constexpr int kWeightLoads = kCiChunk * 64 / kThreads;
+  __shared__ __align__(16) uint16_t gs[kGoElems];
+  __shared__ __align__(16) uint16_t wsm[kCiChunk * LD];
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int ix0 = (blockIdx.x % tiles_x) * kMmaCols, iy0 = (blockIdx.x / tiles_x) * kMmaRows, iy = iy0 + warp;
+  const int c0 = blockIdx.y * kCiChunk;
+
+  uint16_t wv[kWeightLoads];
+#pragma unroll
+  for (int i = 0; i < kWeightLoads; ++i) {
+    const int e = threadIdx.x + i * kThreads, k = e & 63, ci = e >> 6, co = k & 3, tap = k >> 2;
+    wv[i] = 0;
+    if (co < CO && c0 + ci < a.cin) wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x];
+  }
+  for (int n = blockIdx.z; n < a.batch; n += gridDim.z) {
+    uint16_t gv[kGoLoads];
+    load_grad_output<CO>(a, n, iy0, ix0, gv);  // in flight together with the weights' loads
+    __syncthreads();                            // the previous image's reads are done
+    if (n == blockIdx.z) {
+#pragma unroll
+      for (int i = 0; i < kWeightLoads; ++i) {
+        const int e = threadIdx.x + i * kThreads;
+        wsm[(e >> 6) * LD + (e & 63)] = wv[i];
+      }
+    }
+    store_grad_output(gs, gv);
+    __syncthreads();
+    // A fragments of both 16-position tiles, K step s = ky: pixel (iy, ix) reads grad_output row 2*warp + ky of
+    // the tile, column 2*(ix - ix0) + kx with kx = t4 / 2 (+2), channels 2 * (t4 % 2) (+1).
+    uint32_t af[2][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint16_t* p = gs + ((2 * warp + s) * kGoCols + 2 * (mt * 16 + g) + (t4 >> 1)) * 4 + (t4 & 1) * 2;
+        af[mt][s][0] = ld32(p);
+        af[mt][s][1] = ld32(p + 64);  // position + 8 = 16 grad_output columns further
+        af[mt][s][2] = ld32(p + 8);   // kx + 2
+        af[mt][s][3] = ld32(p + 72);
+      }
+    scalar_t* gi = static_cast<scalar_t*>(a.out) + n * a.os.n + iy * a.os.y;
+#pragma unroll
+    for (int nt = 0; nt < kCiChunk / 8; ++nt) {
+      if (c0 + nt * 8 >= a.cin) break;
+      float acc[2][4] = {};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint16_t* wp = wsm + (nt * 8 + g) * LD + s * 16 + 2 * t4;
+        const uint32_t bf[2] = {ld32(wp), ld32(wp + 8)};
+        mma::mma<scalar_t>(acc[0], af[0][s], bf);
+        mma::mma<scalar_t>(acc[1], af[1][s], bf);
+      }
+      if (iy >= a.H) continue;
+      const int ci = c0 + nt * 8 + 2 * t4;  // and ci + 1 (C_in is even)
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int ix = ix0 + mt * 16 + g + 8 * h;
+          if (ix >= a.W) continue;
+          scalar_t* p = gi + ix * a.os.x + ci * a.os.c;
+          const scalar_t v0 = static_cast<scalar_t>(acc[mt][2 * h]), v1 = static_cast<scalar_t>(acc[mt][2 * h + 1]);
+          if (pair_store) {
+            *reinterpret_cast<uint32_t*>(p) = uint32_t(v0.x) | uint32_t(v1.x) << 16;
+          } else {
+            p[0] = v0;
+            p[a.os.c] = v1;
+          }
+        }
+    }
+  }
+}
+
+// grad_weight's N: (tap, co) for the 16 taps and the real C_out channels, in 8-column MMA tiles.
+template <int CO>
+constexpr int kWgradTiles = (16 * CO + 7) / 8;
+constexpr int kWgradXLd = kCiChunk + 8;  // 80-byte rows: ldmatrix.trans's 8 rows fall in 8 distinct bank groups
+constexpr int kWgradStageElems = kMmaRows * kMmaCols * kWgradXLd + kGoElems;  // input tile + grad_output tile
+constexpr int kWgradSmemBytes = 2 * kWgradStageElems * 2;                    // double-buffered
+
+template <typename scalar_t, int CO>
+__global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel(const SmallArgs a, int tiles_x,
+                                                                                 int tiles, float* partial) {
+  constexpr int NT = kWgradTiles<CO>, LD = kWgradXLd;
+  extern __shared__ __align__(16) uint16_t smem16[];
+  auto xs = [&](int buf) { return smem16 + buf * kWgradStageElems; };  // [position][ci of the chunk]
+  auto gs = [&](int buf) { return smem16 + buf * kWgradStageElems + kMmaRows * kMmaCols * LD; };
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int c0 = blockIdx.y * kCiChunk;
+  const int tiles_per_image = tiles_x * ((a.H + kMmaRows - 1) / kMmaRows);
+  auto tile_origin = [&](int tile, int& n, int& iy0, int& ix0) {
+    n = tile / tiles_per_image;
+    const int t = tile - n * tiles_per_image;
+    ix0 = (t % tiles_x) * kMmaCols;
+    iy0 = (t / tiles_x) * kMmaRows;
+  };
+  // The input tile by 16-byte asynchronous copies, the grad_output tile into registers: both in flight while the
+  // previous tile is multiplied.
+  uint16_t gv[kGoLoads];
+  auto issue_loads = [&](int tile, int buf) {
+    int n, iy0, ix0;
+    tile_origin(tile, n, iy0, ix0);
+    for (int v = threadIdx.x; v < kMmaRows * kMmaCols * (kCiChunk / 8); v += kThreads) {
+      const int p = v / (kCiChunk / 8), cv = v % (kCiChunk / 8), y = iy0 + p / kMmaCols, xx = ix0 + p % kMmaCols;
+      const int c = c0 + cv * 8;
+      const bool in = y < a.H && xx < a.W && c < a.cin;
+      cp_async16(xs(buf) + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c : x, in);
+    }
+    mma::cp_async_commit();
+    load_grad_output<CO>(a, n, iy0, ix0, gv);
+  };
+
+  float acc[2][NT][4] = {};  // [ci tile][(tap, co) tile][fragment]
+  int tile = blockIdx.x, buf = 0;
+  if (tile < tiles) {
+    issue_loads(tile, 0);
+    store_grad_output(gs(0), gv);
+  }
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  for (; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    const int next = tile + gridDim.x;
+    if (next < tiles) issue_loads(next, buf ^ 1);  // buffer buf ^ 1 was last read before the previous barrier
+    const uint16_t* xb = xs(buf);
+    const uint16_t* gb = gs(buf);
+#pragma unroll
+    for (int ks = 0; ks < kMmaCols / 16; ++ks) {
+      const int pos0 = warp * kMmaCols + ks * 16;  // the K step's 16 positions: row `warp`, 16 columns
+      uint32_t af[2][4];
+      const int q = lane >> 3, k = (q >> 1) * 8 + (lane & 7), moff = (q & 1) * 8;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(af[mt], smem_addr(xb + (pos0 + k) * LD + mt * 16 + moff));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        // Column g of N tile nt is (tap, co) = ((8 nt + g) / C_out, (8 nt + g) % C_out), tap = 4 ky + kx.
+        const int nn = nt * 8 + g, tap = nn / CO, co = nn - tap * CO;
+        uint32_t bf[2] = {0, 0};
+        if (nn < 16 * CO) {
+          const uint16_t* row = gb + ((2 * warp + (tap >> 2)) * kGoCols + (tap & 3)) * 4 + co;
+          auto tap_value = [&](int col) { return uint32_t(row[2 * (ks * 16 + col) * 4]); };
+          bf[0] = tap_value(2 * t4) | tap_value(2 * t4 + 1) << 16;
+          bf[1] = tap_value(2 * t4 + 8) | tap_value(2 * t4 + 9) << 16;
+        }
+        mma::mma<scalar_t>(acc[0][nt], af[0], bf);
+        mma::mma<scalar_t>(acc[1][nt], af[1], bf);
+      }
+    }
+    if (next < tiles) store_grad_output(gs(buf ^ 1), gv);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+  }
+  // The 8 warps' sums, added in warp order (in the now idle stage memory), then this block's partial sum
+  // [ci][(tap, co)].
+  constexpr int kWidth = 8 * NT;
+  float* sums = reinterpret_cast<float*>(smem16);
+  static_assert(kCiChunk * kWidth * 4 <= kWgradSmemBytes, "the warp sums fit in the stage memory");
+  for (int wi = 0; wi < 8; ++wi) {
+    if (warp == wi) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = (mt * 16 + g + 8 * (e >> 1)) * kWidth + nt * 8 + 2 * t4 + (e & 1);
+            sums[i] = wi == 0 ? acc[mt][nt][e] : sums[i] + acc[mt][nt][e];
+          }
+    }
+    __syncthreads();
+  }
+  float* dst = partial + (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * (kCiChunk * 16 * CO);
+  for (int i = threadIdx.x; i < kCiChunk * 16 * CO; i += kThreads) dst[i] = sums[(i / (16 * CO)) * kWidth + i % (16 * CO)];
+}
+
+// grad_weight[ci, co, ky, kx] = the blocks' partial sums ([ci][(tap, co)] per block), added in block order.
+template <typename scalar_t>
+__global__ void small_cout_grad_weight_finish_kernel(const float* partial, int blocks, int cin, int cout,
+                                                     Strides4d gws, scalar_t* gw) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= cin * cout * 16) return;
+  const int ci = i / (cout * 16), r = i - ci * cout * 16, co = r / 16, tap = r % 16;
+  const int width = 16 * cout;
+  const float* p = partial + (int64_t(ci / kCiChunk) * blocks * kCiChunk + ci % kCiChunk) * width + tap * cout + co;
+  float s = 0.f;
+  for (int b = 0; b < blocks; ++b) s += p[int64_t(b) * kCiChunk * width];
+  gw[ci * gws.n + co * gws.c + (tap >> 2) * gws.y + (tap & 3) * gws.x] = static_cast<scalar_t>(s);
+}
+
 template <typename F>
 void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
   auto by_cout = [&](auto tag) {
@@ -240,15 +575,44 @@ void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
   }
 }
 
-SmallArgs base_args(const ConvTranspose2dGeometry& g, const at::Tensor& weight) {
+// Like dispatch_small, for the tensor-core kernels' 16-bit dtypes.
+template <typename F>
+void dispatch_small16(at::ScalarType dtype, int cout, F&& f) {
+  auto by_cout = [&](auto tag) {
+    switch (cout) {
+      case 1: f(tag, std::integral_constant<int, 1>{}); break;
+      case 2: f(tag, std::integral_constant<int, 2>{}); break;
+      case 3: f(tag, std::integral_constant<int, 3>{}); break;
+      default: f(tag, std::integral_constant<int, 4>{}); break;
+    }
+  };
+  if (dtype == at::kBFloat16) {
+    by_cout(at::BFloat16{});
+  } else {
+    TORCH_CHECK(dtype == at::kHalf, "conv_transpose2d: the small-C_out tensor-core path has no ", dtype, " kernel");
+    by_cout(at::Half{});
+  }
+}
+
+// The tensor-core kernels take 16-bit dtypes and whole 16-channel K steps.
+bool mma_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && g.in_channels % 16 == 0;
+}
+
+// True when a 16-bit activation's pixels can be copied 16 bytes at a time: channels innermost, every other stride
+// a multiple of 8 elements, 16-byte aligned data (a dense channels_last tensor with C % 8 == 0, for one).
+bool reads_by_vectors(const at::Tensor& t) {
+  return t.stride(1) == 1 && t.stride(0) % 8 == 0 && t.stride(2) % 8 == 0 && t.stride(3) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+SmallArgs base_args(const ConvTranspose2dGeometry& g) {
   SmallArgs a{};
   a.batch = int(g.batch);
   a.cin = int(g.in_channels);
   a.cout = int(g.out_channels);
   a.H = int(g.in_h);
   a.W = int(g.in_w);
-  a.w = weight.const_data_ptr();
-  a.ws = strides_of(weight);
   return a;
 }
 
@@ -268,15 +632,30 @@ bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType 
 void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
                                const at::Tensor& bias, const at::Tensor& out) {
   c10::cuda::CUDAGuard device_guard(input4.device());
-  SmallArgs a = base_args(g, weight);
+  SmallArgs a = base_args(g);
+  a.w = weight.const_data_ptr();
+  a.ws = strides_of(weight);
   a.x = input4.const_data_ptr();
   a.xs = strides_of(input4);
   a.bias = bias.defined() ? bias.const_data_ptr() : nullptr;
   a.out = out.mutable_data_ptr();
   a.os = strides_of(out);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (mma_applies(g, input4.scalar_type()) && reads_by_vectors(input4)) {
+    const dim3 grid((a.W + kMmaCols - 1) / kMmaCols, (a.H + kMmaRows - 1) / kMmaRows, std::min(a.batch, 65535));
+    dispatch_small16(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
+      using scalar_t = decltype(tag);
+      constexpr int CO = decltype(co)::value;
+      if (a.cin % 32 == 0)
+        small_cout_forward_mma_kernel<scalar_t, CO, 32><<<grid, kThreads, 0, stream>>>(a);
+      else
+        small_cout_forward_mma_kernel<scalar_t, CO, 16><<<grid, kThreads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
   const bool channels_inner = a.xs.c == 1;
   const dim3 grid((a.W + kTileX - 1) / kTileX, (a.H + kTileY - 1) / kTileY, std::min(a.batch, 65535));
-  auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_small(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
     using scalar_t = decltype(tag);
     small_cout_forward_kernel<scalar_t, decltype(co)::value><<<grid, kThreads, 0, stream>>>(a, channels_inner);
@@ -287,17 +666,71 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
 void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
                                   const at::Tensor& weight, const at::Tensor& grad_input) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  SmallArgs a = base_args(g, weight);
+  SmallArgs a = base_args(g);
+  a.w = weight.const_data_ptr();
+  a.ws = strides_of(weight);
   a.go = grad_output4.const_data_ptr();
   a.gos = strides_of(grad_output4);
   a.out = grad_input.mutable_data_ptr();
   a.os = strides_of(grad_input);
   auto stream = at::cuda::getCurrentCUDAStream();
+  if (mma_applies(g, grad_output4.scalar_type())) {
+    const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
+    const dim3 grid(tiles_x * tiles_y, (a.cin + kCiChunk - 1) / kCiChunk, std::min(a.batch, 65535));
+    const bool pair_store = a.os.c == 1 && a.os.x % 2 == 0 && a.os.y % 2 == 0 && a.os.n % 2 == 0 &&
+                            reinterpret_cast<uintptr_t>(a.out) % 4 == 0;
+    dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
+      small_cout_grad_input_mma_kernel<decltype(tag), decltype(co)::value>
+          <<<grid, kThreads, 0, stream>>>(a, tiles_x, pair_store);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
   const int total = a.batch * a.H * a.W;
   const bool vec = a.os.c == 1 && a.cin % 8 == 0 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
   dispatch_small(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
     small_cout_grad_input_kernel<decltype(tag), decltype(co)::value>
         <<<(total + kThreads - 1) / kThreads, kThreads, 0, stream>>>(a, vec);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, const at::Tensor& input4) {
+  return k4s2p1_small_cout_applies(g, input4.scalar_type()) && mma_applies(g, input4.scalar_type()) &&
+         reads_by_vectors(input4);
+}
+
+void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                   const at::Tensor& input4, const at::Tensor& grad_weight) {
+  c10::cuda::CUDAGuard device_guard(grad_output4.device());
+  SmallArgs a = base_args(g);
+  a.x = input4.const_data_ptr();
+  a.xs = strides_of(input4);
+  a.go = grad_output4.const_data_ptr();
+  a.gos = strides_of(grad_output4);
+  const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
+  const int tiles = a.batch * tiles_x * tiles_y, chunks = (a.cin + kCiChunk - 1) / kCiChunk;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const Strides4d gws = strides_of(grad_weight);
+  const int outputs = a.cin * a.cout * 16;
+  dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
+    using scalar_t = decltype(tag);
+    constexpr int CO = decltype(co)::value;
+    auto kernel = small_cout_grad_weight_mma_kernel<scalar_t, CO>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradSmemBytes));
+    // As many blocks as fit on the GPU at once, each summing many tiles: the partial sums stay small
+    // (blocks x C_in x 16 C_out floats) and no block waits for a second wave.
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kWgradSmemBytes));
+    const int resident = std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const int blocks = std::min(tiles, std::max(1, resident / chunks));
+    const at::Tensor partial =
+        at::empty({int64_t(chunks) * blocks * kCiChunk * 16 * CO}, grad_output4.options().dtype(at::kFloat));
+    kernel<<<dim3(blocks, chunks), kThreads, kWgradSmemBytes, stream>>>(a, tiles_x, tiles,
+                                                                        partial.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    small_cout_grad_weight_finish_kernel<scalar_t><<<(outputs + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        partial.const_data_ptr<float>(), blocks, a.cin, a.cout, gws, grad_weight.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
