@@ -1,6 +1,8 @@
 // Argument checks of hierpar::conv_transpose2d shared by its CPU, CUDA and Meta kernels.
 #include "conv_transpose_shape.h"
 
+#include "common.h"
+
 #include <c10/core/ScalarType.h>
 
 namespace hierpar::detail {
@@ -99,6 +101,12 @@ void check_conv_transpose2d_grad_output(const at::Tensor& grad_output, const at:
               grad_output.scalar_type(), ") must equal input's dtype (", input.scalar_type(), ")");
   TORCH_CHECK(grad_output.device() == input.device(), "conv_transpose2d_backward: grad_output is on ",
               grad_output.device(), " but input is on ", input.device());
+}
+
+c10::MemoryFormat conv_transpose2d_output_layout(const at::Tensor& input4, const at::Tensor& weight) {
+  const bool channels_last = layout_of(input4) == c10::MemoryFormat::ChannelsLast ||
+                             layout_of(weight) == c10::MemoryFormat::ChannelsLast;
+  return channels_last ? c10::MemoryFormat::ChannelsLast : c10::MemoryFormat::Contiguous;
 }
 
 }  // namespace hierpar::detail

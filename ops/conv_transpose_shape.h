@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/MemoryFormat.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 
@@ -97,6 +98,11 @@ ConvTranspose2dGeometry check_conv_transpose2d(const at::Tensor& input, const at
                                                const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                                at::IntArrayRef padding, at::IntArrayRef output_padding,
                                                int64_t groups, at::IntArrayRef dilation);
+
+// The forward output's memory format, chosen as at::conv_transpose2d chooses it: channels_last when the input or
+// the weight is. So a channels_last weight makes a channels_last network even from an input whose layout is
+// ambiguous (the generator's [N, nz, 1, 1] noise) or NCHW. (grad_input keeps the input's own layout.)
+c10::MemoryFormat conv_transpose2d_output_layout(const at::Tensor& input4, const at::Tensor& weight);
 
 // Checks grad_output against the forward's output shape (same batchedness as input) and its dtype/device.
 void check_conv_transpose2d_grad_output(const at::Tensor& grad_output, const at::Tensor& input,

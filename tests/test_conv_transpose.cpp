@@ -300,6 +300,39 @@ TEST(ConvTransposeMeta, ShapesAndLayoutsMatchTheCpuKernel) {
   }
 }
 
+// The output's memory format against ATen's on `device`: channels_last when the input or the weight is, including
+// the generator's first layer (a [N, nz, 1, 1] input, whose layout is ambiguous, and a channels_last weight).
+void check_output_layouts(const torch::Device& device) {
+  const auto options = torch::TensorOptions().device(device);
+  for (const bool weight_cl : {false, true}) {
+    for (const auto& [input_sizes, input_cl, stride, padding] :
+         std::vector<std::tuple<std::vector<int64_t>, bool, int64_t, int64_t>>{
+             {{3, 16, 5, 7}, false, 2, 1}, {{3, 16, 5, 7}, true, 2, 1}, {{3, 16, 1, 1}, true, 1, 0}}) {
+      const auto input = random_tensor(input_sizes, options, input_cl ? Layout::channels_last : Layout::contiguous);
+      const auto weight = random_tensor({16, 8, 4, 4}, options, weight_cl ? Layout::channels_last : Layout::contiguous);
+      const auto expected = at::conv_transpose2d(input, weight, {}, stride, padding);
+      const auto got = hierpar::ops::conv_transpose2d(input, weight, {}, {stride}, {padding}, {0}, 1, {1});
+      const auto on_meta = hierpar::ops::conv_transpose2d(input.to(torch::kMeta), weight.to(torch::kMeta), {},
+                                                          {stride}, {padding}, {0}, 1, {1});
+      const std::string what = device.str() + " input " + c10::str(input.sizes()) +
+                               (input_cl ? " channels_last" : " contiguous") + ", weight " +
+                               (weight_cl ? "channels_last" : "contiguous");
+      EXPECT_EQ(got.is_contiguous(at::MemoryFormat::ChannelsLast),
+                expected.is_contiguous(at::MemoryFormat::ChannelsLast))
+          << what;
+      EXPECT_EQ(got.strides(), on_meta.strides()) << what;
+      expect_close(got, expected, scaled(rel_tolerance(torch::kFloat, device.is_cuda()), expected), what);
+    }
+  }
+}
+
+TEST(ConvTransposeCpu, OutputLayoutFollowsAten) { check_output_layouts(torch::kCPU); }
+
+TEST(ConvTransposeCuda, OutputLayoutFollowsAten) {
+  HIERPAR_REQUIRE_CUDA();
+  check_output_layouts(torch::kCUDA);
+}
+
 TEST(ConvTransposeErrors, EveryBadArgumentIsNamed) {
   const auto x = random_tensor({2, 4, 5, 5}, torch::kFloat);
   const auto w = random_tensor({4, 3, 3, 3}, torch::kFloat);

@@ -36,7 +36,8 @@ at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weigh
   TORCH_CHECK(input.device().is_cpu(), "conv_transpose2d (CPU kernel): input must be on the CPU");
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(), layout_of(input4));
+  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
+                              conv_transpose2d_output_layout(input4, weight));
   if (out.numel() > 0) {
     const auto acc = acc_type_of(input.scalar_type());
     // cols [G, N*H*W, taps * C_out/G]

@@ -175,7 +175,7 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
   c10::cuda::CUDAGuard device_guard(input.device());
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  const auto layout = layout_of(input4);
+  const auto layout = conv_transpose2d_output_layout(input4, weight);
   at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(), layout);
   if (out.numel() == 0) return unbatched ? out.squeeze(0) : out;
 
@@ -189,7 +189,8 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
     k4s2p1_forward(g, input4, weight, out, out_cl);
     return unbatched ? out.squeeze(0) : out;
   }
-  const at::Tensor x = input4.contiguous(layout);  // a no-op unless input is a non-dense view
+  // In the output's layout: a no-op unless the input is a non-dense view, or NCHW with a channels_last weight.
+  const at::Tensor x = input4.contiguous(layout);
   const bool direct = is_direct_1x1(g, has_bias) && is_row_matrix(x);
   const at::Tensor w = weight_matrix(weight, /*tap_major=*/!direct || out_cl);
   const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();

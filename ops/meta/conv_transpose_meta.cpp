@@ -15,7 +15,7 @@ at::Tensor conv_transpose2d_meta(const at::Tensor& input, const at::Tensor& weig
                                  at::IntArrayRef dilation) {
   const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
   const bool unbatched = input.dim() == 3;
-  const auto layout = layout_of(unbatched ? input.unsqueeze(0) : input);
+  const auto layout = conv_transpose2d_output_layout(unbatched ? input.unsqueeze(0) : input, weight);
   at::Tensor out = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options().memory_format(layout));
   return unbatched ? out.squeeze(0) : out;
 }
