@@ -170,6 +170,9 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;
+        // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
+        // default five (session 3 saw two in-process NCCL stalls at batch 4096; docs/strategy.md).
+        trainer_options.averaging.timeout = std::chrono::seconds(60);
         hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, trainer_options);
         const int64_t share = c.batch / placement.global_replicas();
         std::vector<torch::Tensor> reals;

@@ -557,20 +557,23 @@ __global__ void small_cout_grad_weight_finish_kernel(const float* partial, int b
   gw[ci * gws.n + co * gws.c + (tap >> 2) * gws.y + (tap & 3) * gws.x] = static_cast<scalar_t>(s);
 }
 
+// Calls f(tag, std::integral_constant<int, CO>{}) with CO = cout for 1..3 and 4 otherwise (cout <= 4 here).
+template <typename Tag, typename F>
+void with_cout(int cout, Tag tag, F&& f) {
+  switch (cout) {
+    case 1: f(tag, std::integral_constant<int, 1>{}); break;
+    case 2: f(tag, std::integral_constant<int, 2>{}); break;
+    case 3: f(tag, std::integral_constant<int, 3>{}); break;
+    default: f(tag, std::integral_constant<int, 4>{}); break;
+  }
+}
+
 template <typename F>
 void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
-  auto by_cout = [&](auto tag) {
-    switch (cout) {
-      case 1: f(tag, std::integral_constant<int, 1>{}); break;
-      case 2: f(tag, std::integral_constant<int, 2>{}); break;
-      case 3: f(tag, std::integral_constant<int, 3>{}); break;
-      default: f(tag, std::integral_constant<int, 4>{}); break;
-    }
-  };
   switch (dtype) {
-    case at::kFloat: by_cout(float{}); break;
-    case at::kBFloat16: by_cout(at::BFloat16{}); break;
-    case at::kHalf: by_cout(at::Half{}); break;
+    case at::kFloat: with_cout(cout, float{}, f); break;
+    case at::kBFloat16: with_cout(cout, at::BFloat16{}, f); break;
+    case at::kHalf: with_cout(cout, at::Half{}, f); break;
     default: TORCH_CHECK(false, "conv_transpose2d: the small-C_out path has no ", dtype, " kernel");
   }
 }
@@ -578,19 +581,11 @@ void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
 // Like dispatch_small, for the tensor-core kernels' 16-bit dtypes.
 template <typename F>
 void dispatch_small16(at::ScalarType dtype, int cout, F&& f) {
-  auto by_cout = [&](auto tag) {
-    switch (cout) {
-      case 1: f(tag, std::integral_constant<int, 1>{}); break;
-      case 2: f(tag, std::integral_constant<int, 2>{}); break;
-      case 3: f(tag, std::integral_constant<int, 3>{}); break;
-      default: f(tag, std::integral_constant<int, 4>{}); break;
-    }
-  };
   if (dtype == at::kBFloat16) {
-    by_cout(at::BFloat16{});
+    with_cout(cout, at::BFloat16{}, f);
   } else {
     TORCH_CHECK(dtype == at::kHalf, "conv_transpose2d: the small-C_out tensor-core path has no ", dtype, " kernel");
-    by_cout(at::Half{});
+    with_cout(cout, at::Half{}, f);
   }
 }
 
