@@ -81,6 +81,7 @@ class AdversarialTrainer::Workers {
   void run(const std::function<void(int64_t)>& job, GradientAverager* averager, const Placement& placement) {
     job_ = &job;
     averager_ = averager;
+    placement_ = &placement;
     state_ = std::make_unique<at::ThreadLocalState>();
     for (auto& e : errors_) e = nullptr;
     first_failure_ = -1;
@@ -99,14 +100,12 @@ class AdversarialTrainer::Workers {
     if (first_failure_ < 0) return;
     std::string message;
     for (int64_t i : failure_order()) {
-      const ReplicaDevices& r = placement.replicas[i];
       try {
         std::rethrow_exception(errors_[i]);
       } catch (const std::exception& e) {
-        message += c10::str(message.empty() ? "" : "\nthen ", "replica ", r.replica, " (G ", r.generator, ", D ",
-                            r.discriminator, ") failed: ", e.what());
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed: ", e.what());
       } catch (...) {
-        message += c10::str(message.empty() ? "" : "\nthen ", "replica ", r.replica, " failed");
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed");
       }
     }
     TORCH_CHECK(false, message);
@@ -127,17 +126,32 @@ class AdversarialTrainer::Workers {
     if (first_failure_ < 0) first_failure_ = i;
   }
 
+  std::string describe(int64_t i) const {
+    const ReplicaDevices& r = placement_->replicas[i];
+    return c10::str("replica ", r.replica, " (G ", r.generator, ", D ", r.discriminator, ")");
+  }
+
   void execute(int64_t i) {
     try {
       at::ThreadLocalStateGuard guard(*state_);
       (*job_)(i);
     } catch (const std::exception& e) {
       record_failure(i);
-      if (averager_ != nullptr) averager_->abort(c10::str("replica ", i, " of this process failed: ", e.what()));
+      stop_peers(i, e.what());
     } catch (...) {
       record_failure(i);
-      if (averager_ != nullptr) averager_->abort(c10::str("replica ", i, " of this process failed"));
+      stop_peers(i, "an exception that is not a std::exception");
     }
+  }
+
+  // Tells the averager, so peers blocked on this replica stop. Peers blocked in a collective (NCCL, Gloo) stop
+  // only when it fails or times out, and a collective library may end the process first (ProcessGroupNCCL's
+  // watchdog does): the cause is said now, in one line, so it survives that.
+  void stop_peers(int64_t i, const std::string& what) {
+    if (averager_ == nullptr) return;
+    const std::string first_line = what.substr(0, what.find('\n'));
+    TORCH_WARN(describe(i), " failed: ", first_line, " (its peers stop when their collectives fail or time out)");
+    averager_->abort(c10::str("replica ", i, " of this process failed: ", what));
   }
 
   void loop(int64_t i) {
@@ -156,6 +170,7 @@ class AdversarialTrainer::Workers {
   }
 
   std::vector<std::thread> threads_;
+  const Placement* placement_ = nullptr;  // the running job's
   std::mutex mutex_;
   std::condition_variable start_, done_;
   uint64_t generation_ = 0;

@@ -678,9 +678,15 @@ TEST(StrategyTrainer, FailingReplicaStopsItsPeers) {
                                    torch::nn::AnyModule(tiny_discriminator(true)),
                                    hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
     const auto start = Clock::now();
+    testing::internal::CaptureStderr();
     HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0], data.noise[0]), "injected failure in replica 1's loss");
+    const std::string said = testing::internal::GetCapturedStderr();
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     EXPECT_LT(seconds, 15.0) << reduce << ": the failure took " << seconds << " s to stop the step (timeout 2 s)";
+    // The cause is said when it happens (a collective library's watchdog may end the process before the step
+    // rethrows it).
+    EXPECT_NE(said.find("replica 1 (G cpu, D cpu) failed: injected failure in replica 1's loss"), std::string::npos)
+        << reduce << ": stderr was:\n" << said;
   }
 }
 
