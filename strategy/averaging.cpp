@@ -509,6 +509,31 @@ class CollectiveAverager final : public GradientAverager {
       if (device.is_cuda()) groups_[n][local]->eagerConnectSingleDevice(device);
 #endif
     }
+    issue_first_collectives(local);
+  }
+
+  // Each group's first collective: a one-element all-reduce, issued while no other thread of this process issues
+  // one, and awaited before the replica goes on. libtorch 2.11's flight recorder (c10d FlightRecorderDetail.hpp,
+  // recordWithResetEnabled) adds a process group to a process-wide std::map on its first collective BEFORE
+  // taking its mutex, and looks the group up on every later one: replica threads issuing their groups' first
+  // collectives at once corrupted that map (a segfault in _Rb_tree_insert_and_rebalance under
+  // ProcessGroupGloo::enqueue, in 1 of 3-6 runs of StrategyTrainer.SyncBatchNormMatchesSingleOnTheWholeBatch).
+  // An all-reduce completes only once every rank has issued it, so when this returns every group of every
+  // local replica is in the map, and later collectives only read it. Issuing never waits for a peer (Gloo
+  // queues the work; the NCCL communicators exist), so the lock is held briefly and cannot deadlock.
+  void issue_first_collectives(int64_t local) {
+    static std::mutex issuing;
+    const std::string who = where(placement_, local, Network::generator) + " connect";
+    std::array<at::Tensor, 2> probes;
+    std::array<c10::intrusive_ptr<c10d::Work>, 2> works;
+    for (Network network : kNetworks) {
+      const int n = static_cast<int>(network);
+      probes[n] = at::zeros({1}, at::TensorOptions().device(device_of(placement_, local, network)));
+      std::vector<at::Tensor> buffers{probes[n]};
+      std::lock_guard<std::mutex> lock(issuing);
+      works[n] = groups_[n][local]->allreduce(buffers);
+    }
+    for (const auto& work : works) wait_for(work, who, "the groups' first all-reduce", options_.timeout);
   }
 
   void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
