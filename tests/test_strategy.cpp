@@ -227,6 +227,14 @@ std::vector<torch::Tensor> reference_per_part(bool batch_norm, const Data& data,
 // lr = 1e-3, admits that and stays far below a wrong averaging, which moves parameters by O(lr) a step.
 constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-5};
 
+// Synchronized BatchNorm against single on the whole batch: as above, plus the statistics, which come from one
+// all-reduce of per-replica moments (var = (sum M2 + sum n m^2) / N - mean^2) instead of single's two-pass
+// var_mean, with other rounding. Through the BatchNorm backward and Adam's normalised update, an element whose
+// gradient nearly cancels moved by 1.14e-5 (1.1% of lr; G's first weight, seed 2458730771, 1 run in ~30).
+// 4e-5 admits that and stays 2.5x below the 1e-4 by which per-replica BatchNorm must differ (the test's last
+// check).
+constexpr Tolerance kSyncBatchNormTolerance{1e-5, 4e-5};
+
 #define HIERPAR_REQUIRE_GLOO()                                                                        \
   do {                                                                                                \
     if (!hs::gloo_available()) GTEST_SKIP() << "this build has no Gloo (install libgloo-dev and reconfigure)"; \
@@ -633,7 +641,7 @@ TEST(StrategyTrainer, SyncBatchNormMatchesSingleOnTheWholeBatch) {
       const auto placement = hs::Placement::from_flags(scheme, devices, reduce, c10::DeviceType::CPU, {});
       const std::string what = set + " layers, " + placement.to_string();
       const auto replicas = train(placement, true, data, init, 0, -1, sync, layers, true);
-      expect_states_close(replicas[0], single[0], kSplitBatchTolerance, what + ": sync BN vs single");
+      expect_states_close(replicas[0], single[0], kSyncBatchNormTolerance, what + ": sync BN vs single");
       for (size_t r = 1; r < replicas.size(); ++r) {
         expect_states_equal(replicas[r], replicas[0], what + ": replica " + std::to_string(r));
       }
