@@ -533,7 +533,11 @@ class CollectiveAverager final : public GradientAverager {
       std::lock_guard<std::mutex> lock(issuing);
       works[n] = groups_[n][local]->allreduce(buffers);
     }
-    for (const auto& work : works) wait_for(work, who, "the groups' first all-reduce", options_.timeout);
+    for (int n = 0; n < 2; ++n) {
+      wait_for(works[n], who, "the groups' first all-reduce", options_.timeout);
+      // NCCL's wait may only order the stream after the all-reduce: reading the result waits for it on the host.
+      (void)probes[n].item<float>();
+    }
   }
 
   void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
