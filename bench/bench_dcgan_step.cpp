@@ -20,7 +20,7 @@
 // peak_mem_mb (caching allocator's peak allocated bytes over the timed steps, less what was allocated before
 // the row's models were built; the peak is reset after warm-up so cuDNN's benchmark search is not counted; a
 // graph's private pool is allocated memory and counts).
-// HIERPAR_STEP_PROFILE=<file> writes each row's top kernels by GPU time there. A chart of ms/step (stock vs
+// HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there. A chart of ms/step (stock vs
 // hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
 // examples (their PNG writer) are built.
 #include "bench.h"
@@ -309,7 +309,7 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
                  << " us/step, NCHW<->NHWC conversions " << prof.conversions << "/step";
     if (graphs) *profile_out << ", graph kernel nodes " << nodes;
     *profile_out << "\n";
-    for (size_t i = 0; i < std::min<size_t>(prof.top.size(), 12); ++i) {
+    for (size_t i = 0; i < prof.top.size(); ++i) {
       const auto& [name, cu] = prof.top[i];
       *profile_out << "  " << std::setw(9) << std::setprecision(1) << cu.second / 3 << " us/step " << std::setw(5)
                    << std::setprecision(1) << cu.first / 3.0 << "x  " << name.substr(0, 140) << "\n";

@@ -11,6 +11,8 @@
 // clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
 // the median over several runs. Each replica's share of the batch is already on its D device (as a data
 // loader per replica would leave it), so no input crosses devices inside the timed step.
+// Every row runs with FusedAdam and, where the trainer can capture the placement's step (single, data), as CUDA
+// graphs (config graphs = on/off); bf16 rows use the trainer's autocast and channels_last options.
 // extra: images_per_s (global batch / step time) and epoch_s (seconds for the seed's epoch of 2944 images
 // at that rate). Rows needing more GPUs than present are skipped, and the output says so.
 #include "bench.h"
@@ -19,7 +21,6 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/placement.h"
 
-#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -167,6 +168,12 @@ void strategy_suite(Report& report, const Options& options) {
           to_channels_last(*d);
         }
         trainer_options.noise_shape = {model.nz};
+        // Every row at its fastest: FusedAdam and CUDA graphs wherever the trainer can capture the placement's
+        // step (it falls back to eager steps for task and hierarchical; the row's config says which ran).
+        trainer_options.fused_adam = true;
+        trainer_options.cuda_graphs = true;
+        trainer_options.autocast_dtype = c.precision.bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
+        trainer_options.channels_last = c.precision.bf16;
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;
@@ -181,21 +188,8 @@ void strategy_suite(Report& report, const Options& options) {
                                   torch::TensorOptions().device(r.discriminator)) * 2 - 1;
           reals.push_back(c.precision.bf16 ? real.contiguous(at::MemoryFormat::ChannelsLast) : real);
         }
-        if (c.precision.bf16) {
-          at::autocast::set_autocast_enabled(at::kCUDA, true);
-          at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-        }
         const int steps = static_cast<int>(std::clamp<int64_t>((8192 + c.batch - 1) / c.batch, 5, 30));
-        Timing t;
-        try {
-          t = time_steps(trainer, reals, /*warmup=*/5, steps, runs);
-        } catch (...) {
-          at::autocast::set_autocast_enabled(at::kCUDA, false);
-          at::autocast::clear_cache();
-          throw;
-        }
-        at::autocast::set_autocast_enabled(at::kCUDA, false);
-        at::autocast::clear_cache();
+        const Timing t = time_steps(trainer, reals, /*warmup=*/5, steps, runs);
         // The losses must be finite: a broken step timed fast is no result.
         auto [d_loss, g_loss] = trainer.step_shares(reals).mean();
         TORCH_CHECK(std::isfinite(d_loss) && std::isfinite(g_loss), "non-finite losses after timing: D ", d_loss,
@@ -206,7 +200,7 @@ void strategy_suite(Report& report, const Options& options) {
         config.set("batch", c.batch)
             .set("precision", c.precision.name())
             .set("layout", c.precision.layout())
-            .set("graphs", "off")
+            .set("graphs", trainer.graphs() ? "on" : "off")
             .set("strategy", row.strategy)
             .set("gpus", row.gpus)
             .set("reduce", row.reduce)
@@ -215,10 +209,11 @@ void strategy_suite(Report& report, const Options& options) {
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
         report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
-        results.push_back({label, epoch_s, images_per_s});
+        const std::string shown = label + (trainer.graphs() ? ", graphs" : ", eager");
+        results.push_back({shown, epoch_s, images_per_s});
         // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
         if (!options.out_prefix.empty()) report.write_json(options.out_prefix + ".json");
-        std::printf("  %-72s %9.3f ms/step %11.0f images/s %8.4f s/epoch\n", label.c_str(), t.median_us / 1000.0,
+        std::printf("  %-80s %9.3f ms/step %11.0f images/s %8.4f s/epoch\n", shown.c_str(), t.median_us / 1000.0,
                     images_per_s, epoch_s);
         std::fflush(stdout);
       } catch (const std::exception& e) {
@@ -233,7 +228,7 @@ void strategy_suite(Report& report, const Options& options) {
   std::cout << "\nTable 2 (seed 000) on " << visible << " GPU(s): seconds per epoch of " << kEpochImages
             << " images and images/s\n";
   for (const auto& r : results)
-    std::printf("  %-72s %8.4f s/epoch %11.0f images/s\n", r.label.c_str(), r.seconds_per_epoch, r.images_per_s);
+    std::printf("  %-80s %8.4f s/epoch %11.0f images/s\n", r.label.c_str(), r.seconds_per_epoch, r.images_per_s);
   for (const auto& s : skipped) std::cout << "  skipped " << s << "\n";
 }
 
