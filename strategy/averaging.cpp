@@ -26,6 +26,7 @@
 
 #include <array>
 #include <condition_variable>
+#include <cstdlib>
 #include <mutex>
 
 namespace hierpar::strategy {
@@ -215,9 +216,18 @@ void check_nccl_headers_match_torch() {
 // with setenv(), and probes the network) run once on the constructing thread, before any replica thread
 // exists: setenv() racing with getenv() on another thread (a replica creating its cuDNN/cuBLAS handles
 // during its first step) can crash glibc, and in-process ranks otherwise reach it concurrently.
+//
+// NCCL_RUNTIME_CONNECT=0 (unless the user set it): NCCL otherwise connects a communicator's rings inside its
+// first collective, blocking the issuing thread until the peers connect too, and connect() issues each group's
+// first collective under a process-wide lock (issue_first_collectives): in-process replicas deadlocked there
+// (seen on 2 and 4 H200s: replica 0 in ncclTransportP2pSetup's accept while holding the lock, replica 1
+// waiting for it). Connecting at communicator creation (eagerConnectSingleDevice, which every replica calls
+// concurrently) makes issuing a collective return at once. Set before the first communicator exists, since
+// NCCL reads it once.
 void initialise_nccl_once() {
   static std::once_flag once;
   std::call_once(once, [] {
+    ::setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     check_nccl_headers_match_torch();
     torch::cuda::nccl::ncclUniqueId id;
     torch::cuda::nccl::get_unique_id(id);
@@ -521,7 +531,8 @@ class CollectiveAverager final : public GradientAverager {
   // ProcessGroupGloo::enqueue, in 1 of 3-6 runs of StrategyTrainer.SyncBatchNormMatchesSingleOnTheWholeBatch).
   // An all-reduce completes only once every rank has issued it, so when this returns every group of every
   // local replica is in the map, and later collectives only read it. Issuing never waits for a peer (Gloo
-  // queues the work; the NCCL communicators exist), so the lock is held briefly and cannot deadlock.
+  // queues the work; NCCL's communicators are connected at creation, see initialise_nccl_once), so the lock
+  // is held briefly and cannot deadlock.
   void issue_first_collectives(int64_t local) {
     static std::mutex issuing;
     const std::string who = where(placement_, local, Network::generator) + " connect";
