@@ -1,7 +1,6 @@
 #include "hierpar/models/dcgan.h"
 
 #include <torch/nn/init.h>
-#include <torch/nn/modules/conv.h>
 
 #include <algorithm>
 #include <cmath>
@@ -114,9 +113,11 @@ void DiscriminatorImpl::reset() {
       conv_options.stride(2).padding(1);
     }
     const std::string n = std::to_string(i + 1);
-    torch::nn::Conv2d conv(conv_options);
-    convs_.push_back({conv.ptr(), [conv](const torch::Tensor& x) mutable { return conv->forward(x); }});
-    register_module("conv" + n, conv);
+    // In the hierpar set, the first convolution (C_in = channels <= 3) is hierpar::nn::Conv2d with its LeakyReLU
+    // fused; the wider ones stay torch::nn::Conv2d, where cuDNN is faster (make_conv2d decides).
+    const auto activation = i == 0 ? std::optional<double>(kLeakySlope) : std::nullopt;
+    convs_.push_back(make_conv2d(options.layers, conv_options, activation));
+    register_module("conv" + n, convs_.back().module);
     if (i > 0 && !last) {
       norms_.push_back(make_batch_norm_act2d(options.layers, out, nn::Activation::leaky_relu, kLeakySlope));
       register_module("bn" + n, norms_.back().module);
@@ -131,7 +132,7 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
-  auto x = torch::leaky_relu(convs_[0].forward(images), kLeakySlope);
+  auto x = convs_[0].forward(images);  // conv1 and its LeakyReLU
   for (size_t i = 0; i < norms_.size(); ++i) x = norms_[i].forward(convs_[i + 1].forward(x));
   return convs_.back().forward(x).flatten();
 }

@@ -1,5 +1,6 @@
 #include "hierpar/models/layer_factory.h"
 
+#include "hierpar/nn/conv2d.h"
 #include "hierpar/nn/conv_transpose.h"
 #include "hierpar/nn/max_pool.h"
 
@@ -21,6 +22,28 @@ Layer wrap(Holder holder) {
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
   if (layers == LayerSet::hierpar) return wrap(nn::ConvTranspose2d(options));
   return wrap(torch::nn::ConvTranspose2d(options));
+}
+
+Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std::optional<double> leaky_relu_slope) {
+  // The small-C_in k4s2p1 convolution is the dual of the small-C_out transposed convolution, whose kernels
+  // (ops/cuda/conv_transpose_small_cout.cu) replace cuDNN's legacy NHWC engine and its C=3 padding kernels there.
+  // Wider convolutions stay on cuDNN, which is faster for them.
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&options.padding());
+  const auto is = [](const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (*a)[1] == v; };
+  const bool small_cin_k4s2p1 = options.in_channels() <= 4 && is(options.kernel_size(), 4) &&
+                                is(options.stride(), 2) && padding != nullptr && is(*padding, 1) &&
+                                is(options.dilation(), 1) && options.groups() == 1 &&
+                                std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
+  if (layers == LayerSet::hierpar && small_cin_k4s2p1) {
+    nn::Conv2d conv(options);
+    return {conv.ptr(), [conv, leaky_relu_slope](const torch::Tensor& x) mutable {
+              return leaky_relu_slope ? conv->forward_with_leaky_relu(x, *leaky_relu_slope) : conv->forward(x);
+            }};
+  }
+  torch::nn::Conv2d conv(options);
+  return {conv.ptr(), [conv, leaky_relu_slope](const torch::Tensor& x) mutable {
+            return leaky_relu_slope ? torch::leaky_relu(conv->forward(x), *leaky_relu_slope) : conv->forward(x);
+          }};
 }
 
 Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activation activation,

@@ -292,6 +292,10 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     if (placement_.scheme == Scheme::task || placement_.scheme == Scheme::hierarchical) {
       graph_fallback_ = c10::str("CUDA graphs off: a ", to_string(placement_.scheme), " step runs one backward across "
                                  "G's and D's devices, which a per-device capture cannot split; steps run eagerly");
+    } else if (placement_.global_replicas() > 1 && placement_.reduce == Reduce::collective) {
+      graph_fallback_ = "CUDA graphs off: collective averaging launches its all-reduces from autograd hooks inside "
+                        "the backward, which this trainer does not capture; steps run eagerly (--reduce host is "
+                        "captured between its averaging points)";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -483,16 +487,13 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
     ++r.warmup_done;
     return;
   }
-  // The capture runs nothing (and so averages nothing; captured collectives are only queued): every replica
-  // captures in the same step, then all replay it below, host averaging between the segments.
+  // The capture runs nothing (and so averages nothing): every replica captures in the same step, then
+  // all replay it below with the averaging between the segments.
   if (!r.graph->captured()) r.graph->capture([&] { step_body(local, r.static_real, r.static_noise, Phase::capture); });
   const int64_t segments = r.graph->segments();
   for (int64_t s = 0; s < segments; ++s) {
     r.graph->replay(s);
-    if (s + 1 == segments) {
-      if (averager_) averager_->watch(local);
-      break;
-    }
+    if (s + 1 == segments) break;
     // Segment 0 ends after D's backward, segment 1 after G's (step_body's averaging points).
     const bool d_next = s == 0;
     averager_->average(local, d_next ? Network::discriminator : Network::generator,
@@ -505,13 +506,12 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   Replica& r = *replicas_[local];
   const ReplicaDevices& devices = placement_.replicas[local];
   const AdversarialLoss& loss = options_.loss;
-  // An averaging point: the gradients are averaged, eagerly or inside the capture (collectives); an averager
-  // that cannot be captured (host averaging) ends a graph segment there instead, and the replay averages
-  // between the segments.
+  // An averaging point: eagerly the gradients are averaged; in a capture the segment ends there and the
+  // replay averages between segments.
   auto averaging_point = [&](Network network, const std::vector<torch::Tensor>& parameters) {
     if (!averager_) return;
     const auto grads = gradients_of(parameters);
-    if (phase == Phase::capture && !averager_->capturable()) {
+    if (phase == Phase::capture) {
       r.graph->split();
     } else {
       averager_->average(local, network, grads);

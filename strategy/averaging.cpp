@@ -484,7 +484,6 @@ class CollectiveAverager final : public GradientAverager {
     for (auto& groups : groups_) groups.resize(placement.local_replicas());
     for (auto& flats : flats_) flats.resize(placement.local_replicas());
     for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
-    watch_probes_.resize(placement.local_replicas());
 #ifdef HIERPAR_C10D_NCCL
     for (int64_t i = 0; i < placement.local_replicas(); ++i) {
       for (Network network : kNetworks) {
@@ -603,29 +602,6 @@ class CollectiveAverager final : public GradientAverager {
   // Peers blocked in a collective, in this process or another, end by the collective's timeout.
   void abort(const std::string&) override {}
 
-  bool capturable() const override {
-    for (int64_t local = 0; local < placement_.local_replicas(); ++local) {
-      for (Network network : kNetworks)
-        if (!device_of(placement_, local, network).is_cuda()) return false;
-    }
-    return true;
-  }
-
-  void watch(int64_t local) override {
-    at::Tensor& probe = watch_probes_[local];
-    if (!probe.defined()) {
-      probe = at::zeros({1}, at::TensorOptions().device(device_of(placement_, local, Network::discriminator)));
-    }
-    std::vector<at::Tensor> buffers{probe};
-    c10d::AllreduceOptions options;
-    options.timeout = options_.timeout;
-    // Without a timeout argument NCCL's wait() only makes the current stream wait: the next replay follows
-    // this all-reduce on the device, so every rank issues the group's collectives in one order.
-    wait_for(groups_[static_cast<int>(Network::discriminator)][local]->allreduce(buffers, options),
-             where(placement_, local, Network::discriminator), "the step's watchdog all-reduce", options_.timeout,
-             /*device_side=*/true);
-  }
-
  private:
   class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
    public:
@@ -655,7 +631,6 @@ class CollectiveAverager final : public GradientAverager {
   std::array<std::vector<c10::intrusive_ptr<c10d::Backend>>, 2> groups_;  // [network][local replica]
   std::array<std::vector<at::Tensor>, 2> flats_;                          // [network][local replica]
   std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;   // [network][local replica]
-  std::vector<at::Tensor> watch_probes_;                                   // [local replica], for watch()
 };
 }  // namespace
 

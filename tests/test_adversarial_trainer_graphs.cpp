@@ -262,30 +262,6 @@ TEST(AdversarialTrainerGraphs, DataParallelHostAveragingGraphsEqualEager) {
   expect_same_run(a, b, kReorderTolerance, "data x2, host averaging: graphs vs eager");
 }
 
-// Data parallelism over 2 GPUs with NCCL averaging: the all-reduces are inside each replica's one graph,
-// launched by the bucket hooks during the captured backward (bucketed) or after it (flat).
-TEST(AdversarialTrainerGraphs, DataParallelNcclGraphsEqualEager) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
-  deterministic_cudnn();
-  const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
-  const auto reals = batches(6, 16, torch::kCUDA);
-  for (const bool bucketed : {true, false}) {
-    auto eager = base_options();
-    eager.fused_adam = true;
-    if (!bucketed) eager.averaging.bucket_cap_bytes = 0;
-    auto graphs = eager;
-    graphs.cuda_graphs = true;
-    graphs.graph_warmup_steps = 2;
-    const TrainedRun a = train(placement, graphs, reals, 4, 6);
-    const TrainedRun b = train(placement, eager, reals, 4, 6);
-    const std::string what = std::string("data x2, nccl ") + (bucketed ? "bucketed" : "flat") + ": graphs vs eager";
-    EXPECT_GT(a.graph_nodes, 10) << what;
-    expect_moved(a, 4);
-    expect_same_run(a, b, kReorderTolerance, what);
-  }
-}
-
 // Placements whose step spans two devices fall back to eager steps and say why.
 TEST(AdversarialTrainerGraphs, TaskPlacementFallsBackToEager) {
   HIERPAR_REQUIRE_CUDA();

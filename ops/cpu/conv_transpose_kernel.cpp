@@ -4,12 +4,14 @@
 // the CPU path is the accurate reference the CUDA path is compared with. Outputs follow the input's memory
 // format (grad_weight the weight's).
 #include "common.h"
+#include "conv_transpose_backends.h"
 #include "conv_transpose_shape.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/sum.h>
 #include <torch/library.h>
 
@@ -28,6 +30,89 @@ at::Tensor weight_matrices(const at::Tensor& weight, const ConvTranspose2dGeomet
   return weight.to(acc).permute({0, 2, 3, 1}).reshape({g.groups, g.cin_g(), g.cols_per_group()});
 }
 
+}  // namespace
+
+void run_conv_transpose2d_forward_cpu(const ConvTranspose2dGeometry& g, const at::Tensor& input4,
+                                      const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& out) {
+  if (out.numel() == 0) return;
+  const auto acc = acc_type_of(input4.scalar_type());
+  // cols [G, N*H*W, taps * C_out/G]
+  const at::Tensor cols = at::bmm(input_rows(input4, g, acc), weight_matrices(weight, g, acc)).contiguous();
+  const ColsStrides cs{g.cols_per_group(), g.in_pixels() * g.cols_per_group()};
+  const at::Tensor bias_acc = bias.defined() ? bias.to(acc).contiguous() : at::Tensor();
+  at::Tensor result = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input4.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "conv_transpose2d_cpu_col2im", [&] {
+    const scalar_t* cols_p = cols.const_data_ptr<scalar_t>();
+    const scalar_t* bias_p = bias_acc.defined() ? bias_acc.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* res_p = result.mutable_data_ptr<scalar_t>();
+    // One task per output row (n, co, oy).
+    at::parallel_for(0, g.batch * g.out_channels * g.out_h, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t oy = r % g.out_h, co = (r / g.out_h) % g.out_channels, n = r / (g.out_h * g.out_channels);
+        const scalar_t b = bias_p ? bias_p[co] : scalar_t(0);
+        for (int64_t ox = 0; ox < g.out_w; ++ox) {
+          res_p[r * g.out_w + ox] = b + col2im_gather<scalar_t>(g, cs, cols_p, n, co, oy, ox);
+        }
+      }
+    });
+  });
+  out.copy_(result);
+}
+
+void run_conv_transpose2d_backward_cpu(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                       const at::Tensor& input4, const at::Tensor& weight,
+                                       const at::Tensor& grad_input, const at::Tensor& grad_weight,
+                                       std::optional<double> grad_input_leaky_relu_slope) {
+  if (!grad_input.defined() && !grad_weight.defined()) return;
+  if (g.in_pixels() == 0 || g.out_channels == 0) {
+    // No input pixels (batch 0) or no output channels: the sums are empty.
+    if (grad_input.defined()) grad_input.zero_();
+    if (grad_weight.defined()) grad_weight.zero_();
+    return;
+  }
+  const auto acc = acc_type_of(grad_output4.scalar_type());
+  const at::Tensor go_acc = grad_output4.to(acc);
+  // cols [G, N*H*W, taps * C_out/G] = im2col(grad_output)
+  at::Tensor cols = at::empty({g.groups, g.in_pixels(), g.cols_per_group()}, go_acc.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "conv_transpose2d_cpu_im2col", [&] {
+    const scalar_t* go_p = go_acc.const_data_ptr<scalar_t>();
+    const int64_t go_strides[4] = {go_acc.stride(0), go_acc.stride(1), go_acc.stride(2), go_acc.stride(3)};
+    scalar_t* cols_p = cols.mutable_data_ptr<scalar_t>();
+    const int64_t cout_g = g.cout_g();
+    at::parallel_for(0, g.groups * g.in_pixels(), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t grp = r / g.in_pixels(), pix = r % g.in_pixels();
+        const int64_t ix = pix % g.in_w, iy = (pix / g.in_w) % g.in_h, n = pix / (g.in_w * g.in_h);
+        scalar_t* dst = cols_p + r * g.cols_per_group();
+        for (int64_t ky = 0; ky < g.kernel_h; ++ky) {
+          for (int64_t kx = 0; kx < g.kernel_w; ++kx) {
+            for (int64_t c = 0; c < cout_g; ++c) {
+              const scalar_t* src = im2col_source(g, go_p, go_strides, n, iy, ix, ky, kx, grp * cout_g + c);
+              *dst++ = src ? *src : scalar_t(0);
+            }
+          }
+        }
+      }
+    });
+  });
+  if (grad_input.defined()) {
+    // [G, N*H*W, C_in/G] -> [N, C_in, H, W]
+    const at::Tensor rows = at::bmm(cols, weight_matrices(weight, g, acc).transpose(1, 2));
+    grad_input.copy_(rows.transpose(0, 1).reshape({g.batch, g.in_h, g.in_w, g.in_channels}).permute({0, 3, 1, 2}));
+    if (grad_input_leaky_relu_slope) {
+      at::Tensor in_place = grad_input;  // a handle on the same storage (the parameter is const)
+      at::leaky_relu_(in_place, *grad_input_leaky_relu_slope);
+    }
+  }
+  if (grad_weight.defined()) {
+    // [G, C_in/G, taps * C_out/G] -> [C_in, C_out/G, kH, kW]
+    const at::Tensor gw = at::bmm(input_rows(input4, g, acc).transpose(1, 2), cols);
+    grad_weight.copy_(gw.reshape({g.in_channels, g.kernel_h, g.kernel_w, g.cout_g()}).permute({0, 3, 1, 2}));
+  }
+}
+
+namespace {
+
 at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
@@ -38,31 +123,7 @@ at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weigh
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
                               conv_transpose2d_output_layout(input4, weight));
-  if (out.numel() > 0) {
-    const auto acc = acc_type_of(input.scalar_type());
-    // cols [G, N*H*W, taps * C_out/G]
-    const at::Tensor cols = at::bmm(input_rows(input4, g, acc), weight_matrices(weight, g, acc)).contiguous();
-    const ColsStrides cs{g.cols_per_group(), g.in_pixels() * g.cols_per_group()};
-    const bool has_bias = bias.has_value() && bias->defined();
-    const at::Tensor bias_acc = has_bias ? bias->to(acc).contiguous() : at::Tensor();
-    at::Tensor result = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options().dtype(acc));
-    AT_DISPATCH_FLOATING_TYPES(acc, "conv_transpose2d_cpu_col2im", [&] {
-      const scalar_t* cols_p = cols.const_data_ptr<scalar_t>();
-      const scalar_t* bias_p = has_bias ? bias_acc.const_data_ptr<scalar_t>() : nullptr;
-      scalar_t* res_p = result.mutable_data_ptr<scalar_t>();
-      // One task per output row (n, co, oy).
-      at::parallel_for(0, g.batch * g.out_channels * g.out_h, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t oy = r % g.out_h, co = (r / g.out_h) % g.out_channels, n = r / (g.out_h * g.out_channels);
-          const scalar_t b = bias_p ? bias_p[co] : scalar_t(0);
-          for (int64_t ox = 0; ox < g.out_w; ++ox) {
-            res_p[r * g.out_w + ox] = b + col2im_gather<scalar_t>(g, cs, cols_p, n, co, oy, ox);
-          }
-        }
-      });
-    });
-    out.copy_(result);
-  }
+  run_conv_transpose2d_forward_cpu(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
   return unbatched ? out.squeeze(0) : out;
 }
 
@@ -77,54 +138,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cpu(
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
-  const auto acc = acc_type_of(input.scalar_type());
 
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
   if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
-  if (output_mask[2]) grad_bias = new_output({g.out_channels}, input.options());
-
-  const at::Tensor go_acc = grad_output4.to(acc);
-  if ((output_mask[0] || output_mask[1]) && g.in_pixels() > 0 && g.out_channels > 0) {
-    // cols [G, N*H*W, taps * C_out/G] = im2col(grad_output)
-    at::Tensor cols = at::empty({g.groups, g.in_pixels(), g.cols_per_group()}, input.options().dtype(acc));
-    AT_DISPATCH_FLOATING_TYPES(acc, "conv_transpose2d_cpu_im2col", [&] {
-      const scalar_t* go_p = go_acc.const_data_ptr<scalar_t>();
-      const int64_t go_strides[4] = {go_acc.stride(0), go_acc.stride(1), go_acc.stride(2), go_acc.stride(3)};
-      scalar_t* cols_p = cols.mutable_data_ptr<scalar_t>();
-      const int64_t cout_g = g.cout_g();
-      at::parallel_for(0, g.groups * g.in_pixels(), 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t grp = r / g.in_pixels(), pix = r % g.in_pixels();
-          const int64_t ix = pix % g.in_w, iy = (pix / g.in_w) % g.in_h, n = pix / (g.in_w * g.in_h);
-          scalar_t* dst = cols_p + r * g.cols_per_group();
-          for (int64_t ky = 0; ky < g.kernel_h; ++ky) {
-            for (int64_t kx = 0; kx < g.kernel_w; ++kx) {
-              for (int64_t c = 0; c < cout_g; ++c) {
-                const scalar_t* src = im2col_source(g, go_p, go_strides, n, iy, ix, ky, kx, grp * cout_g + c);
-                *dst++ = src ? *src : scalar_t(0);
-              }
-            }
-          }
-        }
-      });
-    });
-    if (output_mask[0]) {
-      // [G, N*H*W, C_in/G] -> [N, C_in, H, W]
-      const at::Tensor rows = at::bmm(cols, weight_matrices(weight, g, acc).transpose(1, 2));
-      grad_input.copy_(rows.transpose(0, 1).reshape({g.batch, g.in_h, g.in_w, g.in_channels}).permute({0, 3, 1, 2}));
-    }
-    if (output_mask[1]) {
-      // [G, C_in/G, taps * C_out/G] -> [C_in, C_out/G, kH, kW]
-      const at::Tensor gw = at::bmm(input_rows(input4, g, acc).transpose(1, 2), cols);
-      grad_weight.copy_(gw.reshape({g.in_channels, g.kernel_h, g.kernel_w, g.cout_g()}).permute({0, 3, 1, 2}));
-    }
-  } else {
-    // No input pixels (batch 0) or no output channels: the sums are empty.
-    if (output_mask[0]) grad_input.zero_();
-    if (output_mask[1]) grad_weight.zero_();
+  run_conv_transpose2d_backward_cpu(g, grad_output4, input4, weight, grad_input, grad_weight, std::nullopt);
+  if (output_mask[2]) {
+    grad_bias = new_output({g.out_channels}, input.options());
+    grad_bias.copy_(at::sum(grad_output4.to(acc_type_of(input.scalar_type())), {0, 2, 3}));
   }
-  if (output_mask[2]) grad_bias.copy_(at::sum(go_acc, {0, 2, 3}));
   if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
   return {grad_input, grad_weight, grad_bias};
 }

@@ -671,7 +671,7 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
 void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4, const at::Tensor& input4,
                      const at::Tensor& weight, const at::Tensor& grad_input, bool grad_input_channels_last,
                      const at::Tensor& grad_weight) {
-  c10::cuda::CUDAGuard device_guard(input4.device());
+  c10::cuda::CUDAGuard device_guard(grad_output4.device());
   const at::Tensor go = grad_output4.contiguous(at::MemoryFormat::ChannelsLast);
   const int cin = int(g.in_channels), cout = int(g.out_channels);
   dispatch_fast(go.scalar_type(), [&](auto tag) {

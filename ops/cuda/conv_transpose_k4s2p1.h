@@ -8,6 +8,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace hierpar::detail {
 
 // True when the GEMM fast path computes this call: kernel 4x4, stride 2, padding 1, dilation 1,
@@ -21,7 +23,7 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
                     const at::Tensor& out, bool out_channels_last);
 
 // Either output may be undefined (not asked for). grad_input is dense in `grad_input_channels_last`'s layout;
-// grad_weight may have any layout.
+// grad_weight may have any layout. input4 is read only for grad_weight (it may be undefined otherwise).
 void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4, const at::Tensor& input4,
                      const at::Tensor& weight, const at::Tensor& grad_input, bool grad_input_channels_last,
                      const at::Tensor& grad_weight);
@@ -36,8 +38,10 @@ bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType 
 // bias may be undefined.
 void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
                                const at::Tensor& bias, const at::Tensor& out);
+// With leaky_relu_slope, grad_input is stored as leaky_relu(grad_input, slope) (hierpar::conv2d's fused activation).
 void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
-                                  const at::Tensor& weight, const at::Tensor& grad_input);
+                                  const at::Tensor& weight, const at::Tensor& grad_input,
+                                  std::optional<double> leaky_relu_slope = std::nullopt);
 // grad_weight has a kernel here for bf16 / fp16 with C_in % 16 == 0 and an input whose channels are innermost
 // (channels_last); the other cases take the general path (column buffer + cuBLAS).
 bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, const at::Tensor& input4);

@@ -20,6 +20,7 @@
 // PyTorch's default for convolutions, which is what this op replaces); fp64 is exact-fp64; bf16/fp16
 // multiply on the tensor cores with fp32 accumulation. col2im sums in fp32 (fp64 for double).
 #include "common.h"
+#include "conv_transpose_backends.h"
 #include "conv_transpose_shape.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 
@@ -29,6 +30,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
@@ -166,37 +168,33 @@ at::Tensor weight_matrix(const at::Tensor& weight, bool tap_major) {
   return tap_major ? weight.permute({0, 2, 3, 1}).contiguous() : weight.contiguous();
 }
 
-at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
-                                 at::IntArrayRef dilation) {
-  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
-  TORCH_CHECK(input.is_cuda(), "conv_transpose2d (CUDA kernel): input must be a CUDA tensor");
-  c10::cuda::CUDAGuard device_guard(input.device());
-  const bool unbatched = input.dim() == 3;
-  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  const auto layout = conv_transpose2d_output_layout(input4, weight);
-  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(), layout);
-  if (out.numel() == 0) return unbatched ? out.squeeze(0) : out;
+}  // namespace
 
-  const bool has_bias = bias.has_value() && bias->defined();
-  const bool out_cl = layout == c10::MemoryFormat::ChannelsLast;
-  if (k4s2p1_small_cout_applies(g, input.scalar_type())) {
-    k4s2p1_small_cout_forward(g, input4, weight, has_bias ? bias->contiguous() : at::Tensor(), out);
-    return unbatched ? out.squeeze(0) : out;
+void run_conv_transpose2d_forward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& input4,
+                                       const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& out) {
+  if (out.numel() == 0) return;
+  c10::cuda::CUDAGuard device_guard(input4.device());
+  // Where out's strides are those of both layouts (one channel, or 1x1), the one that spares converting the input.
+  const bool out_cl = out.is_contiguous(c10::MemoryFormat::ChannelsLast) &&
+                      (!out.is_contiguous() || layout_of(input4) == c10::MemoryFormat::ChannelsLast);
+  TORCH_INTERNAL_ASSERT(out_cl || out.is_contiguous(), "conv_transpose2d (CUDA): out must be dense");
+  const bool has_bias = bias.defined();
+  if (k4s2p1_small_cout_applies(g, input4.scalar_type())) {
+    k4s2p1_small_cout_forward(g, input4, weight, has_bias ? bias.contiguous() : at::Tensor(), out);
+    return;
   }
-  if (!has_bias && k4s2p1_fast_path_applies(g, input.scalar_type())) {
+  if (!has_bias && k4s2p1_fast_path_applies(g, input4.scalar_type())) {
     k4s2p1_forward(g, input4, weight, out, out_cl);
-    return unbatched ? out.squeeze(0) : out;
+    return;
   }
   // In the output's layout: a no-op unless the input is a non-dense view, or NCHW with a channels_last weight.
-  const at::Tensor x = input4.contiguous(layout);
+  const at::Tensor x = input4.contiguous(out_cl ? c10::MemoryFormat::ChannelsLast : c10::MemoryFormat::Contiguous);
   const bool direct = is_direct_1x1(g, has_bias) && is_row_matrix(x);
   const at::Tensor w = weight_matrix(weight, /*tap_major=*/!direct || out_cl);
-  const at::Tensor b = has_bias ? bias->contiguous() : at::Tensor();
+  const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
   const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input4.scalar_type(), "conv_transpose2d_cuda", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = w.const_data_ptr<scalar_t>();
     if (direct) {
@@ -204,7 +202,7 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
                           out.mutable_data_ptr<scalar_t>(), jg, 0, 1);
       return;
     }
-    at::Tensor cols = at::empty({g.in_pixels(), j}, input.options());
+    at::Tensor cols = at::empty({g.in_pixels(), j}, input4.options());
     scalar_t* cp = cols.mutable_data_ptr<scalar_t>();
     if (is_row_matrix(x)) {
       gemm_rows<scalar_t>(g.in_pixels(), jg, cin_g, xp, g.in_channels, cin_g, false, wp, jg, cin_g * jg, false, cp,
@@ -233,6 +231,131 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                        const at::Tensor& input4, const at::Tensor& weight,
+                                        const at::Tensor& grad_input, const at::Tensor& grad_weight,
+                                        std::optional<double> grad_input_leaky_relu_slope) {
+  // The gradients the general (column buffer + cuBLAS) path below still has to compute.
+  bool general_input = grad_input.defined(), general_weight = grad_weight.defined();
+  if (!general_input && !general_weight) return;
+  // The activation on the routes whose kernels do not apply it as they store.
+  bool activation_pending = general_input && grad_input_leaky_relu_slope.has_value();
+  auto finish = [&] {
+    if (!activation_pending) return;
+    at::Tensor in_place = grad_input;  // a handle on the same storage (the parameter is const)
+    at::leaky_relu_(in_place, *grad_input_leaky_relu_slope);
+  };
+  c10::cuda::CUDAGuard device_guard(grad_output4.device());
+  const at::Tensor& go = grad_output4;
+  const auto dtype = go.scalar_type();
+  // grad_input is dense in one layout; a row matrix [N*H*W, C_in] when channels_last (or 1x1).
+  const bool gi_rows = general_input && is_row_matrix(grad_input);
+  TORCH_INTERNAL_ASSERT(!general_input || gi_rows || grad_input.is_contiguous(),
+                        "conv_transpose2d_backward (CUDA): grad_input must be dense");
+  if (g.in_pixels() == 0 || g.out_channels == 0) {
+    if (general_input) grad_input.zero_();  // leaky_relu(0) = 0
+    if (general_weight) grad_weight.zero_();
+    return;
+  }
+  if (k4s2p1_small_cout_applies(g, dtype)) {
+    if (general_input) {
+      k4s2p1_small_cout_grad_input(g, go, weight, grad_input, grad_input_leaky_relu_slope);
+      general_input = activation_pending = false;
+    }
+    if (general_weight && k4s2p1_small_cout_grad_weight_applies(g, input4)) {
+      k4s2p1_small_cout_grad_weight(g, go, input4, grad_weight);
+      general_weight = false;
+    }
+  } else if (k4s2p1_fast_path_applies(g, dtype)) {
+    k4s2p1_backward(g, go, input4, weight, grad_input, !general_input || !grad_input.is_contiguous(), grad_weight);
+    general_input = general_weight = false;
+  }
+  if (!general_input && !general_weight) return finish();
+  // grad_weight contracts the input in its own layout.
+  const at::Tensor x = general_weight ? input4.contiguous(layout_of(input4)) : at::Tensor();
+  const bool x_rows = general_weight && is_row_matrix(x);
+  // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
+  const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
+  const bool direct = is_direct_1x1(g, false) && (!general_input || gi_rows) && (!general_weight || x_rows) &&
+                      (go_cl || go.is_contiguous());
+  const bool tap_major = !direct || go_cl;
+  const at::Tensor w = weight_matrix(weight, tap_major);
+  const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "conv_transpose2d_backward_cuda", [&] {
+    at::Tensor cols;
+    if (direct) {
+      cols = go;
+    } else {
+      cols = at::empty({g.in_pixels(), j}, go.options());
+      const int64_t total = cols.numel();
+      const Strides4 gs{{go.stride(0), go.stride(1), go.stride(2), go.stride(3)}};
+      auto stream = at::cuda::getCurrentCUDAStream();
+      if (fits_int32(total)) {
+        im2col_kernel<scalar_t, int32_t><<<blocks_for(total), kThreads, 0, stream>>>(
+            g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), int32_t(total));
+      } else {
+        im2col_kernel<scalar_t, int64_t><<<blocks_for(total), kThreads, 0, stream>>>(
+            g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), total);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const scalar_t* cp = cols.const_data_ptr<scalar_t>();
+    if (general_input) {
+      const scalar_t* wp = w.const_data_ptr<scalar_t>();
+      scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
+      if (gi_rows) {
+        gemm_rows<scalar_t>(g.in_pixels(), cin_g, jg, cp, j, jg, false, wp, jg, cin_g * jg, true, gip,
+                            g.in_channels, cin_g, g.groups);
+      } else {
+        for (int64_t grp = 0; grp < g.groups; ++grp) {
+          gemm_rows<scalar_t>(cin_g, hw, jg, wp + grp * cin_g * jg, jg, 0, false, cp + grp * jg, j, hw * j, true,
+                              gip + grp * cin_g * hw, hw, g.in_channels * hw, g.batch);
+        }
+      }
+    }
+    if (general_weight) {
+      // The GEMM writes [C_in, J_g] in the column order `tap_major` says; straight into grad_weight
+      // when that is its memory order, else into a scratch matrix copied over (weights are small).
+      const bool weight_cl = layout_of(grad_weight) == c10::MemoryFormat::ChannelsLast;
+      const bool in_place = (tap_major == weight_cl || (g.kernel_h == 1 && g.kernel_w == 1)) &&
+                            grad_weight.is_contiguous(layout_of(grad_weight));
+      at::Tensor gw = in_place ? grad_weight
+                               : at::empty(tap_major ? at::IntArrayRef{g.in_channels, g.kernel_h, g.kernel_w,
+                                                                       g.cout_g()}
+                                                     : weight.sizes(),
+                                           weight.options());
+      scalar_t* gwp = gw.mutable_data_ptr<scalar_t>();
+      if (x_rows) {
+        gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
+                            cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
+      } else {
+        const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
+        gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
+                            cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
+      }
+      if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
+    }
+  });
+  finish();
+}
+
+namespace {
+
+at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                                 at::IntArrayRef dilation) {
+  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  TORCH_CHECK(input.is_cuda(), "conv_transpose2d (CUDA kernel): input must be a CUDA tensor");
+  c10::cuda::CUDAGuard device_guard(input.device());
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
+                              conv_transpose2d_output_layout(input4, weight));
+  run_conv_transpose2d_forward_cuda(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
   return unbatched ? out.squeeze(0) : out;
 }
 
@@ -248,99 +371,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor go = unbatched ? grad_output.unsqueeze(0) : grad_output;
-  const auto layout = layout_of(input4);
 
   at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout);
+  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
   if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
   if (output_mask[2]) {
     grad_bias = new_output({g.out_channels}, input.options());
     at::sum_out(grad_bias, go, {0, 2, 3});
   }
-  // The gradients the general (column buffer + cuBLAS) path below still has to compute.
-  bool general_input = output_mask[0], general_weight = output_mask[1];
-  if ((general_input || general_weight) && (g.in_pixels() == 0 || g.out_channels == 0)) {
-    if (general_input) grad_input.zero_();
-    if (general_weight) grad_weight.zero_();
-    general_input = general_weight = false;
-  } else if ((general_input || general_weight) && k4s2p1_small_cout_applies(g, input.scalar_type())) {
-    if (general_input) {
-      k4s2p1_small_cout_grad_input(g, go, weight, grad_input);
-      general_input = false;
-    }
-    if (general_weight && k4s2p1_small_cout_grad_weight_applies(g, input4)) {
-      k4s2p1_small_cout_grad_weight(g, go, input4, grad_weight);
-      general_weight = false;
-    }
-  } else if ((general_input || general_weight) && k4s2p1_fast_path_applies(g, input.scalar_type())) {
-    k4s2p1_backward(g, go, input4, weight, grad_input, layout == c10::MemoryFormat::ChannelsLast, grad_weight);
-    general_input = general_weight = false;
-  }
-  if (general_input || general_weight) {
-    const at::Tensor x = input4.contiguous(layout);
-    const bool x_rows = is_row_matrix(x);
-    // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
-    const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
-    const bool direct = is_direct_1x1(g, false) && x_rows && (go_cl || go.is_contiguous());
-    const bool tap_major = !direct || go_cl;
-    const at::Tensor w = weight_matrix(weight, tap_major);
-    const int64_t hw = g.in_h * g.in_w, cin_g = g.cin_g(), jg = g.cols_per_group(), j = jg * g.groups;
-
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "conv_transpose2d_backward_cuda", [&] {
-      at::Tensor cols;
-      if (direct) {
-        cols = go;
-      } else {
-        cols = at::empty({g.in_pixels(), j}, input.options());
-        const int64_t total = cols.numel();
-        const Strides4 gs{{go.stride(0), go.stride(1), go.stride(2), go.stride(3)}};
-        auto stream = at::cuda::getCurrentCUDAStream();
-        if (fits_int32(total)) {
-          im2col_kernel<scalar_t, int32_t><<<blocks_for(total), kThreads, 0, stream>>>(
-              g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), int32_t(total));
-        } else {
-          im2col_kernel<scalar_t, int64_t><<<blocks_for(total), kThreads, 0, stream>>>(
-              g, go.const_data_ptr<scalar_t>(), gs, cols.mutable_data_ptr<scalar_t>(), total);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      const scalar_t* cp = cols.const_data_ptr<scalar_t>();
-      if (general_input) {
-        const scalar_t* wp = w.const_data_ptr<scalar_t>();
-        scalar_t* gip = grad_input.mutable_data_ptr<scalar_t>();
-        if (x_rows) {  // grad_input has x's layout, so it is a row matrix too
-          gemm_rows<scalar_t>(g.in_pixels(), cin_g, jg, cp, j, jg, false, wp, jg, cin_g * jg, true, gip,
-                              g.in_channels, cin_g, g.groups);
-        } else {
-          for (int64_t grp = 0; grp < g.groups; ++grp) {
-            gemm_rows<scalar_t>(cin_g, hw, jg, wp + grp * cin_g * jg, jg, 0, false, cp + grp * jg, j, hw * j, true,
-                                gip + grp * cin_g * hw, hw, g.in_channels * hw, g.batch);
-          }
-        }
-      }
-      if (general_weight) {
-        // The GEMM writes [C_in, J_g] in the column order `tap_major` says; straight into grad_weight
-        // when that is its memory order, else into a scratch matrix copied over (weights are small).
-        const bool weight_cl = layout_of(weight) == c10::MemoryFormat::ChannelsLast;
-        const bool in_place = tap_major == weight_cl || (g.kernel_h == 1 && g.kernel_w == 1);
-        at::Tensor gw = in_place ? grad_weight
-                                 : at::empty(tap_major ? at::IntArrayRef{g.in_channels, g.kernel_h, g.kernel_w,
-                                                                         g.cout_g()}
-                                                       : weight.sizes(),
-                                             weight.options());
-        scalar_t* gwp = gw.mutable_data_ptr<scalar_t>();
-        if (x_rows) {
-          gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
-                              cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
-        } else {
-          const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
-          gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
-                              cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
-        }
-        if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
-      }
-    });
-  }
+  run_conv_transpose2d_backward_cuda(g, go, input4, weight, grad_input, grad_weight, std::nullopt);
   if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
   return {grad_input, grad_weight, grad_bias};
 }

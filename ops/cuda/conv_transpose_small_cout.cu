@@ -46,7 +46,12 @@ struct SmallArgs {
   const void* bias;  // nullptr when none
   void* out;         // forward output or grad_input
   Strides4d os;
+  // grad_input is stored through leaky_relu with this negative slope (1: as computed). hierpar::conv2d's forward is
+  // this grad_input, so its following leaky_relu costs no pass of its own.
+  float grad_input_slope;
 };
+
+__device__ inline float leaky(float v, float slope) { return v < 0.f ? v * slope : v; }
 
 constexpr int kThreads = 256;
 
@@ -217,6 +222,8 @@ __global__ void __launch_bounds__(kThreads) small_cout_grad_input_kernel(const S
         acc[6] = fmaf(gv[j], w1.z, acc[6]);
         acc[7] = fmaf(gv[j], w1.w, acc[7]);
       }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = leaky(acc[i], a.grad_input_slope);
       if (active) store8(gin + (c0 + cs) * a.os.c, a.os.c, acc, min(8, cn - cs), vec_store);
     }
   }
@@ -429,7 +436,8 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(
           const int ix = ix0 + mt * 16 + g + 8 * h;
           if (ix >= a.W) continue;
           scalar_t* p = gi + ix * a.os.x + ci * a.os.c;
-          const scalar_t v0 = static_cast<scalar_t>(acc[mt][2 * h]), v1 = static_cast<scalar_t>(acc[mt][2 * h + 1]);
+          const scalar_t v0 = static_cast<scalar_t>(leaky(acc[mt][2 * h], a.grad_input_slope)),
+                         v1 = static_cast<scalar_t>(leaky(acc[mt][2 * h + 1], a.grad_input_slope));
           if (pair_store) {
             *reinterpret_cast<uint32_t*>(p) = uint32_t(v0.x) | uint32_t(v1.x) << 16;
           } else {
@@ -608,6 +616,7 @@ SmallArgs base_args(const ConvTranspose2dGeometry& g) {
   a.cout = int(g.out_channels);
   a.H = int(g.in_h);
   a.W = int(g.in_w);
+  a.grad_input_slope = 1.f;
   return a;
 }
 
@@ -659,9 +668,11 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
 }
 
 void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
-                                  const at::Tensor& weight, const at::Tensor& grad_input) {
+                                  const at::Tensor& weight, const at::Tensor& grad_input,
+                                  std::optional<double> leaky_relu_slope) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
   SmallArgs a = base_args(g);
+  a.grad_input_slope = float(leaky_relu_slope.value_or(1.0));
   a.w = weight.const_data_ptr();
   a.ws = strides_of(weight);
   a.go = grad_output4.const_data_ptr();

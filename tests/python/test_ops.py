@@ -71,6 +71,28 @@ def conv_transpose2d_backward_samples(dtype, device):
                [True, True, b is not None])
 
 
+def conv2d_samples(dtype, device):
+    x = random_tensor([2, 4, 7, 6], dtype, device, "contiguous").requires_grad_()
+    w = random_tensor([3, 4, 3, 2], dtype, device).requires_grad_()
+    b = random_tensor([3], dtype, device).requires_grad_()
+    yield (x, w, b, [2, 1], [1, 0], [1, 1], 1, None)
+    # DCGAN's first discriminator layer (the small-C_in route) with its fused LeakyReLU.
+    x2 = random_tensor([2, 3, 8, 6], dtype, device, "channels_last").requires_grad_()
+    w2 = random_tensor([16, 3, 4, 4], dtype, device).requires_grad_()
+    yield (x2, w2, None, [2, 2], [1, 1], [1, 1], 1, 0.2)
+    x3 = random_tensor([1, 4, 6, 5], dtype, device, "strided").requires_grad_()
+    w3 = random_tensor([4, 2, 2, 3], dtype, device).requires_grad_()
+    yield (x3, w3, None, [1, 2], [0, 1], [2, 1], 2, None)
+
+
+def conv2d_backward_samples(dtype, device):
+    for x, w, b, stride, padding, dilation, groups, _ in conv2d_samples(dtype, device):
+        with torch.no_grad():
+            out = hp.conv2d(x, w, b, stride, padding, dilation, groups)
+        yield (torch.randn_like(out), x.detach(), w.detach(), stride, padding, dilation, groups,
+               [True, True, b is not None])
+
+
 SAMPLES = {
     hp.max_pool2d.default: max_pool2d_samples,
     hp.max_pool2d_backward.default: max_pool2d_backward_samples,
@@ -78,6 +100,8 @@ SAMPLES = {
     hp.batch_norm_act_backward.default: batch_norm_act_backward_samples,
     hp.conv_transpose2d.default: conv_transpose2d_samples,
     hp.conv_transpose2d_backward.default: conv_transpose2d_backward_samples,
+    hp.conv2d.default: conv2d_samples,
+    hp.conv2d_backward.default: conv2d_backward_samples,
 }
 
 

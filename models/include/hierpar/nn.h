@@ -3,5 +3,6 @@
 #pragma once
 
 #include "hierpar/nn/batch_norm.h"
+#include "hierpar/nn/conv2d.h"
 #include "hierpar/nn/conv_transpose.h"
 #include "hierpar/nn/max_pool.h"

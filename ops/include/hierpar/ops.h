@@ -53,4 +53,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward(
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask);
 
+// Convolution with at::conv2d's semantics, weight layout [C_out, C_in/groups, kH, kW] and output memory format
+// (channels_last when the input or the weight is). Computed as the dual transposed convolution on
+// conv_transpose2d's kernels (no cuDNN). With leaky_relu_slope (>= 0) it returns
+// leaky_relu(conv2d(...), leaky_relu_slope), applied as the kernels store where they can (C_in <= 4, kernel 4,
+// stride 2, padding 1, no bias on CUDA), and differentiates through it.
+at::Tensor conv2d(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias = std::nullopt,
+                  at::IntArrayRef stride = {1, 1}, at::IntArrayRef padding = {0, 0}, at::IntArrayRef dilation = {1, 1},
+                  int64_t groups = 1, std::optional<double> leaky_relu_slope = std::nullopt);
+
+// Returns (grad_input, grad_weight, grad_bias), each computed only where output_mask says so; grad_input has the
+// input's memory format, grad_weight the weight's. grad_output is the convolution's (before any activation).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                               const at::Tensor& weight, at::IntArrayRef stride,
+                                                               at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                               int64_t groups, std::array<bool, 3> output_mask);
+
 }  // namespace hierpar::ops

@@ -71,7 +71,7 @@ class DiscriminatorImpl : public torch::nn::Cloneable<DiscriminatorImpl> {
   DCGANOptions options;
 
  private:
-  std::vector<Layer> convs_;  // conv1..convL (plain torch::nn::Conv2d in both layer sets)
+  std::vector<Layer> convs_;  // conv1 (with its LeakyReLU(0.2)) .. convL, from make_conv2d
   std::vector<Layer> norms_;  // bn2..bn(L-1), each with its LeakyReLU(0.2)
 };
 TORCH_MODULE(Discriminator);

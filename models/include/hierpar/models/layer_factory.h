@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace hierpar::models {
@@ -23,6 +24,11 @@ struct Layer {
 };
 
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options);
+// hierpar::nn::Conv2d in the hierpar set only where hierpar's kernels beat cuDNN: C_in <= 4, kernel 4, stride 2,
+// padding 1 (a discriminator's first layer); torch::nn::Conv2d otherwise, and in the stock set. With
+// leaky_relu_slope the layer's forward includes leaky_relu (fused into hierpar's kernels, functional in stock's).
+Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options,
+                  std::optional<double> leaky_relu_slope = std::nullopt);
 // BatchNorm2d followed by `activation` (negative_slope for leaky_relu).
 Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activation activation,
                             double negative_slope);

@@ -15,11 +15,9 @@
 // are real steps); the next is captured and replayed; from then on a step is a copy of the batch into a
 // static input buffer and the replays. The noise is drawn inside the graph from the device's default CUDA
 // generator (graph-safe: the same numbers as an eager step would draw), the optimisers are FusedAdam
-// (capturable), the losses go to the device buffer. With collective (NCCL) averaging the all-reduces are
-// captured too, bucket hooks included: the step is one graph per replica, and each replay is followed by one
-// small all-reduce that the process group's watchdog sees (captured collectives are invisible to it), so a
-// dead peer still ends the run by the timeout. Host averaging reads gradients on CPU threads: its step is
-// captured as three graphs replayed in order, with the averaging of D's and G's gradients run between them.
+// (capturable), the losses go to the device buffer. With gradient averaging (data parallelism) the step is
+// captured as three graphs replayed in order, with the averaging of D's and G's gradients run eagerly
+// between them: host averaging reads gradients on CPU threads and NCCL collectives are not captured here.
 // Task and hierarchical placements keep G and D on two devices and run one autograd backward across them,
 // which a per-device capture cannot split: they run eagerly (graph_fallback() says why).
 //

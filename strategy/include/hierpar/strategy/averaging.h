@@ -58,17 +58,6 @@ class GradientAverager {
   // replica must call it in the same order relative to its other calls for `network`; it may be called
   // from the autograd engine's thread of the replica's device.
   virtual void sum(int64_t local, Network network, const at::Tensor& tensor) = 0;
-
-  // True when average() and the hooks attach() registers only queue device work, stream-ordered on the
-  // calling thread's current stream (NCCL collectives): a CUDA graph capture of the step may then contain
-  // the averaging. Host averaging reads the gradients on the CPU and cannot be captured.
-  virtual bool capturable() const { return false; }
-
-  // Under CUDA graphs, captured collectives are invisible to the process groups' watchdogs. Called by local
-  // replica `local` after each replay of its graph: one small collective that the watchdog does watch,
-  // ordered after the replay and before the next one on the current stream (the host does not wait), so
-  // that a peer that died or stopped makes this process fail by the timeout instead of waiting forever.
-  virtual void watch(int64_t /*local*/) {}
 };
 
 struct AveragingOptions {

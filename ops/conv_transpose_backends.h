@@ -1,0 +1,36 @@
+// The CPU and CUDA backends of hierpar::conv_transpose2d as functions of a geometry and caller-allocated
+// outputs (private to hierpar_ops). The registered conv_transpose2d ops check their arguments, allocate and
+// call these; hierpar::conv2d calls them with the dual arguments (a convolution is the grad_input of the
+// transposed convolution with the same weight, see conv2d_shape.h), so both ops run the same kernels.
+#pragma once
+
+#include "conv_transpose_shape.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace hierpar::detail {
+
+// out = conv_transpose2d(input4, weight) + bias. input4: 4-d, any strides. out: [N, C_out, H_out, W_out],
+// dense (contiguous or channels_last). bias: undefined or [C_out].
+void run_conv_transpose2d_forward_cpu(const ConvTranspose2dGeometry& g, const at::Tensor& input4,
+                                      const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& out);
+void run_conv_transpose2d_forward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& input4,
+                                       const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& out);
+
+// grad_input [N, C_in, H, W] and grad_weight (weight's shape) of conv_transpose2d, each undefined when not asked
+// for, else allocated by the caller: grad_input dense (contiguous or channels_last), grad_weight any strides.
+// input4 is read only for grad_weight (it may be undefined otherwise). grad_bias is the caller's (a sum).
+// With grad_input_leaky_relu_slope, grad_input is leaky_relu(grad_input, slope): hierpar::conv2d's fused
+// activation, applied as the small-C_out CUDA kernels store (a separate in-place pass on the other routes).
+void run_conv_transpose2d_backward_cpu(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                       const at::Tensor& input4, const at::Tensor& weight,
+                                       const at::Tensor& grad_input, const at::Tensor& grad_weight,
+                                       std::optional<double> grad_input_leaky_relu_slope);
+void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                        const at::Tensor& input4, const at::Tensor& weight,
+                                        const at::Tensor& grad_input, const at::Tensor& grad_weight,
+                                        std::optional<double> grad_input_leaky_relu_slope);
+
+}  // namespace hierpar::detail

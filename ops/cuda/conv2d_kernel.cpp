@@ -1,0 +1,36 @@
+// CUDA kernels of hierpar::conv2d and its backward: conv_transpose2d's CUDA backend with the dual arguments
+// (conv2d_shape.h, conv2d_dual.h), so no cuDNN; the backend sets the device guard. DCGAN's first discriminator
+// layer (C_in <= 4, kernel 4, stride 2, padding 1) is the dual of the small-C_out transposed convolution: its
+// forward runs k4s2p1_small_cout_grad_input, its grad_input k4s2p1_small_cout_forward and its grad_weight
+// k4s2p1_small_cout_grad_weight (ops/cuda/conv_transpose_small_cout.cu), tensor-core kernels in bf16/fp16 when
+// C_out % 16 == 0; k4s2p1 layers with C_in >= 16 take the implicit-GEMM kernels of conv_transpose_k4s2p1.cu.
+#include "conv2d_dual.h"
+
+#include <torch/library.h>
+
+namespace hierpar::detail {
+namespace {
+
+constexpr ConvTranspose2dBackend kCuda{&run_conv_transpose2d_forward_cuda, &run_conv_transpose2d_backward_cuda};
+
+at::Tensor conv2d_cuda(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                       std::optional<double> leaky_relu_slope) {
+  return conv2d_on(kCuda, input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cuda(const at::Tensor& grad_output,
+                                                                    const at::Tensor& input, const at::Tensor& weight,
+                                                                    at::IntArrayRef stride, at::IntArrayRef padding,
+                                                                    at::IntArrayRef dilation, int64_t groups,
+                                                                    std::array<bool, 3> output_mask) {
+  return conv2d_backward_on(kCuda, grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+}
+
+}  // namespace
+}  // namespace hierpar::detail
+
+TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
+  m.impl("conv2d", TORCH_FN(hierpar::detail::conv2d_cuda));
+  m.impl("conv2d_backward", TORCH_FN(hierpar::detail::conv2d_backward_cuda));
+}
