@@ -33,8 +33,8 @@ library_path: str = _find_library()
 """The libhierpar_ops.so that was loaded (C++ programs load the same file to run TorchScript using it)."""
 _torch.ops.load_library(library_path)
 
-from ._functional import batch_norm_act, conv_transpose2d, max_pool2d, max_pool2d_with_indices  # noqa: E402
+from ._functional import batch_norm_act, conv2d, conv_transpose2d, max_pool2d, max_pool2d_with_indices  # noqa: E402
 from . import nn  # noqa: E402
 
-__all__ = ["batch_norm_act", "conv_transpose2d", "max_pool2d", "max_pool2d_with_indices", "nn", "library_path"]
+__all__ = ["batch_norm_act", "conv2d", "conv_transpose2d", "max_pool2d", "max_pool2d_with_indices", "nn", "library_path"]
 __version__ = "0.1.0"

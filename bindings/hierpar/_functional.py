@@ -125,3 +125,21 @@ def conv_transpose2d(
     return torch.ops.hierpar.conv_transpose2d(
         input, weight, bias, _pair(stride), _pair(padding), _pair(output_padding), groups, _pair(dilation)
     )
+
+
+def conv2d(
+    input: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: BroadcastingList2[int] = 1,
+    padding: BroadcastingList2[int] = 0,
+    dilation: BroadcastingList2[int] = 1,
+    groups: int = 1,
+    leaky_relu_slope: Optional[float] = None,
+) -> Tensor:
+    """Like torch.nn.functional.conv2d (weight [C_out, C_in/groups, kH, kW], integer padding), on hierpar::conv2d:
+    the transposed convolution's kernels run backwards, fastest for few input channels. With leaky_relu_slope
+    (>= 0) the output is leaky_relu(conv2d(...), leaky_relu_slope), fused."""
+    return torch.ops.hierpar.conv2d(
+        input, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups, leaky_relu_slope
+    )

@@ -1,4 +1,4 @@
-"""Drop-in replacements for torch.nn.MaxPool2d, BatchNorm2d and ConvTranspose2d, and BatchNormAct2d (BatchNorm2d
+"""Drop-in replacements for torch.nn.MaxPool2d, BatchNorm2d, ConvTranspose2d and Conv2d, and BatchNormAct2d (BatchNorm2d
 with the following ReLU/LeakyReLU fused in), on torch.ops.hierpar.
 
 Each is a subclass of the torch.nn class (BatchNormAct2d: of torch.nn's batch-norm base) that replaces only
@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._functional import batch_norm_act, conv_transpose2d, max_pool2d
+from ._functional import batch_norm_act, conv2d, conv_transpose2d, max_pool2d
 
-__all__ = ["MaxPool2d", "BatchNorm2d", "BatchNormAct2d", "ConvTranspose2d"]
+__all__ = ["MaxPool2d", "BatchNorm2d", "BatchNormAct2d", "ConvTranspose2d", "Conv2d"]
 
 _ACTIVATIONS = ("identity", "relu", "leaky_relu")
 
@@ -115,3 +115,23 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
             input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)
         return conv_transpose2d(
             input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
+
+
+class Conv2d(torch.nn.Conv2d):
+    """torch.nn.Conv2d on hierpar::conv2d, which runs the transposed convolution's kernels backwards: it beats cuDNN
+    for few input channels (a discriminator's RGB layer) in bf16/fp16 on the GPU, and is slower for wide layers
+    (docs/conv2d.md). forward_with_leaky_relu fuses the activation that follows it."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.forward_with_leaky_relu(input, None)
+
+    def forward_with_leaky_relu(self, input: Tensor, negative_slope: Optional[float]) -> Tensor:
+        # String padding ("same", "valid") and non-zero padding modes pad the input first, as torch.nn.Conv2d does
+        # for its padding modes; the op then runs without padding.
+        padding = self.padding
+        if isinstance(padding, str) or self.padding_mode != "zeros":
+            mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
+            input = torch.nn.functional.pad(input, self._reversed_padding_repeated_twice, mode=mode)
+            return conv2d(input, self.weight, self.bias, self.stride, [0, 0], self.dilation, self.groups,
+                          negative_slope)
+        return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups, negative_slope)
