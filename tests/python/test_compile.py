@@ -13,7 +13,8 @@ from conftest import random_tensor
 
 
 class SmallNet(torch.nn.Module):
-    """ConvTranspose2d -> BatchNormAct2d(leaky_relu) -> MaxPool2d -> BatchNorm2d -> ConvTranspose2d."""
+    """ConvTranspose2d -> BatchNormAct2d(leaky_relu) -> MaxPool2d -> BatchNorm2d -> ConvTranspose2d ->
+    Conv2d with its LeakyReLU fused."""
 
     def __init__(self):
         super().__init__()
@@ -22,12 +23,17 @@ class SmallNet(torch.nn.Module):
         self.pool = hierpar.nn.MaxPool2d(2)
         self.bn = hierpar.nn.BatchNorm2d(6)
         self.head = hierpar.nn.ConvTranspose2d(6, 2, 3, padding=1)
+        self.conv = hierpar.nn.Conv2d(2, 3, 4, stride=2, padding=1, bias=False)
+
+    @staticmethod
+    def output_size(n, h, w):
+        return (n, 3, h // 2, w // 2)  # the deconv doubles, the pool halves, the head keeps, the conv halves (floor)
 
     def forward(self, x):
-        return self.head(self.bn(self.pool(self.bn_act(self.deconv(x)))))
+        return self.conv.forward_with_leaky_relu(self.head(self.bn(self.pool(self.bn_act(self.deconv(x))))), 0.2)
 
 
-OPS = {"conv_transpose2d", "batch_norm_act", "max_pool2d"}
+OPS = {"conv_transpose2d", "batch_norm_act", "max_pool2d", "conv2d"}
 
 
 def hierpar_ops_in(graph):
@@ -59,7 +65,7 @@ def test_compile_fullgraph_records_every_forward_and_backward_op():
     model = SmallNet()
     compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
     x = random_tensor([3, 4, 5, 6])
-    train_step(compiled, x, torch.randn(3, 2, 5, 6))
+    train_step(compiled, x, torch.randn(SmallNet.output_size(3, 5, 6)))
     assert len(graphs) == 2, "expected one forward and one backward graph (no graph break)"
     assert hierpar_ops_in(graphs[0]) == OPS
     assert hierpar_ops_in(graphs[1]) == {name + "_backward" for name in OPS}
@@ -72,7 +78,7 @@ def test_compile_inductor_matches_eager():
     compiled = torch.compile(model, fullgraph=True)
     for step in range(2):  # the second call reuses the compiled graph (same shapes)
         x = random_tensor([3, 4, 5, 6])
-        upstream = torch.randn(3, 2, 5, 6)
+        upstream = torch.randn(SmallNet.output_size(3, 5, 6))
         x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
         torch.testing.assert_close(train_step(compiled, x_compiled, upstream), train_step(eager, x_eager, upstream))
         torch.testing.assert_close(x_compiled.grad, x_eager.grad)
@@ -106,7 +112,7 @@ def test_compile_dynamic_shapes_matches_eager():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     for n, h, w in [(2, 5, 6), (5, 7, 4)]:
         x = random_tensor([n, 4, h, w])
-        upstream = torch.randn(n, 2, h, w)
+        upstream = torch.randn(SmallNet.output_size(n, h, w))
         x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
         torch.testing.assert_close(train_step(compiled, x_compiled, upstream), train_step(eager, x_eager, upstream))
         torch.testing.assert_close(x_compiled.grad, x_eager.grad)
