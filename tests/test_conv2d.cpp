@@ -18,6 +18,7 @@
 // autograd and stock's both compute there, rounding included: a gradient summed with cancellation, e.g. grad_bias,
 // would otherwise show that rounding well above the output-scale tolerance); the forward, a continuous function,
 // is compared as is, and float64 compares the whole chain with ATen's autograd.
+#include "conv_testing.h"
 #include "testing.h"
 
 #include "hierpar/nn/conv2d.h"
@@ -33,11 +34,16 @@
 namespace {
 
 using hierpar::testing::coin;
+using hierpar::testing::compare;
+using hierpar::testing::conv_rel_tolerance;
 using hierpar::testing::expect_close;
 using hierpar::testing::Layout;
+using hierpar::testing::opt;
 using hierpar::testing::rand_int;
 using hierpar::testing::random_tensor;
+using hierpar::testing::scaled;
 using hierpar::testing::Tolerance;
+using Results = hierpar::testing::ConvResults;
 
 struct Case {
   int64_t batch, cin, cout, h, w, groups;
@@ -107,21 +113,6 @@ Case small_cin_case(int64_t cout, int64_t batch, Layout layout) {
               coin(), layout, coin(), false, random_slope()};
 }
 
-Tolerance scaled(double rel, const torch::Tensor& reference) {
-  const double scale = reference.defined() && reference.numel() > 0 ? reference.abs().max().item<double>() : 1.0;
-  return {rel, rel * std::max(scale, 1e-30)};
-}
-
-double rel_tolerance(c10::ScalarType dtype, bool cuda) {
-  switch (dtype) {
-    case torch::kDouble: return 1e-10;
-    case torch::kFloat: return cuda ? 2e-3 : 1e-5;
-    case torch::kBFloat16: return 1e-2;
-    case torch::kHalf: return 2e-3;
-    default: return 0;
-  }
-}
-
 struct Tensors {
   torch::Tensor input, weight, bias, grad_output;
 };
@@ -141,13 +132,6 @@ Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
   return t;
 }
 
-struct Results {
-  torch::Tensor output, grad_input, grad_weight, grad_bias;
-};
-
-std::optional<torch::Tensor> opt(const torch::Tensor& t) {
-  return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
-}
 
 // Forward + backward through autograd, with hierpar's op or ATen's (at::leaky_relu after at::conv2d when the case
 // has a slope). `mask_from`: an output in t's dtype whose leaky_relu backward (in that dtype) ATen's convolution
@@ -177,20 +161,13 @@ Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dty
   return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
 }
 
-void compare(const Results& got, const Results& ref, double rel, const std::string& what) {
-  expect_close(got.output, ref.output, scaled(rel, ref.output), what + " output");
-  expect_close(got.grad_input, ref.grad_input, scaled(rel, ref.grad_input), what + " grad_input");
-  expect_close(got.grad_weight, ref.grad_weight, scaled(rel, ref.grad_weight), what + " grad_weight");
-  if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
-}
-
 // hierpar's forward + backward of `c` in `t`'s dtype and device against ATen's in float64; on CUDA also against
 // hierpar on the CPU. Output and grad_input keep a channels_last input's layout.
 void check_case(const Case& c, const Tensors& t, const std::string& what) {
   const auto dtype = t.input.scalar_type();
   const bool cuda = t.input.is_cuda();
   const auto got = run(c, t, /*aten=*/false);
-  compare(got, run(c, t, /*aten=*/true, torch::kDouble, dtype == torch::kDouble ? torch::Tensor() : got.output), rel_tolerance(dtype, cuda),
+  compare(got, run(c, t, /*aten=*/true, torch::kDouble, dtype == torch::kDouble ? torch::Tensor() : got.output), conv_rel_tolerance(dtype, cuda),
           what);
   EXPECT_EQ(got.output.device(), t.input.device()) << what;
   EXPECT_EQ(got.output.scalar_type(), dtype) << what;
@@ -202,7 +179,7 @@ void check_case(const Case& c, const Tensors& t, const std::string& what) {
   if (cuda) {
     Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
     const auto cpu = run(c, on_cpu, /*aten=*/false);
-    const double rel = rel_tolerance(dtype, true) + rel_tolerance(dtype, false);
+    const double rel = conv_rel_tolerance(dtype, true) + conv_rel_tolerance(dtype, false);
     if (c.slope && dtype != torch::kDouble) {
       // The two backends' masks may differ where an output is within rounding of 0 (see the top): outputs only.
       expect_close(got.output, cpu.output, scaled(rel, cpu.output), what + " vs CPU output");
@@ -346,7 +323,7 @@ TEST(Conv2dAutocast, RunsInTheLowerPrecisionLikeAten) {
   at::autocast::clear_cache();
   EXPECT_EQ(got.scalar_type(), expected.scalar_type());
   EXPECT_EQ(got.scalar_type(), torch::kBFloat16);
-  expect_close(got, expected, scaled(rel_tolerance(torch::kBFloat16, false), expected.to(torch::kDouble)),
+  expect_close(got, expected, scaled(conv_rel_tolerance(torch::kBFloat16, false), expected.to(torch::kDouble)),
                "autocast conv2d");
 }
 
@@ -410,7 +387,7 @@ void check_output_layouts(const torch::Device& device) {
             << what << ": ATen";
       }
       EXPECT_EQ(got.strides(), on_meta.strides()) << what;
-      expect_close(got, expected, scaled(rel_tolerance(torch::kFloat, device.is_cuda()), expected), what);
+      expect_close(got, expected, scaled(conv_rel_tolerance(torch::kFloat, device.is_cuda()), expected), what);
     }
   }
 }

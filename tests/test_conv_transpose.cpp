@@ -11,6 +11,7 @@
 //  - bfloat16: 1e-2. The result is rounded to bf16 (2^-9 = 2e-3 relative), and on CUDA the GEMM result
 //    (the column buffer) is rounded once more before the col2im sum: a few units of 2e-3.
 //  - float16: 2e-3. The same two roundings at 2^-12 = 2.4e-4 each, plus fp16 output rounding.
+#include "conv_testing.h"
 #include "testing.h"
 
 #include "hierpar/nn/conv_transpose.h"
@@ -23,11 +24,16 @@
 namespace {
 
 using hierpar::testing::coin;
+using hierpar::testing::compare;
+using hierpar::testing::conv_rel_tolerance;
 using hierpar::testing::expect_close;
 using hierpar::testing::Layout;
+using hierpar::testing::opt;
 using hierpar::testing::rand_int;
 using hierpar::testing::random_tensor;
+using hierpar::testing::scaled;
 using hierpar::testing::Tolerance;
+using Results = hierpar::testing::ConvResults;
 
 struct Case {
   int64_t batch, cin, cout, h, w, groups;
@@ -81,21 +87,6 @@ Case random_case() {
   return c;
 }
 
-Tolerance scaled(double rel, const torch::Tensor& reference) {
-  const double scale = reference.defined() && reference.numel() > 0 ? reference.abs().max().item<double>() : 1.0;
-  return {rel, rel * std::max(scale, 1e-30)};
-}
-
-double rel_tolerance(c10::ScalarType dtype, bool cuda) {
-  switch (dtype) {
-    case torch::kDouble: return 1e-10;
-    case torch::kFloat: return cuda ? 2e-3 : 1e-5;
-    case torch::kBFloat16: return 1e-2;
-    case torch::kHalf: return 2e-3;
-    default: return 0;
-  }
-}
-
 struct Tensors {
   torch::Tensor input, weight, bias, grad_output;
 };
@@ -115,13 +106,6 @@ Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
   return t;
 }
 
-struct Results {
-  torch::Tensor output, grad_input, grad_weight, grad_bias;
-};
-
-std::optional<torch::Tensor> opt(const torch::Tensor& t) {
-  return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
-}
 
 // Forward + backward through autograd, with hierpar's op or ATen's.
 Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dtype> as = std::nullopt) {
@@ -138,18 +122,11 @@ Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dty
   return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
 }
 
-void compare(const Results& got, const Results& ref, double rel, const std::string& what) {
-  expect_close(got.output, ref.output, scaled(rel, ref.output), what + " output");
-  expect_close(got.grad_input, ref.grad_input, scaled(rel, ref.grad_input), what + " grad_input");
-  expect_close(got.grad_weight, ref.grad_weight, scaled(rel, ref.grad_weight), what + " grad_weight");
-  if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
-}
-
 // hierpar's forward + backward of `c` on CUDA in `dtype` against ATen's in float64; a channels_last input keeps
 // its layout through output and grad_input. Returns hierpar's results.
 Results check_cuda_case(const Case& c, const Tensors& t, torch::Dtype dtype, const std::string& what) {
   const auto got = run(c, t, /*aten=*/false);
-  compare(got, run(c, t, /*aten=*/true, torch::kDouble), rel_tolerance(dtype, true), what);
+  compare(got, run(c, t, /*aten=*/true, torch::kDouble), conv_rel_tolerance(dtype, true), what);
   if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
     EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
     EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
@@ -173,7 +150,7 @@ void check_random_cases(const torch::Device& device, int trials) {
       const auto got = run(c, t, /*aten=*/false);
       const auto ref = run(c, t, /*aten=*/true, torch::kDouble);
       const std::string what = std::string(cuda ? "CUDA " : "CPU ") + c10::toString(dtype) + " " + c.describe();
-      compare(got, ref, rel_tolerance(dtype, cuda), what);
+      compare(got, ref, conv_rel_tolerance(dtype, cuda), what);
       EXPECT_EQ(got.output.device().type(), device.type()) << what;
       EXPECT_EQ(got.output.scalar_type(), dtype) << what;
       // Inputs whose channels_last strides are also contiguous ones (one channel, 1x1) are taken as NCHW.
@@ -185,7 +162,7 @@ void check_random_cases(const torch::Device& device, int trials) {
         // The same op on the CPU, same dtype: the two backends agree within both tolerances.
         Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
         const auto cpu = run(c, on_cpu, /*aten=*/false);
-        compare(got, cpu, rel_tolerance(dtype, true) + rel_tolerance(dtype, false), what + " vs CPU");
+        compare(got, cpu, conv_rel_tolerance(dtype, true) + conv_rel_tolerance(dtype, false), what + " vs CPU");
       }
     }
   }
@@ -324,7 +301,7 @@ void check_output_layouts(const torch::Device& device) {
       EXPECT_EQ(got.is_contiguous(at::MemoryFormat::ChannelsLast), rule) << what;
       if (device.is_cpu()) EXPECT_EQ(expected.is_contiguous(at::MemoryFormat::ChannelsLast), rule) << what << ": ATen";
       EXPECT_EQ(got.strides(), on_meta.strides()) << what;
-      expect_close(got, expected, scaled(rel_tolerance(torch::kFloat, device.is_cuda()), expected), what);
+      expect_close(got, expected, scaled(conv_rel_tolerance(torch::kFloat, device.is_cuda()), expected), what);
     }
   }
 }
@@ -401,7 +378,7 @@ TEST(ConvTransposeCuda, DcganLayersEveryLayoutAndDtype) {
                {64, 32, 16, 2, 1, true}, {32, 3, 32, 2, 1, false}}) {
         Case c{8, cin, cout, hw, hw, 1, {4, 4}, {s, s}, {p, p}, {0, 0}, {1, 1}, bias, layout, coin(), false};
         const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
-        compare(run(c, t, false), run(c, t, true, torch::kDouble), rel_tolerance(dtype, true),
+        compare(run(c, t, false), run(c, t, true, torch::kDouble), conv_rel_tolerance(dtype, true),
                 std::string("CUDA ") + c10::toString(dtype) + " " + c.describe());
       }
     }
@@ -440,7 +417,7 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
       const auto only_weight = backward_only(c, t, {false, true, false});
       EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
       // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
-      expect_close(std::get<1>(only_weight), got.grad_weight, scaled(rel_tolerance(dtype, true), got.grad_weight),
+      expect_close(std::get<1>(only_weight), got.grad_weight, scaled(conv_rel_tolerance(dtype, true), got.grad_weight),
                    what + " grad_weight alone");
     }
   }
