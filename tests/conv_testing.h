@@ -6,6 +6,8 @@
 
 #include "testing.h"
 
+#include <array>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -40,6 +42,39 @@ inline void compare(const ConvResults& got, const ConvResults& ref, double rel, 
   expect_close(got.grad_input, ref.grad_input, scaled(rel, ref.grad_input), what + " grad_input");
   expect_close(got.grad_weight, ref.grad_weight, scaled(rel, ref.grad_weight), what + " grad_weight");
   if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
+}
+
+// Central finite differences (step 1e-6, in float64) of `loss`, a scalar function of (input, weight, bias), at 6
+// random elements of each defined tensor, against the analytic gradients in `got`.
+using ConvLoss = std::function<double(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch::Tensor& input,
+                                               const torch::Tensor& weight, const torch::Tensor& bias,
+                                               const ConvResults& got, const std::string& what) {
+  const double eps = 1e-6;
+  struct Wrt {
+    const char* name;
+    torch::Tensor value, grad;
+    int index;
+  };
+  for (const Wrt& wrt : {Wrt{"input", input, got.grad_input, 0}, Wrt{"weight", weight, got.grad_weight, 1},
+                         Wrt{"bias", bias, got.grad_bias, 2}}) {
+    if (!wrt.value.defined()) continue;
+    for (int probe = 0; probe < 6; ++probe) {
+      const int64_t i = rand_int(0, wrt.value.numel() - 1);
+      torch::Tensor plus = wrt.value.contiguous().clone(), minus = wrt.value.contiguous().clone();
+      plus.view(-1)[i] += eps;
+      minus.view(-1)[i] -= eps;
+      auto args = [&](const torch::Tensor& v) {
+        return std::array<torch::Tensor, 3>{wrt.index == 0 ? v : input, wrt.index == 1 ? v : weight,
+                                            wrt.index == 2 ? v : bias};
+      };
+      const auto ap = args(plus), am = args(minus);
+      const double numeric = (loss(ap[0], ap[1], ap[2]) - loss(am[0], am[1], am[2])) / (2 * eps);
+      const double analytic = wrt.grad.contiguous().view(-1)[i].item<double>();
+      EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric))) << wrt.name << " element " << i << " "
+                                                                             << what;
+    }
+  }
 }
 
 }  // namespace hierpar::testing

@@ -195,30 +195,7 @@ TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
           .sum()
           .item<double>();
     };
-    const double eps = 1e-6;
-    struct Wrt {
-      const char* name;
-      torch::Tensor value, grad;
-      int index;
-    };
-    for (Wrt wrt : {Wrt{"input", t.input, got.grad_input, 0}, Wrt{"weight", t.weight, got.grad_weight, 1},
-                    Wrt{"bias", t.bias, got.grad_bias, 2}}) {
-      for (int probe = 0; probe < 6; ++probe) {
-        const int64_t i = rand_int(0, wrt.value.numel() - 1);
-        torch::Tensor plus = wrt.value.contiguous().clone(), minus = wrt.value.contiguous().clone();
-        plus.view(-1)[i] += eps;
-        minus.view(-1)[i] -= eps;
-        auto args = [&](const torch::Tensor& v) {
-          return std::array<torch::Tensor, 3>{wrt.index == 0 ? v : t.input, wrt.index == 1 ? v : t.weight,
-                                              wrt.index == 2 ? v : t.bias};
-        };
-        const auto ap = args(plus), am = args(minus);
-        const double numeric = (loss(ap[0], ap[1], ap[2]) - loss(am[0], am[1], am[2])) / (2 * eps);
-        const double analytic = wrt.grad.contiguous().view(-1)[i].item<double>();
-        EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric)))
-            << wrt.name << " element " << i << " " << c.describe();
-      }
-    }
+    hierpar::testing::expect_finite_difference_gradients(loss, t.input, t.weight, t.bias, got, c.describe());
   }
 }
 
