@@ -9,6 +9,14 @@
 //    activation + activation backward + batch norm backward with the FASTER of ATen's native kernels
 //    (at::native_batch_norm[_backward]) and cuDNN's (at::cudnn_batch_norm[_backward]) at that shape, both
 //    timed, their medians in extra.stock_native_us / stock_cudnn_us; hierpar the two ops.
+//  - benches "batch_norm_act_fwd_graph" / "batch_norm_act_bwd_graph" (batch 1024 bf16 channels_last only):
+//    each direction alone, as the CUDA-graph training step runs it: the calls captured in a graph, cycling
+//    through enough copies of the inputs that each call finds its inputs out of L2 (>= 160 MB of other
+//    tensors in between), median per call. stock forward: native batch norm + in-place activation;
+//    stock backward: activation backward + native batch norm backward (cuDNN refuses bf16 input with fp32
+//    parameters). extra: compulsory_bytes (forward: read x, write out = 2 T; backward: read dy and out,
+//    write dx = 3 T, relu also reads x: 4 T), tb_per_s (compulsory_bytes / median) and floor_us
+//    (compulsory_bytes at the H200's measured 4.24 TB/s copy rate).
 // extra.saved_activation_bytes: the per-layer activation memory autograd keeps for the backward.
 //   stock: BN saves its input, the in-place activation its output: 2 tensors. hierpar: the output for
 //   leaky_relu/identity (1 tensor), input + output for relu (2 tensors; see docs/batch_norm_act.md).
@@ -17,10 +25,17 @@
 #include "hierpar/ops.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -46,6 +61,100 @@ std::vector<BnCase> cases(bool quick) {
     if (quick) break;
   }
   return out;
+}
+
+constexpr double kCopyBytesPerSecond = 4.24e12;  // H200, measured device-to-device copy (docs/batch_norm_act.md)
+
+// Times one replay of a graph holding `calls` captured by `capture`, per call.
+Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats) {
+  c10::cuda::device_synchronize();
+  at::cuda::CUDAGraph graph;
+  {
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    c10::cuda::CUDAStreamGuard guard(side);
+    graph.capture_begin();
+    capture();
+    graph.capture_end();
+  }
+  c10::cuda::device_synchronize();
+  Timing t = time_cuda([&] { graph.replay(); }, 3, repeats);
+  t.median_us /= calls;
+  t.min_us /= calls;
+  return t;
+}
+
+// Forward alone and backward alone, graph-captured, inputs out of L2 (see the file comment).
+void time_directions(Report& report, const BnCase& c, const Config& config, bool quick) {
+  at::AutoDispatchBelowADInplaceOrView no_autograd;
+  const bool leaky = std::string(c.activation) == "leaky_relu";
+  const double slope = 0.2, eps = 1e-5, momentum = 0.1;
+  const auto layout = c.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto opts = at::TensorOptions().device(at::kCUDA);
+  const int64_t C = c.shape[1];
+  const at::Tensor w = at::rand({C}, opts) + 0.5, b = at::rand({C}, opts) - 0.5;
+  at::Tensor rm = at::zeros({C}, opts), rv = at::ones({C}, opts);
+  int64_t numel = 1;
+  for (int64_t s : c.shape) numel *= s;
+  const double tensor_bytes = static_cast<double>(numel) * c10::elementSize(c.dtype);
+  const int copies = static_cast<int>(std::max<double>(2, std::ceil(160e6 / tensor_bytes)));
+  struct Copy {
+    at::Tensor x, dy, out, mean, invstd;        // hierpar
+    at::Tensor s_out, s_mean, s_invstd;         // stock
+  };
+  std::vector<Copy> cs(copies);
+  for (auto& k : cs) {
+    k.x = (at::rand(c.shape, opts) * 4 - 1).to(c.dtype).contiguous(layout);
+    k.dy = (at::rand(c.shape, opts) * 2 - 1).to(c.dtype).contiguous(layout);
+    std::tie(k.out, k.mean, k.invstd) =
+        hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope);
+    at::Tensor y;
+    std::tie(y, k.s_mean, k.s_invstd) = at::native_batch_norm(k.x, w, b, rm, rv, true, momentum, eps);
+    k.s_out = leaky ? at::leaky_relu_(y, slope) : at::relu_(y);
+  }
+  const int repeats = quick ? 5 : 20;
+  const Timing fwd_stock = time_graph_per_call([&] {
+    for (auto& k : cs) {
+      at::Tensor y = std::get<0>(at::native_batch_norm(k.x, w, b, rm, rv, true, momentum, eps));
+      if (leaky) at::leaky_relu_(y, slope);
+      else at::relu_(y);
+    }
+  }, copies, repeats);
+  const Timing fwd_ours = time_graph_per_call([&] {
+    for (auto& k : cs) hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope);
+  }, copies, repeats);
+  const Timing bwd_stock = time_graph_per_call([&] {
+    for (auto& k : cs) {
+      at::Tensor dyp = leaky ? at::leaky_relu_backward(k.dy, k.s_out, slope, true) : at::threshold_backward(k.dy, k.s_out, 0);
+      at::native_batch_norm_backward(dyp, k.x, w, rm, rv, k.s_mean, k.s_invstd, true, eps, {true, true, true});
+    }
+  }, copies, repeats);
+  const Timing bwd_ours = time_graph_per_call([&] {
+    for (auto& k : cs) {
+      hierpar::ops::batch_norm_act_backward(k.dy, k.out, leaky ? std::optional<at::Tensor>() : std::optional<at::Tensor>(k.x),
+                                            w, b, k.mean, k.invstd, true, eps, c.activation, slope, {true, true, true});
+    }
+  }, copies, repeats);
+
+  auto add = [&](const char* bench, const char* impl, const Timing& t, double bytes) {
+    const double floor_us = bytes / kCopyBytesPerSecond * 1e6;
+    report.add(bench, impl, config, t,
+               Config().set("compulsory_bytes", bytes).set("tb_per_s", bytes / (t.median_us * 1e-6) / 1e12)
+                   .set("floor_us", floor_us).set("inputs_copies", int64_t(copies)));
+  };
+  const double fwd_bytes = 2 * tensor_bytes, bwd_bytes = (leaky ? 3 : 4) * tensor_bytes;
+  add("batch_norm_act_fwd_graph", "stock", fwd_stock, fwd_bytes);
+  add("batch_norm_act_fwd_graph", "hierpar", fwd_ours, fwd_bytes);
+  add("batch_norm_act_bwd_graph", "stock", bwd_stock, bwd_bytes);
+  add("batch_norm_act_bwd_graph", "hierpar", bwd_ours, bwd_bytes);
+  auto line = [&](const char* dir, double bytes, const Timing& ours, const Timing& stock) {
+    std::printf("  %s %-18s %-16s hierpar %7.1f us %5.2f TB/s (%3.0f%% of floor %6.1f us) | stock %7.1f us %5.2f TB/s\n",
+                dir, c10::str(c10::IntArrayRef(c.shape)).c_str(), c.activation, ours.median_us,
+                bytes / ours.median_us * 1e-6, 100 * bytes / kCopyBytesPerSecond * 1e6 / ours.median_us,
+                bytes / kCopyBytesPerSecond * 1e6, stock.median_us, bytes / stock.median_us * 1e-6);
+  };
+  line("fwd", fwd_bytes, fwd_ours, fwd_stock);
+  line("bwd", bwd_bytes, bwd_ours, bwd_stock);
+  std::fflush(stdout);
 }
 
 void batch_norm_act_suite(Report& report, const Options& options) {
@@ -141,6 +250,7 @@ void batch_norm_act_suite(Report& report, const Options& options) {
     ops_extra.set("stock_backend", backend);
     report.add("batch_norm_act_fwd_bwd_ops", "stock", config, best, ops_extra);
     report.add("batch_norm_act_fwd_bwd_ops", "hierpar", config, time_cuda(ours_ops, 20, repeats), ours_extra);
+    if (c.dtype == at::kBFloat16 && c.channels_last) time_directions(report, c, config, options.quick);
   }
 }
 

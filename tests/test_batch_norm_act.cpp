@@ -756,6 +756,39 @@ TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
   }
 }
 
+// Split path with more rows per thread than a block stages in shared memory (~210 KB per block at one
+// block per SM: 27 rows of 16-byte vectors per thread for the forward, 13 for the backward's two streams,
+// 9 for three; fp32 kernels at two blocks per SM about half): both passes read the remaining rows from
+// global memory, the staged ones from shared memory. Such shapes hold more than the SMs' shared memory,
+// i.e. >= ~30 MB: the batch-1024 DCGAN layer with relu (the backward stages dy, out and x) and
+// leaky_relu, and an fp32 NCHW one with identity.
+TEST(BatchNormActCuda, SplitPathBeyondTheStagedRows) {
+  HIERPAR_REQUIRE_CUDA();
+  struct Shape {
+    std::vector<int64_t> shape;
+    c10::ScalarType dtype;
+    Layout layout;
+    const char* act;
+  };
+  for (const auto& s : {Shape{{1024, 64, 16, 16}, torch::kBFloat16, Layout::channels_last, "relu"},
+                        Shape{{1024, 64, 16, 16}, torch::kBFloat16, Layout::channels_last, "leaky_relu"},
+                        Shape{{64, 3, 256, 256}, torch::kFloat, Layout::contiguous, "identity"}}) {
+    Case c;
+    c.shape = s.shape;
+    c.dtype = s.dtype;
+    c.param_dtype = torch::kFloat;
+    c.layout = s.layout;
+    c.act = s.act;
+    c.slope = 0.2;
+    Inputs in = random_inputs(c, torch::kCUDA);
+    Result got = run_hierpar(c, in);
+    Result ref = run_reference(c, in, got.out);
+    compare(got, ref, c, scaled_rtol(c.dtype), "cuda beyond the staged rows");
+    check_branches(got, ref, c, "cuda beyond the staged rows");
+    check_direct_backward(c, in, got, ref, "cuda beyond the staged rows");
+  }
+}
+
 // The split path combines the partials in a fixed order in every block: two calls in a row give
 // bit-identical results (NCHW float32 and channels_last bfloat16 with several channel groups).
 TEST(BatchNormActCuda, SplitPathRepeatsExactly) {

@@ -406,8 +406,9 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   // ops/cuda/conv_transpose_small_cout.cu, bias or not; float64 and C_in * C_out > 1024 take the general path.
   //  - bf16 / fp16 with C_in % 16 == 0 take the tensor-core kernels (forward and grad_weight only for a channels_last
   //    input): half the random cases draw such a C_in, across the 32-channel chunks of the grad kernels (48, 80);
-  //    sizes across the 32 x 8 position tile (odd, 1..40, non-square); a batch large enough (140 images of 4 tiles
-  //    against at most 4 blocks per SM) that grad_weight's blocks loop over several tiles.
+  //    sizes across the 32 x 8 position tile (odd, 1..40, non-square); batches large enough that the persistent
+  //    blocks loop over several images or tiles (140 images of 4 tiles; 700 one-tile images in three 16-channel
+  //    forward chunks, against at most 4 blocks per SM).
   //  - fp32 and the other channel counts take the CUDA-core kernels (C_in 1..150 across their 16-channel forward and
   //    64-channel grad_input chunks), every input layout (strided views are read in place); their grad_weight goes
   //    the general path (column buffer + GEMM).
@@ -426,6 +427,11 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
     cases.push_back(Case{3, 48, 2, 9, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, layout, coin(), false});
   }
   cases.push_back(Case{140, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
+                       false, false});
+  cases.push_back(Case{700, 48, 3, 5, 7, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
+                       false, false});
+  // Two tiles across (the second tile's grad_output rows start mid-row) with whole 16-byte output rows.
+  cases.push_back(Case{5, 32, 4, 11, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
                        false, false});
   for (const Case& c : cases) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {

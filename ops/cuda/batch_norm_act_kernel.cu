@@ -7,8 +7,9 @@
 //    consecutive channels; a block has bx (<= 8) columns on threadIdx.x (a warp reads whole 128-byte rows
 //    segments) and 512/bx row lanes on threadIdx.y.
 //  - NCHW: a column is one channel (bx = 1), a row is V consecutive elements of one (n, c) plane.
-// Every thread keeps per-lane statistics (V channels in channels_last; V partial states of one channel in
-// NCHW, folded before the block reduction), reduces them through warp shuffles and shared memory.
+// Every thread keeps per-lane statistics (sums of values shifted by the lane's first value, turned into
+// Welford states once; V channels in channels_last, V partial states of one channel in NCHW, folded before
+// the block reduction), reduces them through warp shuffles and shared memory (Chan's formula).
 //  - One-kernel path (each channel group has <= 8 vectors per thread): one block per channel group does
 //    statistics, running-stat update and the elementwise pass (whose second read hits L1/L2). The backward
 //    likewise: sums of dy' and dy'*xhat, then grad_input.
@@ -17,9 +18,13 @@
 //    Each block writes a partial state, the grid synchronises, then every block combines its group's
 //    partials itself, in the same order in every block (so all get bit-identical statistics; block row 0
 //    writes them out), and goes on to the elementwise pass over its own rows.
-//  - The elementwise pass walks a thread's rows in reverse (those read last are the likeliest to be still
-//    in L2), loads them as last use (evict-first) and streams its stores, so writing the output does not
-//    evict input rows not yet re-read.
+//  - Split path: the first rows of each thread are staged in dynamic shared memory by cp.async (as many as
+//    the SM's shared memory leaves per block at the kernel's occupancy; every stream the kernel reads), so
+//    the elementwise pass reads them from there instead of L2/DRAM. Only the rows beyond those are read
+//    twice from global memory.
+//  - The elementwise pass walks a thread's global rows in reverse (those read last are the likeliest to be
+//    still in L2), loads them as last use (evict-first) and streams its stores, so writing the output does
+//    not evict input rows not yet re-read.
 #include "batch_norm_act_shape.h"
 #include "common.h"
 
@@ -86,20 +91,81 @@ __device__ __forceinline__ void store_streaming(VecT* p, const VecT& v) {
   __stcs(reinterpret_cast<Raw*>(p), raw);
 }
 
-// Calls use(load(r), r) for this thread's rows r = r0 + threadIdx.y + j * by (j = 0, 1, ...) below r1, in
-// reverse order, kUnroll loads before their uses.
+// Calls use(load(j), j) for this thread's rows j in [j0, j1) in reverse order, kUnroll loads before their
+// uses (j indexes the thread's rows: row r0 + threadIdx.y + j * blockDim.y).
 template <typename Load, typename Use>
-__device__ __forceinline__ void for_rows_reversed(int64_t r0, int64_t r1, int by, Load load, Use use) {
-  const int64_t first = r0 + threadIdx.y;
-  int64_t j = first < r1 ? (r1 - first + by - 1) / by : 0;  // rows of this thread
-  for (; j >= kUnroll; j -= kUnroll) {
-    decltype(load(first)) v[kUnroll];
+__device__ __forceinline__ void for_rows_reversed(int j0, int j1, Load load, Use use) {
+  int j = j1;
+  for (; j - j0 >= kUnroll; j -= kUnroll) {
+    decltype(load(j0)) v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load(first + (j - 1 - u) * by);
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(j - 1 - u);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) use(v[u], first + (j - 1 - u) * by);
+    for (int u = 0; u < kUnroll; ++u) use(v[u], j - 1 - u);
   }
-  for (; j > 0; --j) use(load(first + (j - 1) * by), first + (j - 1) * by);
+  for (; j > j0; --j) use(load(j - 1), j - 1);
+}
+
+// Calls add(load(j)) for this thread's rows j in [j0, j1) in order, kLoads loads in flight.
+template <int kLoads, typename Load, typename Add>
+__device__ __forceinline__ void for_rows(int j0, int j1, Load load, Add add) {
+  int j = j0;
+  for (; j + kLoads <= j1; j += kLoads) {
+    decltype(load(j0)) v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) v[u] = load(j + u);
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) add(v[u]);
+  }
+  for (; j < j1; ++j) add(load(j));
+}
+
+// Staging a block's rows in shared memory (split path): cp.async copies global -> shared without passing
+// through registers, so a thread can have all its staged rows in flight at once; the thread that copies
+// a vector is the only one that reads it, so waiting for its own copies is the only synchronisation.
+// cp.async moves 4, 8 or 16 bytes: 2-byte vectors (16-bit scalar path) are not staged.
+template <typename VecT>
+constexpr bool kStageable = sizeof(VecT) == 4 || sizeof(VecT) == 8 || sizeof(VecT) == 16;
+
+template <typename VecT>
+__device__ __forceinline__ void copy_async(VecT* dst, const VecT* src) {
+  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (sizeof(VecT) == 16) {  // .cg: through L2 only (no reuse from L1)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(sizeof(VecT)) : "memory");
+  }
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Requests the staged rows [0, jc) (stage(j) issues row j's copies) in four commit groups, so that their
+// use can start once the first quarter has landed.
+template <typename Stage>
+__device__ __forceinline__ void stage_rows(int jc, Stage stage) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    for (int j = jc * q / 4; j < jc * (q + 1) / 4; ++j) stage(j);
+    copy_async_commit();
+  }
+}
+
+// Calls use(j) for the staged rows [0, jc) in order, each quarter once its copies have landed.
+template <typename Use>
+__device__ __forceinline__ void for_staged_rows(int jc, Use use) {
+  copy_async_wait<3>();
+  for (int j = 0; j < jc / 4; ++j) use(j);
+  copy_async_wait<2>();
+  for (int j = jc / 4; j < jc * 2 / 4; ++j) use(j);
+  copy_async_wait<1>();
+  for (int j = jc * 2 / 4; j < jc * 3 / 4; ++j) use(j);
+  copy_async_wait<0>();
+  for (int j = jc * 3 / 4; j < jc; ++j) use(j);
 }
 
 // Rows of a channel column and how a block's rows are split.
@@ -110,7 +176,19 @@ struct Tile {
   int64_t L;      // H*W (NCHW addressing)
   int64_t chunk;  // rows per split
   int splits;
+  int staged_rows;  // rows per thread staged in shared memory (split path; 0: none)
   at::cuda::detail::IntDivider<uint32_t> div_lv;  // NCHW: row -> (n, vector in the plane)
+};
+
+// This thread's rows of its block's range [r0, r1): r0 + threadIdx.y + j * blockDim.y for j < count.
+struct ThreadRows {
+  int64_t first;
+  int count;
+  __device__ __forceinline__ ThreadRows(int64_t r0, int64_t r1, bool active) {
+    first = r0 + threadIdx.y;
+    count = active && first < r1 ? static_cast<int>((r1 - first + blockDim.y - 1) / blockDim.y) : 0;
+  }
+  __device__ __forceinline__ int64_t row(int j) const { return first + static_cast<int64_t>(j) * blockDim.y; }
 };
 
 template <bool kCL, int V>
@@ -293,7 +371,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   using VecT = Vec<scalar_t, V>;
   __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<W, W1, kBxMax<kCL, V>>];
   __shared__ acc_t s_scale[kMaxChannelsPerBlock], s_shift[kMaxChannelsPerBlock];
-  const int bx = blockDim.x, by = blockDim.y, tx = threadIdx.x;
+  const int bx = blockDim.x, tx = threadIdx.x;
   const int tid = threadIdx.y * bx + tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
   const bool active = col < t.cols;
@@ -301,37 +379,49 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   const int64_t r1 = min(t.rows, r0 + t.chunk);
   auto channel = [&](int k) { return kCL ? col * V + k : col; };
 
+  // The staged rows (dynamic shared memory): [row][thread] vectors, conflict-free.
+  extern __shared__ __align__(16) unsigned char staged_raw[];
+  const ThreadRows rows(r0, r1, active);
+  auto row_ptr = [&](int j) { return reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, rows.row(j))); };
+  // Rows [0, staged) of this thread live in shared memory from the statistics to the elementwise pass.
+  const int staged = min(rows.count, t.staged_rows);
+  VecT* const stage = reinterpret_cast<VecT*>(staged_raw) + tid;  // row j at stage[j * kThreads]
+
   acc_t scale[V], shift[V];
   if (a.training) {
-    auto load = [&](int64_t r) { return *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r)); };
-    // Welford per lane; the lanes share the count, so one division per vector.
-    acc_t n = 0, mean[V], m2[V];
+    if constexpr (kStageable<VecT>) {
+      stage_rows(staged, [&](int j) { copy_async(stage + j * kThreads, row_ptr(j)); });
+    }
+    // Per lane: sums of the values shifted by the lane's first value (no division per element, two
+    // independent accumulations), turned into (n, mean, m2) once at the end; the lanes share the count.
+    acc_t n = 0, first[V], s1[V], s2[V];
 #pragma unroll
-    for (int u = 0; u < V; ++u) mean[u] = m2[u] = 0;
+    for (int u = 0; u < V; ++u) first[u] = s1[u] = s2[u] = 0;
     auto add = [&](const VecT& v) {
+      if (n == acc_t(0)) {
+#pragma unroll
+        for (int u = 0; u < V; ++u) first[u] = static_cast<acc_t>(v.v[u]);
+      }
       n += acc_t(1);
-      const acc_t inv = acc_t(1) / n;
 #pragma unroll
       for (int u = 0; u < V; ++u) {
-        const acc_t xv = static_cast<acc_t>(v.v[u]);
-        const acc_t d = xv - mean[u];
-        mean[u] += d * inv;
-        m2[u] += d * (xv - mean[u]);
+        const acc_t d = static_cast<acc_t>(v.v[u]) - first[u];
+        s1[u] += d;
+        s2[u] += d * d;
       }
     };
-    if (active) {
-      // 16-bit channels_last: twice the loads in flight, which the registers allow without lowering the
-      // blocks per SM (one 512-thread block at 78 registers either way).
-      constexpr int kStatsUnroll = kCL && V == 8 ? 2 * kUnroll : kUnroll;
-      int64_t r = r0 + threadIdx.y;
-      for (; r + (kStatsUnroll - 1) * by < r1; r += kStatsUnroll * by) {
-        VecT v[kStatsUnroll];
+    // The rows beyond the staged ones (while the staged copies are in flight), then the staged rows.
+    // 16-bit channels_last: twice the loads in flight, which the registers allow without lowering the
+    // blocks per SM.
+    constexpr int kStatsUnroll = kCL && V == 8 ? 2 * kUnroll : kUnroll;
+    for_rows<kStatsUnroll>(staged, rows.count, [&](int j) { return *row_ptr(j); }, add);
+    for_staged_rows(staged, [&](int j) { add(stage[j * kThreads]); });
+    acc_t mean[V], m2[V];
 #pragma unroll
-        for (int u = 0; u < kStatsUnroll; ++u) v[u] = load(r + u * by);
-#pragma unroll
-        for (int u = 0; u < kStatsUnroll; ++u) add(v[u]);
-      }
-      for (; r < r1; r += by) add(load(r));
+    for (int u = 0; u < V; ++u) {
+      const acc_t d = n > acc_t(0) ? s1[u] / n : acc_t(0);
+      mean[u] = first[u] + d;
+      m2[u] = max(s2[u] - s1[u] * d, acc_t(0));
     }
     W w;
     if constexpr (kCL) {
@@ -433,17 +523,16 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       a.affine(ch, mean, invstd, scale[u], shift[u]);
     }
   }
-  for_rows_reversed(
-      r0, r1, by,
-      [&](int64_t r) { return load_last_use(reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, r))); },
-      [&](const VecT& v, int64_t r) {
-        VecT o;
+  auto normalise = [&](const VecT& v, int j) {
+    VecT o;
 #pragma unroll
-        for (int u = 0; u < V; ++u) {
-          o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
-        }
-        store_streaming(reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, r)), o);
-      });
+    for (int u = 0; u < V; ++u) {
+      o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
+    }
+    store_streaming(reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, rows.row(j))), o);
+  };
+  for_rows_reversed(staged, rows.count, [&](int j) { return load_last_use(row_ptr(j)); }, normalise);
+  for (int j = 0; j < staged; ++j) normalise(stage[j * kThreads], j);
 }
 
 template <typename acc_t>
@@ -484,7 +573,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   using VecT = Vec<scalar_t, V>;
   __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<S, S1, kBxMax<kCL, V>>];
   __shared__ acc_t s_mean_dy[kMaxChannelsPerBlock], s_mean_dyx[kMaxChannelsPerBlock];
-  const int bx = blockDim.x, by = blockDim.y, tx = threadIdx.x;
+  const int bx = blockDim.x, tx = threadIdx.x;
   const int tid = threadIdx.y * bx + tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
   const bool active = col < t.cols;
@@ -527,10 +616,35 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     else return static_cast<acc_t>(l.out.v[u]);
   };
 
+  // The staged rows (dynamic shared memory): [row][stream][thread] vectors, conflict-free; streams dy,
+  // out and (kHasX) x.
+  extern __shared__ __align__(16) unsigned char staged_raw[];
+  constexpr int kStreams = kHasX ? 3 : 2;
+  const ThreadRows rows(r0, r1, active);
+  const int staged = min(rows.count, t.staged_rows);  // the host stages only when both passes run
+  VecT* const stage = reinterpret_cast<VecT*>(staged_raw) + tid;
+  auto staged_at = [&](int j, int stream) { return stage + (j * kStreams + stream) * kThreads; };
+  auto load_staged = [&](int j) {
+    Loaded l;
+    l.dy = *staged_at(j, 0);
+    l.out = *staged_at(j, 1);
+    if constexpr (kHasX) l.x = *staged_at(j, 2);
+    return l;
+  };
+  auto offset_of = [&](int j) { return vec_offset<kCL, V>(t, col, rows.row(j)); };
+
   if (mode & kSums) {
-    auto load = [&](int64_t r) {
+    if constexpr (kStageable<VecT>) {
+      stage_rows(staged, [&](int j) {
+        const int64_t off = offset_of(j);
+        copy_async(staged_at(j, 0), reinterpret_cast<const VecT*>(dy + off));
+        copy_async(staged_at(j, 1), reinterpret_cast<const VecT*>(out + off));
+        if constexpr (kHasX) copy_async(staged_at(j, 2), reinterpret_cast<const VecT*>(x + off));
+      });
+    }
+    auto load = [&](int j) {
       Loaded l;
-      const int64_t off = vec_offset<kCL, V>(t, col, r);
+      const int64_t off = offset_of(j);
       l.dy = *reinterpret_cast<const VecT*>(dy + off);
       l.out = *reinterpret_cast<const VecT*>(out + off);
       if constexpr (kHasX) l.x = *reinterpret_cast<const VecT*>(x + off);
@@ -551,17 +665,9 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
         sdyx[u] += g * xhat;
       }
     };
-    if (active) {
-      int64_t r = r0 + threadIdx.y;
-      for (; r + (kUnroll - 1) * by < r1; r += kUnroll * by) {
-        Loaded l[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) l[u] = load(r + u * by);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) add(l[u]);
-      }
-      for (; r < r1; r += by) add(load(r));
-    }
+    // The rows beyond the staged ones (while the staged copies are in flight), then the staged rows.
+    for_rows<kUnroll>(staged, rows.count, load, add);
+    for_staged_rows(staged, [&](int j) { add(load_staged(j)); });
     S s;
     s.zero();
 #pragma unroll
@@ -636,28 +742,30 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     if constexpr (kHasX) return cp[k];
     else return pos ? cp[k] : cn[k];
   };
+  auto grad_input = [&](const Loaded& l, int j) {
+    VecT o;
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const int k = kCL ? u : 0;
+      const acc_t ov = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
+      const bool pos = ov > acc_t(0);
+      const acc_t g = pos ? d : d * neg_slope;
+      o.v[u] = static_cast<scalar_t>(kk[k] * g + (src_of(l, u) * src_coef(pos, k) + c0[k]));
+    }
+    store_streaming(reinterpret_cast<VecT*>(dx + offset_of(j)), o);
+  };
   for_rows_reversed(
-      r0, r1, by,
-      [&](int64_t r) {
+      staged, rows.count,
+      [&](int j) {
         Loaded l;
-        const int64_t off = vec_offset<kCL, V>(t, col, r);
+        const int64_t off = offset_of(j);
         l.dy = load_last_use(reinterpret_cast<const VecT*>(dy + off));
         l.out = load_last_use(reinterpret_cast<const VecT*>(out + off));
         if constexpr (kHasX) l.x = load_last_use(reinterpret_cast<const VecT*>(x + off));
         return l;
       },
-      [&](const Loaded& l, int64_t r) {
-        VecT o;
-#pragma unroll
-        for (int u = 0; u < V; ++u) {
-          const int k = kCL ? u : 0;
-          const acc_t ov = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
-          const bool pos = ov > acc_t(0);
-          const acc_t g = pos ? d : d * neg_slope;
-          o.v[u] = static_cast<scalar_t>(kk[k] * g + (src_of(l, u) * src_coef(pos, k) + c0[k]));
-        }
-        store_streaming(reinterpret_cast<VecT*>(dx + vec_offset<kCL, V>(t, col, r)), o);
-      });
+      grad_input);
+  for (int j = 0; j < staged; ++j) grad_input(load_staged(j), j);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -695,6 +803,7 @@ Plan plan_for(const Geometry& g, bool channels_last, int V, int blocks_per_sm) {
   }
   t.chunk = ceil_div(t.rows, splits);
   t.splits = static_cast<int>(ceil_div(t.rows, t.chunk));
+  t.staged_rows = 0;
   t.div_lv = at::cuda::detail::IntDivider<uint32_t>(
       static_cast<uint32_t>(channels_last ? 1 : std::max<int64_t>(g.l / V, 1)));
   Plan p;
@@ -709,6 +818,41 @@ int blocks_per_sm(Kernel kernel) {
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
   return std::max(n, 1);
+}
+
+// Rows per thread a block of `kernel` can stage in shared memory (split path) for `streams` tensors of
+// `vec_bytes`-byte vectors: what the SM's shared memory leaves per block at the kernel's occupancy without
+// it, so that staging never lowers the blocks per SM (the split path's grid is sized from that occupancy).
+// 0 where cp.async cannot move the vectors (2 bytes).
+template <typename Kernel>
+int stageable_rows(Kernel kernel, int occupancy, int streams, int vec_bytes) {
+  if (vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return 0;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int64_t per_block = static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / occupancy -
+                            static_cast<int64_t>(prop->reservedSharedMemPerBlock);
+  const int64_t available = std::min<int64_t>(per_block, prop->sharedMemPerBlockOptin) -
+                            static_cast<int64_t>(attr.sharedSizeBytes);
+  const int64_t row_bytes = static_cast<int64_t>(streams) * kThreads * vec_bytes;
+  int rows = static_cast<int>(std::max<int64_t>(available, 0) / row_bytes);
+  if (rows == 0) return 0;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(rows * row_bytes)));
+  for (; rows > 0; --rows) {  // the formula above is the occupancy calculator's; check it anyway
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, rows * row_bytes));
+    if (n >= occupancy) break;
+  }
+  return rows;
+}
+
+// Stages the rows of the split path's blocks (as many per thread as the kernel can, at most all a thread
+// has); returns the dynamic shared memory bytes of the launch.
+size_t stage_split_rows(Plan& plan, int stageable, int streams, int vec_bytes) {
+  const int rows_per_thread = static_cast<int>(ceil_div(plan.tile.chunk, plan.block.y));
+  plan.tile.staged_rows = std::min(stageable, rows_per_thread);
+  return static_cast<size_t>(plan.tile.staged_rows) * streams * kThreads * vec_bytes;
 }
 
 // A [C] parameter as a contiguous tensor of the accumulation type: itself when it already is one.
@@ -745,7 +889,8 @@ constexpr int kVec = 16 / sizeof(scalar_t);
 // Launches `kernel` with `args`: cooperatively when its grid synchronises (the split path), which
 // guarantees that all blocks are resident at once (the plan keeps the grid within one wave).
 template <typename... KernelArgs, typename... Args>
-void launch(void (*kernel)(KernelArgs...), const Plan& plan, bool grid_sync, cudaStream_t stream, Args... args) {
+void launch(void (*kernel)(KernelArgs...), const Plan& plan, bool grid_sync, size_t smem, cudaStream_t stream,
+            Args... args) {
   if (grid_sync) {
     std::tuple<KernelArgs...> values{args...};
     void* pointers[sizeof...(KernelArgs)];
@@ -754,9 +899,9 @@ void launch(void (*kernel)(KernelArgs...), const Plan& plan, bool grid_sync, cud
       ((pointers[i++] = static_cast<void*>(&v)), ...);
     }, values);
     C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), plan.grid, plan.block, pointers,
-                                               0, stream));
+                                               smem, stream));
   } else {
-    kernel<<<plan.grid, plan.block, 0, stream>>>(args...);
+    kernel<<<plan.grid, plan.block, smem, stream>>>(args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -765,16 +910,20 @@ template <typename scalar_t, typename acc_t, bool kCL, int V>
 void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out, ForwardArgs<acc_t> args,
                     bool training, cudaStream_t stream) {
   auto kernel = batch_norm_act_forward_kernel<scalar_t, acc_t, kCL, V>;
+  constexpr int kVecBytes = sizeof(Vec<scalar_t, V>);
   static const int occupancy = blocks_per_sm(kernel);
+  static const int stageable = stageable_rows(kernel, occupancy, 1, kVecBytes);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = training && plan.tile.splits > 1;
   at::Tensor partial;
+  size_t smem = 0;
   if (split) {
     partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     args.partial = partial.data_ptr<acc_t>();
+    smem = stage_split_rows(plan, stageable, 1, kVecBytes);
   }
-  launch(kernel, plan, split, stream, input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), plan.tile,
-         args);
+  launch(kernel, plan, split, smem, stream, input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+         plan.tile, args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
@@ -838,16 +987,21 @@ void launch_backward(const Geometry& g, const at::Tensor& grad_output, const at:
                      const at::Tensor& input, at::Tensor& grad_input, BackwardArgs<acc_t> args, bool need_sums,
                      bool apply, cudaStream_t stream) {
   auto kernel = batch_norm_act_backward_kernel<scalar_t, acc_t, kCL, V, kHasX>;
+  constexpr int kVecBytes = sizeof(Vec<scalar_t, V>), kStreams = kHasX ? 3 : 2;
   static const int occupancy = blocks_per_sm(kernel);
+  static const int stageable = stageable_rows(kernel, occupancy, kStreams, kVecBytes);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = need_sums && plan.tile.splits > 1;
   at::Tensor partial;
+  size_t smem = 0;
   if (split) {
     partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     args.partial = partial.data_ptr<acc_t>();
+    // Staging pays only when the rows are read twice (sums, then grad_input).
+    if (apply) smem = stage_split_rows(plan, stageable, kStreams, kVecBytes);
   }
   const int mode = (need_sums ? kSums : 0) | (apply ? kGradInput : 0);
-  launch(kernel, plan, split, stream, grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
+  launch(kernel, plan, split, smem, stream, grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
          input.defined() ? input.const_data_ptr<scalar_t>() : static_cast<const scalar_t*>(nullptr),
          grad_input.defined() ? grad_input.mutable_data_ptr<scalar_t>() : static_cast<scalar_t*>(nullptr), plan.tile,
          args, mode);

@@ -5,7 +5,11 @@
 //  - bf16 / fp16 with C_in % 16 == 0 (the DCGAN case): tensor-core kernels (mma.sync, fp32 accumulation) that
 //    treat each input position as a tiny GEMM row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel
 //    reads its inputs about once (the tiles' halos aside). The forward and grad_weight need channels innermost
-//    (channels_last) input for their 16-byte copies; grad_input reads grad_output through its strides.
+//    (channels_last) input for their 16-byte copies; grad_input copies a dense channels_last grad_output's rows
+//    16 bytes at a time too, and reads any other grad_output through its strides. The forward and grad_input blocks
+//    are persistent (one per resident slot, looping over the images) and copy the next image while multiplying
+//    this one; both stage their output tile in shared memory and write it as 16-byte vectors where the output's
+//    layout allows.
 //  - otherwise (fp32, which keeps true fp32 arithmetic here, or odd channel counts, or NCHW input): CUDA-core
 //    kernels reading every tensor through its strides. Forward: a block is a 32 x 8 tile of input positions (one
 //    thread each); per 16-channel chunk it stages the tile plus a one-pixel halo (fp32, channel-major so the
@@ -23,8 +27,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <utility>
 
 namespace hierpar::detail {
 namespace {
@@ -280,81 +286,156 @@ __device__ inline void store_grad_output(uint16_t* gs, const uint16_t (&v)[kGoLo
   }
 }
 
-// CH: input channels staged at a time (16 or 32; the DCGAN's 32 are one chunk, so a block waits for memory once).
+// Raw-row staging of a dense channels_last grad_output (kRawRows in grad_input and grad_weight): a tile row is one
+// byte span of at most kGoCols pixels of <= 4 channels, copied by cp.async as whole, aligned 16-byte units (one unit
+// of slack at either end), then spread into the [row][column][co padded to 4] tile. The element-wise loads of
+// load_grad_output cost ~1100 instructions per warp and tile in Nsight Compute, most of them address arithmetic.
+constexpr int kRawRowBytes = (kGoCols * 4 * 2 / 16 + 2) * 16;
+constexpr int kRawBytes = kGoRows * kRawRowBytes;
+
+// The byte span of the tile's rows: pixels [2 ix0 - 1, 2 ix0 + kGoCols - 1) clipped to the image, widened to 16 bytes.
+template <int CO>
+__device__ inline int2 raw_row_span(const SmallArgs& a, int ix0) {
+  return make_int2((max(0, 2 * ix0 - 1) * CO * 2) & ~15, (min(2 * a.W, 2 * ix0 + kGoCols - 1) * CO * 2 + 15) & ~15);
+}
+
+// Issues (does not commit) the copies of image n's tile rows into raw.
+template <int CO>
+__device__ inline void issue_raw_rows(const SmallArgs& a, int n, int iy0, int ix0, char* raw) {
+  constexpr int kUnits = kRawRowBytes / 16;
+  const int2 span = raw_row_span<CO>(a, ix0);
+  const char* go = static_cast<const char*>(a.go) + int64_t(n) * a.gos.n * 2;
+  for (int v = threadIdx.x; v < kGoRows * kUnits; v += kThreads) {
+    const int r = v / kUnits, off = span.x + (v - r * kUnits) * 16, gy = 2 * iy0 - 1 + r;
+    if (gy >= 0 && gy < 2 * a.H && off < span.y)
+      cp_async16(raw + r * kRawRowBytes + off - span.x, go + int64_t(gy) * a.gos.y * 2 + off, true);
+  }
+}
+
+template <int CO>
+__device__ inline void spread_raw_rows(const SmallArgs& a, int iy0, int ix0, const char* raw, uint16_t* gs) {
+  const int span_begin = raw_row_span<CO>(a, ix0).x;
+  for (int p = threadIdx.x; p < kGoRows * kGoCols; p += kThreads) {
+    const int r = p / kGoCols, c = p - r * kGoCols, gy = 2 * iy0 - 1 + r, gx = 2 * ix0 - 1 + c;
+    uint32_t v[4] = {0, 0, 0, 0};
+    if (gy >= 0 && gy < 2 * a.H && gx >= 0 && gx < 2 * a.W) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(raw + r * kRawRowBytes + gx * CO * 2 - span_begin);
+#pragma unroll
+      for (int co = 0; co < CO; ++co) v[co] = src[co];
+    }
+    *reinterpret_cast<uint2*>(gs + p * 4) = make_uint2(v[0] | v[1] << 16, v[2] | v[3] << 16);
+  }
+}
+
+// CH: input channels staged at a time (16 or 32; the DCGAN's 32 are one chunk). Blocks are persistent: each walks
+// the images n = blockIdx.z, + gridDim.z, ... (one (image, chunk) step at a time) with two input-tile buffers, so the
+// next step's tile is copied while this one multiplies and stores, and the weights are staged once per block when
+// C_in is one chunk (per step otherwise).
+template <int CH>
+struct ForwardTile {
+  static constexpr int HY = kMmaRows + 2, HX = kMmaCols + 2;
+  static constexpr int LD = CH + 8;  // 48- or 80-byte rows: an ldmatrix's 8 rows (8 pixels) hit 8 distinct bank groups
+  static constexpr int kTileElems = HY * HX * LD;  // the chunk's channels of the tile plus a 1-pixel halo
+  static constexpr int kWeightElems = 9 * 16 * LD;  // [neighbour][n = py*8 + px*4 + co][ci]
+  // The output tile staged per warp (its two output rows of 2 * kMmaCols pixels x C_out <= 4), so that a dense
+  // channels_last output is written in whole 16-byte vectors.
+  static constexpr int kOutRowElems = 2 * kMmaCols * 4;
+  static constexpr int kOutElems = kMmaRows * 2 * kOutRowElems;
+  static constexpr int kSmemBytes = (2 * kTileElems + kWeightElems + kOutElems) * 2;
+};
+
 template <typename scalar_t, int CO, int CH>
-__global__ void __launch_bounds__(kThreads, CH == 32 ? 2 : 3) small_cout_forward_mma_kernel(const SmallArgs a) {
-  constexpr int HY = kMmaRows + 2, HX = kMmaCols + 2;
-  constexpr int LD = CH + 8;  // 48- or 80-byte rows: an ldmatrix's 8 rows (8 pixels) hit 8 distinct bank groups
+__global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(const SmallArgs a, bool vec_store) {
+  using T = ForwardTile<CH>;
+  constexpr int HX = T::HX, LD = T::LD;
   constexpr int kWeightLoads = 9 * 16 * CH / kThreads;
-  __shared__ __align__(16) uint16_t xs[HY * HX * LD];  // the chunk's channels of the tile plus a 1-pixel halo
-  __shared__ __align__(16) uint16_t wsm[9 * 16 * LD];  // [neighbour][n = py*8 + px*4 + co][ci]
+  extern __shared__ __align__(16) uint16_t smem16[];
+  uint16_t* const wsm = smem16 + 2 * T::kTileElems;
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const uint16_t* w = static_cast<const uint16_t*>(a.w);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int qx0 = blockIdx.x * kMmaCols, qy0 = blockIdx.y * kMmaRows, qy = qy0 + warp;
+  const bool one_chunk = a.cin == CH;
+  uint16_t* const out_rows = wsm + T::kWeightElems + warp * 2 * T::kOutRowElems;  // this warp's two output rows
 
-  for (int n = blockIdx.z; n < a.batch; n += gridDim.z) {
-    float acc[2][2][4] = {};  // [16-position tile][py][fragment]
-    for (int c0 = 0; c0 < a.cin; c0 += CH) {
-      __syncthreads();  // the previous chunk's reads are done
-      for (int v = threadIdx.x; v < HY * HX * (CH / 8); v += kThreads) {
-        const int p = v / (CH / 8), cv = v % (CH / 8), hy = p / HX, hx = p - hy * HX, y = qy0 - 1 + hy,
-                  xx = qx0 - 1 + hx;
-        const bool in = y >= 0 && y < a.H && xx >= 0 && xx < a.W;
-        cp_async16(xs + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c0 + cv * 8 : x, in);
-      }
-      mma::cp_async_commit();
-      uint16_t wv[kWeightLoads];
+  auto issue_tile = [&](int n, int c0, uint16_t* xs) {
+    for (int v = threadIdx.x; v < T::HY * HX * (CH / 8); v += kThreads) {
+      const int p = v / (CH / 8), cv = v % (CH / 8), hy = p / HX, hx = p - hy * HX, y = qy0 - 1 + hy,
+                xx = qx0 - 1 + hx;
+      const bool in = y >= 0 && y < a.H && xx >= 0 && xx < a.W;
+      cp_async16(xs + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c0 + cv * 8 : x, in);
+    }
+    mma::cp_async_commit();
+  };
+  // All loads before the first store (one memory latency, not kWeightLoads of them).
+  auto stage_weights = [&](int c0) {
+    uint16_t wv[kWeightLoads];
 #pragma unroll
-      for (int i = 0; i < kWeightLoads; ++i) {
-        const int e = threadIdx.x + i * kThreads, ci = e % CH, nn = (e / CH) & 15, d = e / (16 * CH);
-        const int py = nn >> 3, px = (nn >> 2) & 1, co = nn & 3;
-        const int ky = py + 1 - 2 * (d / 3 - 1), kx = px + 1 - 2 * (d % 3 - 1);
-        wv[i] = 0;
-        if (co < CO && ky >= 0 && ky < 4 && kx >= 0 && kx < 4)
-          wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + ky * a.ws.y + kx * a.ws.x];
-      }
+    for (int i = 0; i < kWeightLoads; ++i) {
+      const int e = threadIdx.x + i * kThreads, ci = e % CH, nn = (e / CH) & 15, d = e / (16 * CH);
+      const int py = nn >> 3, px = (nn >> 2) & 1, co = nn & 3;
+      const int ky = py + 1 - 2 * (d / 3 - 1), kx = px + 1 - 2 * (d % 3 - 1);
+      wv[i] = 0;
+      if (co < CO && ky >= 0 && ky < 4 && kx >= 0 && kx < 4)
+        wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + ky * a.ws.y + kx * a.ws.x];
+    }
 #pragma unroll
-      for (int i = 0; i < kWeightLoads; ++i) {
-        const int e = threadIdx.x + i * kThreads;
-        wsm[(e / CH) * LD + e % CH] = wv[i];
-      }
+    for (int i = 0; i < kWeightLoads; ++i) {
+      const int e = threadIdx.x + i * kThreads;
+      wsm[(e / CH) * LD + e % CH] = wv[i];
+    }
+  };
+
+  int n = blockIdx.z, c0 = 0, buf = 0;
+  if (n < a.batch) issue_tile(n, 0, smem16);
+  if (one_chunk) stage_weights(0);  // read only after the loop's second barrier
+  float acc[2][2][4] = {};          // [16-position tile][py][fragment]
+  while (n < a.batch) {
+    int next_n = n, next_c0 = c0 + CH;
+    if (next_c0 == a.cin) next_n += gridDim.z, next_c0 = 0;
+    __syncthreads();  // the previous step's reads of the other buffer (and of the weights) are done
+    if (!one_chunk) stage_weights(c0);
+    if (next_n < a.batch) {
+      issue_tile(next_n, next_c0, smem16 + (buf ^ 1) * T::kTileElems);
+      mma::cp_async_wait<1>();  // this step's tile has landed; the next one stays in flight
+    } else {
       mma::cp_async_wait<0>();
-      __syncthreads();
+    }
+    __syncthreads();
+    const uint16_t* xs = smem16 + buf * T::kTileElems;
 #pragma unroll
-      for (int d = 0; d < 9; ++d) {
-        const int dy = d / 3 - 1, dx = d % 3 - 1;
+    for (int d = 0; d < 9; ++d) {
+      const int dy = d / 3 - 1, dx = d % 3 - 1;
 #pragma unroll
-        for (int kk = 0; kk < CH; kk += 16) {
-          uint32_t bf[2][2];
+      for (int kk = 0; kk < CH; kk += 16) {
+        uint32_t bf[2][2];
 #pragma unroll
-          for (int py = 0; py < 2; ++py) {
-            const uint16_t* wp = wsm + (d * 16 + py * 8 + g) * LD + kk + 2 * t4;
-            bf[py][0] = ld32(wp);
-            bf[py][1] = ld32(wp + 8);
-          }
+        for (int py = 0; py < 2; ++py) {
+          const uint16_t* wp = wsm + (d * 16 + py * 8 + g) * LD + kk + 2 * t4;
+          bf[py][0] = ld32(wp);
+          bf[py][1] = ld32(wp + 8);
+        }
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            uint32_t af[4];
-            const int pix = (warp + 1 + dy) * HX + mt * 16 + (lane & 15) + 1 + dx;
-            ldmatrix_x4(af, smem_addr(xs + pix * LD + kk) + (lane >> 4) * 16);
-            if (dy <= 0) mma::mma<scalar_t>(acc[mt][0], af, bf[0]);
-            if (dy >= 0) mma::mma<scalar_t>(acc[mt][1], af, bf[1]);
-          }
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t af[4];
+          const int pix = (warp + 1 + dy) * HX + mt * 16 + (lane & 15) + 1 + dx;
+          ldmatrix_x4(af, smem_addr(xs + pix * LD + kk) + (lane >> 4) * 16);
+          if (dy <= 0) mma::mma<scalar_t>(acc[mt][0], af, bf[0]);
+          if (dy >= 0) mma::mma<scalar_t>(acc[mt][1], af, bf[1]);
         }
       }
     }
-    // C fragment: position row g (+8), column n = py*8 + 2*t4 (+1) = (px = t4 / 2, co = 2 * (t4 % 2) (+1)).
-    if (qy < a.H) {
-      scalar_t* out = static_cast<scalar_t*>(a.out) + n * a.os.n;
+    // The image's last chunk: store. C fragment: position row g (+8), column n = py*8 + 2*t4 (+1) =
+    // (px = t4 / 2, co = 2 * (t4 % 2) (+1)).
+    if (next_c0 == 0) {
       const scalar_t* bias = static_cast<const scalar_t*>(a.bias);
       const int px = t4 >> 1, co0 = (t4 & 1) * 2;
+      scalar_t* out = static_cast<scalar_t*>(a.out) + n * a.os.n;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int qx = qx0 + mt * 16 + g + 8 * h;
-          if (qx >= a.W) continue;
+          const int col = mt * 16 + g + 8 * h, qx = qx0 + col;
 #pragma unroll
           for (int py = 0; py < 2; ++py)
 #pragma unroll
@@ -362,45 +443,99 @@ __global__ void __launch_bounds__(kThreads, CH == 32 ? 2 : 3) small_cout_forward
               const int co = co0 + e;
               if (co >= CO) continue;
               const float b = bias != nullptr ? static_cast<float>(bias[co]) : 0.f;
-              out[co * a.os.c + (2 * qy + py) * a.os.y + (2 * qx + px) * a.os.x] =
-                  static_cast<scalar_t>(acc[mt][py][2 * h + e] + b);
+              const scalar_t v = static_cast<scalar_t>(acc[mt][py][2 * h + e] + b);
+              if (vec_store)  // staged as the output rows' bytes: pixel (2 col + px) x CO channels
+                out_rows[py * T::kOutRowElems + (2 * col + px) * CO + co] = v.x;
+              else if (qy < a.H && qx < a.W)
+                out[co * a.os.c + (2 * qy + py) * a.os.y + (2 * qx + px) * a.os.x] = v;
             }
         }
+      if (vec_store && qy < a.H) {
+        __syncwarp();
+        // Output row 2 qy + py, pixels [2 qx0, min(2 W, 2 qx0 + 2 kMmaCols)): contiguous, 16-byte aligned.
+        const int units = (min(2 * a.W, 2 * qx0 + 2 * kMmaCols) - 2 * qx0) * CO / 8;
+        for (int v = lane; v < 2 * units; v += 32) {
+          const int py = v / units, u = v - py * units;
+          *reinterpret_cast<uint4*>(out + (2 * qy + py) * a.os.y + 2 * qx0 * CO + u * 8) =
+              *reinterpret_cast<const uint4*>(out_rows + py * T::kOutRowElems + u * 8);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int py = 0; py < 2; ++py)
+#pragma unroll
+          for (int f = 0; f < 4; ++f) acc[mt][py][f] = 0.f;
     }
+    n = next_n;
+    c0 = next_c0;
+    buf ^= 1;
   }
 }
 
-template <typename scalar_t, int CO>
+// grad_input's shared memory: the grad_output tile, the weights, the output tile (staged so the block writes whole
+// 16-byte vectors), and two raw buffers for the kRawRows staging below.
+constexpr int kGiWeightLd = 64 + 8;  // [ci][k = (ky*4 + kx)*4 + co]: 144-byte rows, conflict-free B fragment reads
+constexpr int kGiOutLd = kCiChunk + 8;  // [position][ci]: 80-byte rows, conflict-free fragment stores
+constexpr int kGiSmemBytes =
+    (kGoElems + kCiChunk * kGiWeightLd + kMmaRows * kMmaCols * kGiOutLd) * 2 + 2 * kRawBytes;
+static_assert((kGoElems + kCiChunk * kGiWeightLd) * 2 % 16 == 0 && kRawBytes % 16 == 0, "16-byte aligned regions");
+
+// Persistent blocks walk the images n = blockIdx.z, + gridDim.z, ... With kRawRows the next image's grad_output rows
+// are copied while this one multiplies and stores; otherwise (any strides) every element is loaded through the
+// strides.
+template <typename scalar_t, int CO, bool kRawRows>
 __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(const SmallArgs a, int tiles_x,
-                                                                             bool pair_store) {
-  constexpr int LD = 64 + 8;  // [ci][k = (ky*4 + kx)*4 + co]: 144-byte rows, conflict-free B fragment reads
-  constexpr int kWeightLoads = kCiChunk * 64 / kThreads;
-  __shared__ __align__(16) uint16_t gs[kGoElems];
-  __shared__ __align__(16) uint16_t wsm[kCiChunk * LD];
+                                                                             bool vec_store) {
+  constexpr int LD = kGiWeightLd, kWeightLoads = kCiChunk * 64 / kThreads;
+  extern __shared__ __align__(16) uint16_t smem16[];
+  uint16_t* const gs = smem16;
+  uint16_t* const wsm = gs + kGoElems;
+  uint16_t* const outs = wsm + kCiChunk * LD;
+  char* const raw = reinterpret_cast<char*>(outs + kMmaRows * kMmaCols * kGiOutLd);
   const uint16_t* w = static_cast<const uint16_t*>(a.w);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int ix0 = (blockIdx.x % tiles_x) * kMmaCols, iy0 = (blockIdx.x / tiles_x) * kMmaRows, iy = iy0 + warp;
-  const int c0 = blockIdx.y * kCiChunk;
+  const int c0 = blockIdx.y * kCiChunk, channels = min(kCiChunk, a.cin - c0);
 
-  uint16_t wv[kWeightLoads];
-#pragma unroll
-  for (int i = 0; i < kWeightLoads; ++i) {
-    const int e = threadIdx.x + i * kThreads, k = e & 63, ci = e >> 6, co = k & 3, tap = k >> 2;
-    wv[i] = 0;
-    if (co < CO && c0 + ci < a.cin) wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x];
+  if constexpr (kRawRows) {
+    if (blockIdx.z < a.batch) issue_raw_rows<CO>(a, blockIdx.z, iy0, ix0, raw);  // in flight with the weights'
+    mma::cp_async_commit();
   }
-  for (int n = blockIdx.z; n < a.batch; n += gridDim.z) {
-    uint16_t gv[kGoLoads];
-    load_grad_output<CO>(a, n, iy0, ix0, gv);  // in flight together with the weights' loads
-    __syncthreads();                            // the previous image's reads are done
-    if (n == blockIdx.z) {
+  {
+    uint16_t wv[kWeightLoads];
 #pragma unroll
-      for (int i = 0; i < kWeightLoads; ++i) {
-        const int e = threadIdx.x + i * kThreads;
-        wsm[(e >> 6) * LD + (e & 63)] = wv[i];
-      }
+    for (int i = 0; i < kWeightLoads; ++i) {
+      const int e = threadIdx.x + i * kThreads, k = e & 63, ci = e >> 6, co = k & 3, tap = k >> 2;
+      wv[i] = 0;
+      if (co < CO && ci < channels)
+        wv[i] = w[(c0 + ci) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x];
     }
-    store_grad_output(gs, gv);
+#pragma unroll
+    for (int i = 0; i < kWeightLoads; ++i) {
+      const int e = threadIdx.x + i * kThreads;
+      wsm[(e >> 6) * LD + (e & 63)] = wv[i];
+    }
+  }
+  int buf = 0;
+  for (int n = blockIdx.z; n < a.batch; n += gridDim.z, buf ^= 1) {
+    if constexpr (kRawRows) {
+      __syncthreads();  // the other raw buffer was spread, and the tile read, in the previous trip
+      if (n + int(gridDim.z) < a.batch) {
+        issue_raw_rows<CO>(a, n + gridDim.z, iy0, ix0, raw + (buf ^ 1) * kRawBytes);
+        mma::cp_async_commit();
+        mma::cp_async_wait<1>();
+      } else {
+        mma::cp_async_wait<0>();
+      }
+      __syncthreads();  // every thread's copies of image n have landed
+      spread_raw_rows<CO>(a, iy0, ix0, raw + buf * kRawBytes, gs);
+    } else {
+      uint16_t gv[kGoLoads];
+      load_grad_output<CO>(a, n, iy0, ix0, gv);
+      __syncthreads();  // the previous image's reads of the tile are done
+      store_grad_output(gs, gv);
+    }
     __syncthreads();
     // A fragments of both 16-position tiles, K step s = ky: pixel (iy, ix) reads grad_output row 2*warp + ky of
     // the tile, column 2*(ix - ix0) + kx with kx = t4 / 2 (+2), channels 2 * (t4 % 2) (+1).
@@ -415,10 +550,11 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(
         af[mt][s][2] = ld32(p + 8);   // kx + 2
         af[mt][s][3] = ld32(p + 72);
       }
-    scalar_t* gi = static_cast<scalar_t*>(a.out) + n * a.os.n + iy * a.os.y;
+    // The warp's row of the output tile, [position][ci] in shared memory: fragment (row g (+8), ci 2*t4 (+1)).
+    uint16_t* const out_row = outs + warp * kMmaCols * kGiOutLd;
 #pragma unroll
     for (int nt = 0; nt < kCiChunk / 8; ++nt) {
-      if (c0 + nt * 8 >= a.cin) break;
+      if (nt * 8 >= channels) break;
       float acc[2][4] = {};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
@@ -427,24 +563,32 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(
         mma::mma<scalar_t>(acc[0], af[0][s], bf);
         mma::mma<scalar_t>(acc[1], af[1][s], bf);
       }
-      if (iy >= a.H) continue;
-      const int ci = c0 + nt * 8 + 2 * t4;  // and ci + 1 (C_in is even)
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int ix = ix0 + mt * 16 + g + 8 * h;
-          if (ix >= a.W) continue;
-          scalar_t* p = gi + ix * a.os.x + ci * a.os.c;
           const scalar_t v0 = static_cast<scalar_t>(leaky(acc[mt][2 * h], a.grad_input_slope)),
                          v1 = static_cast<scalar_t>(leaky(acc[mt][2 * h + 1], a.grad_input_slope));
-          if (pair_store) {
-            *reinterpret_cast<uint32_t*>(p) = uint32_t(v0.x) | uint32_t(v1.x) << 16;
-          } else {
-            p[0] = v0;
-            p[a.os.c] = v1;
-          }
+          *reinterpret_cast<uint32_t*>(out_row + (mt * 16 + g + 8 * h) * kGiOutLd + nt * 8 + 2 * t4) =
+              uint32_t(v0.x) | uint32_t(v1.x) << 16;
         }
+    }
+    __syncwarp();
+    if (iy < a.H) {
+      uint16_t* gi = static_cast<uint16_t*>(a.out) + n * a.os.n + iy * a.os.y;
+      if (vec_store) {  // 8 channels a store
+        for (int v = lane; v < kMmaCols * kCiChunk / 8; v += 32) {
+          const int col = v / (kCiChunk / 8), q = v % (kCiChunk / 8);
+          if (ix0 + col < a.W && q * 8 < channels)
+            *reinterpret_cast<uint4*>(gi + (ix0 + col) * a.os.x + c0 + q * 8) =
+                *reinterpret_cast<const uint4*>(out_row + col * kGiOutLd + q * 8);
+        }
+      } else {
+        for (int v = lane; v < kMmaCols * kCiChunk; v += 32) {
+          const int col = v / kCiChunk, c = v % kCiChunk;
+          if (ix0 + col < a.W && c < channels) gi[(ix0 + col) * a.os.x + (c0 + c) * a.os.c] = out_row[col * kGiOutLd + c];
+        }
+      }
     }
   }
 }
@@ -455,14 +599,16 @@ constexpr int kWgradTiles = (16 * CO + 7) / 8;
 constexpr int kWgradXLd = kCiChunk + 8;  // 80-byte rows: ldmatrix.trans's 8 rows fall in 8 distinct bank groups
 constexpr int kWgradStageElems = kMmaRows * kMmaCols * kWgradXLd + kGoElems;  // input tile + grad_output tile
 constexpr int kWgradSmemBytes = 2 * kWgradStageElems * 2;                    // double-buffered
+constexpr int kWgradRawSmemBytes = kWgradSmemBytes + 2 * kRawBytes;          // plus raw grad_output rows
 
-template <typename scalar_t, int CO>
+template <typename scalar_t, int CO, bool kRawRows>
 __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel(const SmallArgs a, int tiles_x,
                                                                                  int tiles, float* partial) {
   constexpr int NT = kWgradTiles<CO>, LD = kWgradXLd;
   extern __shared__ __align__(16) uint16_t smem16[];
   auto xs = [&](int buf) { return smem16 + buf * kWgradStageElems; };  // [position][ci of the chunk]
   auto gs = [&](int buf) { return smem16 + buf * kWgradStageElems + kMmaRows * kMmaCols * LD; };
+  auto raw = [&](int buf) { return reinterpret_cast<char*>(smem16) + kWgradSmemBytes + buf * kRawBytes; };
   const uint16_t* x = static_cast<const uint16_t*>(a.x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int c0 = blockIdx.y * kCiChunk;
@@ -473,9 +619,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
     ix0 = (t % tiles_x) * kMmaCols;
     iy0 = (t / tiles_x) * kMmaRows;
   };
-  // The input tile by 16-byte asynchronous copies, the grad_output tile into registers: both in flight while the
-  // previous tile is multiplied.
-  uint16_t gv[kGoLoads];
+  // The input tile by 16-byte asynchronous copies, the grad_output tile as raw rows (kRawRows) or into registers:
+  // both in flight while the previous tile is multiplied.
+  uint16_t gv[kRawRows ? 1 : kGoLoads];
   auto issue_loads = [&](int tile, int buf) {
     int n, iy0, ix0;
     tile_origin(tile, n, iy0, ix0);
@@ -485,17 +631,31 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
       const bool in = y < a.H && xx < a.W && c < a.cin;
       cp_async16(xs(buf) + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c : x, in);
     }
-    mma::cp_async_commit();
-    load_grad_output<CO>(a, n, iy0, ix0, gv);
+    if constexpr (kRawRows) {
+      issue_raw_rows<CO>(a, n, iy0, ix0, raw(buf));
+      mma::cp_async_commit();
+    } else {
+      mma::cp_async_commit();
+      load_grad_output<CO>(a, n, iy0, ix0, reinterpret_cast<uint16_t(&)[kGoLoads]>(gv));
+    }
+  };
+  // After the tile's copies have landed and a barrier: its grad_output tile in gs(buf).
+  auto finish_grad_output = [&](int tile, int buf) {
+    if constexpr (kRawRows) {
+      int n, iy0, ix0;
+      tile_origin(tile, n, iy0, ix0);
+      spread_raw_rows<CO>(a, iy0, ix0, raw(buf), gs(buf));
+    } else {
+      store_grad_output(gs(buf), reinterpret_cast<const uint16_t(&)[kGoLoads]>(gv));
+    }
   };
 
   float acc[2][NT][4] = {};  // [ci tile][(tap, co) tile][fragment]
   int tile = blockIdx.x, buf = 0;
-  if (tile < tiles) {
-    issue_loads(tile, 0);
-    store_grad_output(gs(0), gv);
-  }
+  if (tile < tiles) issue_loads(tile, 0);
   mma::cp_async_wait<0>();
+  __syncthreads();
+  if (tile < tiles) finish_grad_output(tile, 0);
   __syncthreads();
   for (; tile < tiles; tile += gridDim.x, buf ^= 1) {
     const int next = tile + gridDim.x;
@@ -524,8 +684,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
         mma::mma<scalar_t>(acc[1][nt], af[1], bf);
       }
     }
-    if (next < tiles) store_grad_output(gs(buf ^ 1), gv);
     mma::cp_async_wait<0>();
+    if constexpr (kRawRows) __syncthreads();  // every thread's raw rows of the next tile have landed
+    if (next < tiles) finish_grad_output(next, buf ^ 1);
     __syncthreads();
   }
   // The 8 warps' sums, added in warp order (in the now idle stage memory), then this block's partial sum
@@ -551,18 +712,23 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
   for (int i = threadIdx.x; i < kCiChunk * 16 * CO; i += kThreads) dst[i] = sums[(i / (16 * CO)) * kWidth + i % (16 * CO)];
 }
 
-// grad_weight[ci, co, ky, kx] = the blocks' partial sums ([ci][(tap, co)] per block), added in block order.
+// grad_weight[ci, co, ky, kx] = the blocks' partial sums ([ci][(tap, co)] per block). A warp per output: lane l adds
+// blocks l, l + 32, ... in order, then the lanes' sums are added by a fixed butterfly, so the result does not depend
+// on timing. (A thread per output adding all blocks in turn took ~14 us at batch 1024: a few hundred dependent adds
+// on 6 SMs.)
 template <typename scalar_t>
 __global__ void small_cout_grad_weight_finish_kernel(const float* partial, int blocks, int cin, int cout,
                                                      Strides4d gws, scalar_t* gw) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= cin * cout * 16) return;
+  const int i = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x & 31;
+  if (i >= cin * cout * 16) return;  // whole warps: i is the same for the 32 lanes
   const int ci = i / (cout * 16), r = i - ci * cout * 16, co = r / 16, tap = r % 16;
   const int width = 16 * cout;
   const float* p = partial + (int64_t(ci / kCiChunk) * blocks * kCiChunk + ci % kCiChunk) * width + tap * cout + co;
   float s = 0.f;
-  for (int b = 0; b < blocks; ++b) s += p[int64_t(b) * kCiChunk * width];
-  gw[ci * gws.n + co * gws.c + (tap >> 2) * gws.y + (tap & 3) * gws.x] = static_cast<scalar_t>(s);
+  for (int b = lane; b < blocks; b += 32) s += p[int64_t(b) * kCiChunk * width];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+  if (lane == 0) gw[ci * gws.n + co * gws.c + (tap >> 2) * gws.y + (tap & 3) * gws.x] = static_cast<scalar_t>(s);
 }
 
 // Calls f(tag, std::integral_constant<int, CO>{}) with CO = cout for 1..3 and 4 otherwise (cout <= 4 here).
@@ -609,6 +775,25 @@ bool reads_by_vectors(const at::Tensor& t) {
          reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
+// gridDim.z of a persistent kernel whose blocks each own `blocks_per_image` tiles and loop over the images: as many
+// blocks as are resident on the GPU at once (no second wave), at least one image per block.
+template <typename Kernel>
+int persistent_image_blocks(Kernel kernel, int smem_bytes, int blocks_per_image, int batch) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem_bytes));
+  const int resident = std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return std::clamp(resident / blocks_per_image, 1, std::min(batch, 65535));
+}
+
+// True when every row of a 16-bit activation is one contiguous run of whole, aligned 16-byte units: dense pixels
+// (channels innermost, packed), rows and images starting at 16-byte boundaries (a dense channels_last tensor whose
+// rows hold a multiple of 8 elements, for one).
+bool rows_are_byte_spans(const at::Tensor& t) {
+  const int64_t row_elems = t.size(3) * t.size(1);
+  return t.stride(1) == 1 && t.stride(3) == t.size(1) && row_elems % 8 == 0 && t.stride(2) % 8 == 0 &&
+         t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
 SmallArgs base_args(const ConvTranspose2dGeometry& g) {
   SmallArgs a{};
   a.batch = int(g.batch);
@@ -646,15 +831,20 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
   a.os = strides_of(out);
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mma_applies(g, input4.scalar_type()) && reads_by_vectors(input4)) {
-    const dim3 grid((a.W + kMmaCols - 1) / kMmaCols, (a.H + kMmaRows - 1) / kMmaRows, std::min(a.batch, 65535));
+    const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
     dispatch_small16(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
       using scalar_t = decltype(tag);
       constexpr int CO = decltype(co)::value;
+      auto launch = [&](auto kernel, int smem) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const dim3 grid(tiles_x, tiles_y, persistent_image_blocks(kernel, smem, tiles_x * tiles_y, a.batch));
+        kernel<<<grid, kThreads, smem, stream>>>(a, rows_are_byte_spans(out));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
       if (a.cin % 32 == 0)
-        small_cout_forward_mma_kernel<scalar_t, CO, 32><<<grid, kThreads, 0, stream>>>(a);
+        launch(small_cout_forward_mma_kernel<scalar_t, CO, 32>, ForwardTile<32>::kSmemBytes);
       else
-        small_cout_forward_mma_kernel<scalar_t, CO, 16><<<grid, kThreads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(small_cout_forward_mma_kernel<scalar_t, CO, 16>, ForwardTile<16>::kSmemBytes);
     });
     return;
   }
@@ -682,13 +872,23 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mma_applies(g, grad_output4.scalar_type())) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
-    const dim3 grid(tiles_x * tiles_y, (a.cin + kCiChunk - 1) / kCiChunk, std::min(a.batch, 65535));
-    const bool pair_store = a.os.c == 1 && a.os.x % 2 == 0 && a.os.y % 2 == 0 && a.os.n % 2 == 0 &&
-                            reinterpret_cast<uintptr_t>(a.out) % 4 == 0;
+    const int chunks = (a.cin + kCiChunk - 1) / kCiChunk;
+    const bool vec_store = a.os.c == 1 && a.os.x % 8 == 0 && a.os.y % 8 == 0 && a.os.n % 8 == 0 &&
+                           reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
+    const bool raw_rows = rows_are_byte_spans(grad_output4);
     dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
-      small_cout_grad_input_mma_kernel<decltype(tag), decltype(co)::value>
-          <<<grid, kThreads, 0, stream>>>(a, tiles_x, pair_store);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      using scalar_t = decltype(tag);
+      constexpr int CO = decltype(co)::value;
+      auto launch = [&](auto kernel) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGiSmemBytes));
+        const int depth = persistent_image_blocks(kernel, kGiSmemBytes, tiles_x * tiles_y * chunks, a.batch);
+        kernel<<<dim3(tiles_x * tiles_y, chunks, depth), kThreads, kGiSmemBytes, stream>>>(a, tiles_x, vec_store);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (raw_rows)
+        launch(small_cout_grad_input_mma_kernel<scalar_t, CO, true>);
+      else
+        launch(small_cout_grad_input_mma_kernel<scalar_t, CO, false>);
     });
     return;
   }
@@ -722,21 +922,26 @@ void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::T
   dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
     using scalar_t = decltype(tag);
     constexpr int CO = decltype(co)::value;
-    auto kernel = small_cout_grad_weight_mma_kernel<scalar_t, CO>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWgradSmemBytes));
     // As many blocks as fit on the GPU at once, each summing many tiles: the partial sums stay small
     // (blocks x C_in x 16 C_out floats) and no block waits for a second wave.
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kWgradSmemBytes));
-    const int resident = std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int blocks = std::min(tiles, std::max(1, resident / chunks));
-    const at::Tensor partial =
-        at::empty({int64_t(chunks) * blocks * kCiChunk * 16 * CO}, grad_output4.options().dtype(at::kFloat));
-    kernel<<<dim3(blocks, chunks), kThreads, kWgradSmemBytes, stream>>>(a, tiles_x, tiles,
-                                                                        partial.mutable_data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    small_cout_grad_weight_finish_kernel<scalar_t><<<(outputs + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        partial.const_data_ptr<float>(), blocks, a.cin, a.cout, gws, grad_weight.mutable_data_ptr<scalar_t>());
+    auto launch = [&](auto kernel, int smem) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+      const int resident = std::max(1, per_sm) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      const int blocks = std::min(tiles, std::max(1, resident / chunks));
+      at::Tensor partial =
+          at::empty({int64_t(chunks) * blocks * kCiChunk * 16 * CO}, grad_output4.options().dtype(at::kFloat));
+      kernel<<<dim3(blocks, chunks), kThreads, smem, stream>>>(a, tiles_x, tiles, partial.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return std::make_pair(partial, blocks);
+    };
+    const auto [partial, blocks] =
+        rows_are_byte_spans(grad_output4)
+            ? launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, true>, kWgradRawSmemBytes)
+            : launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, false>, kWgradSmemBytes);
+    small_cout_grad_weight_finish_kernel<scalar_t><<<(outputs * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        partial.template const_data_ptr<float>(), blocks, a.cin, a.cout, gws, grad_weight.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -23,6 +23,9 @@ struct Layer {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
 };
 
+// hierpar::nn::ConvTranspose2d in the hierpar set only where hierpar's kernels beat cuDNN: a generator's projection
+// layer (kernel 4, stride 1, padding 0) and its small-C_out output layer (C_out <= 4, kernel 4, stride 2,
+// padding 1); torch::nn::ConvTranspose2d otherwise, and in the stock set.
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options);
 // hierpar::nn::Conv2d in the hierpar set only where hierpar's kernels beat cuDNN: C_in <= 4, kernel 4, stride 2,
 // padding 1 (a discriminator's first layer); torch::nn::Conv2d otherwise, and in the stock set. With
