@@ -292,10 +292,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     if (placement_.scheme == Scheme::task || placement_.scheme == Scheme::hierarchical) {
       graph_fallback_ = c10::str("CUDA graphs off: a ", to_string(placement_.scheme), " step runs one backward across "
                                  "G's and D's devices, which a per-device capture cannot split; steps run eagerly");
-    } else if (placement_.global_replicas() > 1 && placement_.reduce == Reduce::collective) {
-      graph_fallback_ = "CUDA graphs off: collective averaging launches its all-reduces from autograd hooks inside "
-                        "the backward, which this trainer does not capture; steps run eagerly (--reduce host is "
-                        "captured between its averaging points)";
+    } else if (options_.sync_batch_norm && placement_.global_replicas() > 1) {
+      graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
+                        "forward and backward passes, which this trainer does not capture; steps run eagerly";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -308,20 +307,19 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
-    // Bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp).
+    // Bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp). Captured
+    // steps attach no bucket hooks: the hooks would fire during the capture, so the gradients are averaged
+    // between the replayed segments instead, each network's in one flat all-reduce (or host average).
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
-      averager_->attach(i, Network::generator, r.generator_parameters);
-      averager_->attach(i, Network::discriminator, r.discriminator_parameters);
+      if (!graphs_) {
+        averager_->attach(i, Network::generator, r.generator_parameters);
+        averager_->attach(i, Network::discriminator, r.discriminator_parameters);
+      }
       if (options_.sync_batch_norm) {
         r.generator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::generator);
         r.discriminator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::discriminator);
       }
-    }
-    if (options_.sync_batch_norm && graphs_) {
-      graphs_ = false;
-      graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
-                        "forward and backward passes, which this trainer does not capture; steps run eagerly";
     }
   }
 }

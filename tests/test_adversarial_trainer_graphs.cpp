@@ -244,22 +244,25 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
   }
 }
 
-// Data parallelism over 2 GPUs with host averaging: three graphs per replica with the averaging between.
-TEST(AdversarialTrainerGraphs, DataParallelHostAveragingGraphsEqualEager) {
+// Data parallelism over 2 GPUs, host and NCCL averaging: three graphs per replica with the averaging between
+// (eager NCCL averaging runs from bucket hooks in the backward, captured steps all-reduce between segments).
+TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   deterministic_cudnn();
-  const auto placement = hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {});
   const auto reals = batches(6, 16, torch::kCUDA);
-  auto eager = base_options();
-  eager.fused_adam = true;
-  auto graphs = eager;
-  graphs.cuda_graphs = true;
-  graphs.graph_warmup_steps = 2;
-  const TrainedRun a = train(placement, graphs, reals, 4, 6);
-  const TrainedRun b = train(placement, eager, reals, 4, 6);
-  EXPECT_GT(a.graph_nodes, 10);
-  expect_same_run(a, b, kReorderTolerance, "data x2, host averaging: graphs vs eager");
+  for (const char* reduce : {"host", "nccl"}) {
+    const auto placement = hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CUDA, {});
+    auto eager = base_options();
+    eager.fused_adam = true;
+    auto graphs = eager;
+    graphs.cuda_graphs = true;
+    graphs.graph_warmup_steps = 2;
+    const TrainedRun a = train(placement, graphs, reals, 4, 6);
+    const TrainedRun b = train(placement, eager, reals, 4, 6);
+    EXPECT_GT(a.graph_nodes, 10) << reduce;
+    expect_same_run(a, b, kReorderTolerance, std::string("data x2, ") + reduce + " averaging: graphs vs eager");
+  }
 }
 
 // Placements whose step spans two devices fall back to eager steps and say why.
