@@ -1,6 +1,6 @@
 // Suite "dcgan_step": one whole training step of the seed's DCGAN (64x64x3 images, nz 100) on one GPU, stock
-// torch::nn layers against hierpar's (LayerSet), eager and as one CUDA graph, in TF32 and in bf16 autocast with
-// channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager).
+// torch::nn layers against hierpar's (LayerSet), eager and as one CUDA graph, in TF32 (NCHW and channels_last) and
+// in bf16 autocast with channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager).
 //
 // The step is the anchor's recipe (shared/anchors/dcgan_torch.py), identical for both layer sets:
 //   z = randn; D.zero_grad; e_real = BCE(D(real), 1); fake = G(z); e_fake = BCE(D(fake.detach()), 0);
@@ -12,7 +12,7 @@
 // capturable), so the optimiser is not part of the comparison.
 //
 // Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
-// for the bf16 rows, CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
+// rows (bf16, and TF32 beside NCHW), CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
 //
 // extra: ms_per_step, images_per_s, kernels_per_step and gpu_busy_us_per_step (kineto/CUPTI profile of 3
 // steps), layout_conversions_per_step (cuDNN NCHW<->NHWC kernels in that profile), graph_kernel_nodes
@@ -82,14 +82,14 @@ class TrainingStep {
 
 class DcganStep : public TrainingStep {
  public:
-  DcganStep(LayerSet layers, int64_t batch, bool bf16_channels_last) : bf16_(bf16_channels_last) {
+  DcganStep(LayerSet layers, int64_t batch, bool bf16, bool channels_last) : bf16_(bf16) {
     hierpar::models::DCGANOptions options;
     options.layers = layers;
     generator_ = hierpar::models::Generator(options);
     discriminator_ = hierpar::models::Discriminator(options);
     generator_->to(at::kCUDA);
     discriminator_->to(at::kCUDA);
-    if (bf16_) {
+    if (channels_last) {
       hierpar::strategy::convert_to_channels_last(*generator_);
       hierpar::strategy::convert_to_channels_last(*discriminator_);
     }
@@ -98,7 +98,7 @@ class DcganStep : public TrainingStep {
     optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam());
     const auto cuda = at::TensorOptions().device(at::kCUDA);
     real_ = at::rand({batch, options.channels, options.image_size, options.image_size}, cuda) * 2 - 1;
-    if (bf16_) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
+    if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
     ones_ = at::ones({batch}, cuda);
     zeros_ = at::zeros({batch}, cuda);
     noise_sizes_ = {batch, options.nz, 1, 1};
@@ -247,8 +247,8 @@ struct Row {
 
 // Warms `step` up, optionally captures it, times `steps_per_sample` steps per CUDA-event sample, profiles
 // and records one row.
-Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t batch, bool bf16, bool graphs,
-            TrainingStep& step, double allocated_before_mb, const Options& options, std::ofstream* profile_out) {
+Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t batch, bool bf16, bool channels_last,
+            bool graphs, TrainingStep& step, double allocated_before_mb, const Options& options, std::ofstream* profile_out) {
   const int steps_per_sample = batch <= 256 ? 50 : batch <= 1024 ? 20 : 10;
   const int samples = options.quick ? 3 : 5;
   // Warm-up on a side stream (cuDNN's benchmark search, lazy initialisation, the optimiser's first steps),
@@ -280,7 +280,7 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
   t.min_us /= steps_per_sample;
   const Profile prof = profile(one_step, 3);
 
-  Row row{bench, name_of(layers), bf16 ? "bf16" : "tf32", bf16 ? "channels_last" : "nchw", graphs ? "on" : "off",
+  Row row{bench, name_of(layers), bf16 ? "bf16" : "tf32", channels_last ? "channels_last" : "nchw", graphs ? "on" : "off",
           batch, t.median_us / 1e3, batch * 1e6 / t.median_us, prof.kernels, prof.busy_us, prof.conversions, peak,
           nodes};
   Config config;
@@ -340,30 +340,31 @@ void release_memory() {
 }
 
 void print_rows(const std::vector<Row>& rows) {
-  // Each hierpar row against the stock row of the same configuration and against stock's best mode
-  // (eager or graph) of the same batch and precision.
+  // Each hierpar row against the stock row of the same configuration and against stock's best row (any layout,
+  // eager or graph) of the same batch and precision.
   auto find = [&](const Row& like, const char* impl, const std::string& graphs) -> const Row* {
     for (const auto& r : rows) {
       if (r.bench == like.bench && r.impl == impl && r.batch == like.batch && r.precision == like.precision &&
-          r.graphs == graphs)
+          r.layout == like.layout && r.graphs == graphs)
         return &r;
     }
     return nullptr;
   };
   std::cout << "\n" << std::left << std::setw(11) << "bench" << std::setw(8) << "impl" << std::right << std::setw(6)
-            << "batch" << std::setw(6) << "prec" << std::setw(7) << "graph" << std::setw(10) << "ms/step" << std::setw(11)
+            << "batch" << std::setw(6) << "prec" << std::setw(5) << "lay" << std::setw(7) << "graph" << std::setw(10) << "ms/step" << std::setw(11)
             << "img/s" << std::setw(9) << "kernels" << std::setw(8) << "conv" << std::setw(10) << "busy us"
             << std::setw(10) << "peak MB" << std::setw(12) << "stock/this" << std::setw(12) << "best stock/"
             << "\n";
   for (const auto& r : rows) {
     const Row* same = find(r, "stock", r.graphs);
-    const Row* eager = find(r, "stock", "off");
-    const Row* graph = find(r, "stock", "on");
     double best = 0;
-    if (eager) best = eager->ms;
-    if (graph) best = best > 0 ? std::min(best, graph->ms) : graph->ms;
+    for (const auto& o : rows) {
+      if (o.bench == r.bench && o.impl == "stock" && o.batch == r.batch && o.precision == r.precision)
+        best = best > 0 ? std::min(best, o.ms) : o.ms;
+    }
     std::cout << std::left << std::setw(11) << r.bench << std::setw(8) << r.impl << std::right << std::setw(6) << r.batch
-              << std::setw(6) << r.precision << std::setw(7) << r.graphs << std::fixed << std::setprecision(3)
+              << std::setw(6) << r.precision << std::setw(5) << (r.layout == "nchw" ? "nchw" : "cl") << std::setw(7)
+              << r.graphs << std::fixed << std::setprecision(3)
               << std::setw(10) << r.ms << std::setprecision(0) << std::setw(11) << r.images_per_s << std::setprecision(1)
               << std::setw(9) << r.kernels << std::setw(8) << r.conversions << std::setw(10) << r.busy_us
               << std::setw(10) << r.peak << std::setprecision(2) << std::setw(11) << (same ? same->ms / r.ms : NAN)
@@ -401,7 +402,8 @@ void write_chart(const std::vector<Row>& rows, const std::string& path) {
   std::vector<BarGroup> groups;
   for (const auto& r : rows) {
     if (r.bench != "dcgan_step") continue;
-    const std::string label = "batch " + std::to_string(r.batch) + " " + r.precision;
+    const std::string label =
+        "batch " + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? "" : " channels_last");
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
     if (it == groups.end()) {
       groups.push_back({label, std::vector<double>(kinds.size(), NAN)});
@@ -430,15 +432,15 @@ void dcgan_step_suite(Report& report, const Options& options) {
   std::vector<Row> rows;
   warm_side_stream();
   for (int64_t batch : batches) {
-    for (bool bf16 : {false, true}) {
+    for (const auto& [bf16, channels_last] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, true}}) {
       for (bool graphs : {false, true}) {
         for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
           at::manual_seed(0);
           {
             const double before = allocated_mb(false);
-            DcganStep step(layers, batch, bf16);
-            rows.push_back(
-                measure(report, "dcgan_step", layers, batch, bf16, graphs, step, before, options, profile_out.get()));
+            DcganStep step(layers, batch, bf16, channels_last);
+            rows.push_back(measure(report, "dcgan_step", layers, batch, bf16, channels_last, graphs, step, before,
+                                   options, profile_out.get()));
           }
           release_memory();
         }
@@ -451,7 +453,8 @@ void dcgan_step_suite(Report& report, const Options& options) {
       {
         const double before = allocated_mb(false);
         CnnStep step(layers, batch);
-        rows.push_back(measure(report, "cnn_step", layers, batch, false, false, step, before, options, profile_out.get()));
+        rows.push_back(
+            measure(report, "cnn_step", layers, batch, false, false, false, step, before, options, profile_out.get()));
       }
       release_memory();
     }
