@@ -789,6 +789,29 @@ TEST(BatchNormActCuda, SplitPathBeyondTheStagedRows) {
   }
 }
 
+// The staged split path on every GPU of the process, in turn: its shared-memory attribute is per device (the
+// second device's launches once failed with "too many blocks in cooperative launch").
+TEST(BatchNormActCuda, SplitPathOnEveryDevice) {
+  HIERPAR_REQUIRE_CUDA();
+  const int64_t devices = static_cast<int64_t>(torch::cuda::device_count());
+  if (devices < 2) GTEST_SKIP() << "needs 2 GPUs (has " << devices << ")";
+  Case c;
+  c.shape = {1024, 64, 16, 16};
+  c.dtype = torch::kBFloat16;
+  c.param_dtype = torch::kFloat;
+  c.layout = Layout::channels_last;
+  c.act = "leaky_relu";
+  c.slope = 0.2;
+  for (int64_t d = 0; d < devices; ++d) {
+    const std::string what = "cuda:" + std::to_string(d) + " staged split path";
+    Inputs in = random_inputs(c, torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(d)));
+    Result got = run_hierpar(c, in);
+    Result ref = run_reference(c, in, got.out);
+    compare(got, ref, c, scaled_rtol(c.dtype), what);
+    check_direct_backward(c, in, got, ref, what);
+  }
+}
+
 // The split path combines the partials in a fixed order in every block: two calls in a row give
 // bit-identical results (NCHW float32 and channels_last bfloat16 with several channel groups).
 TEST(BatchNormActCuda, SplitPathRepeatsExactly) {

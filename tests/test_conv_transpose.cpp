@@ -370,7 +370,7 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
   // Random batch (1, odd), channel counts that are and are not multiples of 8 (16-byte vector loads or the
   // scalar fallback), non-square sizes, all input layouts, both weight layouts; plus fixed shapes that cover
   // every tile width (GEMM N > 64, 33..64, 17..32, <= 16), grids large enough not to split K and small
-  // ones that do (fp32 workspace), and the DCGAN layers at a small batch.
+  // ones that do (fp32 workspace), the DCGAN layers at a small batch, and grids large enough for wgmma.
   auto channels = [] { return coin() ? 8 * rand_int(2, 24) : rand_int(16, 70); };
   std::vector<Case> cases;
   for (int trial = 0; trial < 10; ++trial) {
@@ -379,7 +379,14 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
                          {0, 0}, {1, 1}, false, static_cast<Layout>(rand_int(0, 2)), coin(), rand_int(0, 5) == 0});
   }
   for (auto [batch, cin, cout, hw] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
-           {41, 32, 16, 16}, {3, 256, 128, 4}, {5, 128, 64, 8}, {2, 32, 3, 32}, {17, 100, 40, 12}, {3, 7, 17, 5}}) {
+           {41, 32, 16, 16}, {3, 256, 128, 4}, {5, 128, 64, 8}, {2, 32, 3, 32}, {17, 100, 40, 12}, {3, 7, 17, 5},
+           // Grids of >= 132 M tiles: no K split, so bf16/fp16 take the sm_90a wgmma kernel (forward and
+           // grad_input) where it applies: N of 24..128 (tile widths 32, 64, 128, partly filled), K not a
+           // multiple of the 64-wide K-tile (4 * 40), M not a multiple of the 128-row tile (80 * 15 * 15).
+           {80, 96, 48, 15}, {72, 32, 64, 16}, {80, 40, 24, 15},
+           // C_in % 64 == 0 and C_out <= 32: the all-phases forward kernel (full and partial 128-row tiles,
+           // C_out padded to 32).
+           {40, 64, 32, 16}, {3, 128, 24, 5}}) {
     for (auto layout : {Layout::contiguous, Layout::channels_last}) {
       cases.push_back(Case{batch, cin, cout, hw, hw, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, coin(),
                            false});

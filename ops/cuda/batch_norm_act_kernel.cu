@@ -847,6 +847,16 @@ int stageable_rows(Kernel kernel, int occupancy, int streams, int vec_bytes) {
   return rows;
 }
 
+// cudaFuncSetAttribute holds for the current device only, so each device needs its own call (stageable_rows made
+// it on the device of the first launch; a replica on another device failed with "too many blocks in cooperative
+// launch"). Made before every launch that stages rows, always with the kernel's largest staging, so launches from
+// other threads see the same value.
+template <typename Kernel>
+void allow_staging(Kernel kernel, int stageable, int streams, int vec_bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      stageable * streams * kThreads * vec_bytes));
+}
+
 // Stages the rows of the split path's blocks (as many per thread as the kernel can, at most all a thread
 // has); returns the dynamic shared memory bytes of the launch.
 size_t stage_split_rows(Plan& plan, int stageable, int streams, int vec_bytes) {
@@ -921,6 +931,7 @@ void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out,
     partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     args.partial = partial.data_ptr<acc_t>();
     smem = stage_split_rows(plan, stageable, 1, kVecBytes);
+    if (smem > 0) allow_staging(kernel, stageable, 1, kVecBytes);
   }
   launch(kernel, plan, split, smem, stream, input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
          plan.tile, args);
@@ -999,6 +1010,7 @@ void launch_backward(const Geometry& g, const at::Tensor& grad_output, const at:
     args.partial = partial.data_ptr<acc_t>();
     // Staging pays only when the rows are read twice (sums, then grad_input).
     if (apply) smem = stage_split_rows(plan, stageable, kStreams, kVecBytes);
+    if (smem > 0) allow_staging(kernel, stageable, kStreams, kVecBytes);
   }
   const int mode = (need_sums ? kSums : 0) | (apply ? kGradInput : 0);
   launch(kernel, plan, split, smem, stream, grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),

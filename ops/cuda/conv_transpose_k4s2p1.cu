@@ -31,6 +31,15 @@
 // 14-25% and the tensor pipe at 11-27%). Channel counts that allow no 16-byte copy (not a multiple of 8 for
 // 16-bit, 4 for fp32) are loaded with scalar loads into the same stages (synchronously), so any channel count
 // is handled.
+//
+// Hopper (sm_90a code; this file is also built for it, see CMakeLists.txt): bf16/fp16 GEMMs whose operands
+// allow 16-byte copies run on wgmma instead, with both operands read by the tensor cores from 128-byte-swizzled
+// shared memory (no ldmatrix): wgmma_conv_kernel (forward per phase and grad_input; no K split, channels_last
+// output), wgmma_wgrad_kernel (grad_weight, M-/N-major operands, split-K) and
+// wgmma_forward_all_phases_kernel (forward with C_out <= 32, C_in % 64 == 0: the 4 phases of 128 input pixels
+// per CTA from 9 shifted input tiles). A probe tells whether the driver loaded the sm_90a code; everything else
+// (fp32/TF32, odd channel counts, NCHW outputs of the convolutions, small split grids) keeps mma.sync.
+// HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 switch them off for same-process timings.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 #include "cuda/mma.cuh"
@@ -43,7 +52,9 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <climits>
+#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 
@@ -492,6 +503,621 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 int pick_bn(int n) { return n > 64 ? 128 : n > 32 ? 64 : n > 16 ? 32 : 16; }
 
+// ---- sm_90a: the convolution GEMMs (forward, grad_input) on wgmma ---------------------------------------------
+// Same GEMMs and gather as implicit_gemm_kernel<scalar_t, BN, false, true>, for bf16 / fp16 with 16-byte
+// copies, no K split and a channels-innermost output whose channel count allows 16-byte stores. The operands go
+// into 128-byte-swizzled K-major tiles (a row = 64 elements of K) that the tensor cores read straight from
+// shared memory: two warpgroups, each m64 x BN, issue 4 wgmma (K = 16) per K-tile and no ldmatrix (Nsight
+// Compute on the mma.sync kernel: 4-6 issued instructions per MMA and <= 51% tensor-pipe utilisation). B is
+// K-major: [N][K] row-major (the forward weight prepacked per phase as [C_out][tap, C_in], grad_input's as
+// [C_in][ky, kx, C_out]). 3 stages of (16 + BN / 8) KB, two CTAs per SM.
+template <int BN>
+struct WgmmaTile {
+  static constexpr int BM = 128, BK = 64;  // BK: 64 16-bit elements = one 128-byte swizzle row
+  static_assert(BK * 2 == 128, "a K-tile row is one 128-byte swizzle row");
+  static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int OUT_LD = BN + 8;  // staged output row (elements): 4-byte stores of a warp hit 32 banks
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024;  // + slack to align the stages to 1024 bytes
+  static_assert(BM * OUT_LD * 2 + BM * 8 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
+};
+
+template <typename scalar_t, int BN>
+__global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgmmaTile<BN>;
+  constexpr int BM = T::BM, BK = T::BK, VEC = 8;
+  constexpr bool kF16 = std::is_same_v<scalar_t, c10::Half>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // Swizzle atoms (8 rows x 128 bytes) must start 1024-byte aligned in the shared window.
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t sbase = smem_addr(smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, phase = blockIdx.z;
+  const int py = phase >> 1, px = phase & 1;
+  const int ktiles = (a.K + BK - 1) / BK;
+  const uint16_t* act = static_cast<const uint16_t*>(a.act);
+  const uint16_t* bmat = static_cast<const uint16_t*>(a.b) + phase * a.b_phase_stride;
+  const int rows_hw = a.rows_H * a.rows_W;
+  const int sH = int(a.act_sH), sW = int(a.act_sW);
+
+  // A: thread copies 16-byte chunk a_c of rows a_r + 32 i; per row, the unshifted source offset and a bit per
+  // tap inside the source (rows past M have none: zeros); its K position (tap, channel) stepped per K-tile.
+  constexpr int A_ITERS = BM / 32;
+  const int a_c = tid & 7, a_r = tid >> 3;
+  const uint32_t a_dst = a_r * 128 + ((a_c ^ (a_r & 7)) << 4);  // (a_r + 32 i) % 8 == a_r % 8
+  int row_off[A_ITERS];
+  uint32_t row_taps[A_ITERS];
+#pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int m = m0 + a_r + 32 * i;
+    row_off[i] = 0;
+    row_taps[i] = 0;
+    if (m < a.M) {
+      const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
+      const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
+      row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
+      for (int t = 0; t < a.ntaps; ++t) {
+        const int y = y0 + a.src_dir * (t >> a.taps_shift), x = x0 + a.src_dir * (t & (a.taps_w - 1));
+        if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) row_taps[i] |= 1u << t;
+      }
+    }
+  }
+  int k_tap = (a_c * VEC) / a.act_C, k_chan = a_c * VEC - k_tap * a.act_C;
+  auto load_a = [&](int s) {
+    const int tap_off = a.src_dir * ((k_tap >> a.taps_shift) * sH + (k_tap & (a.taps_w - 1)) * sW) + k_chan;
+    unsigned char* dst = smem + s * T::STAGE_BYTES + a_dst;
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const bool ok = k_tap < 32 && ((row_taps[i] >> k_tap) & 1u);  // taps past K have no bit
+      cp_async16(dst + i * 32 * 128, ok ? act + (row_off[i] + tap_off) : act, ok);
+    }
+    k_chan += BK;
+    while (k_chan >= a.act_C) {
+      k_chan -= a.act_C;
+      ++k_tap;
+    }
+  };
+  // B: thread copies chunk a_c (same mapping) of rows a_r + 32 j of the [N][K] matrix.
+  constexpr int B_ITERS = BN / 32;
+  const uint16_t* b_src[B_ITERS];
+  bool b_row_ok[B_ITERS];
+#pragma unroll
+  for (int j = 0; j < B_ITERS; ++j) {
+    const int n = n0 + a_r + 32 * j;
+    b_row_ok[j] = n < a.N;
+    b_src[j] = bmat + int64_t(b_row_ok[j] ? n : 0) * a.K + a_c * VEC;
+  }
+  auto load_b = [&](int s, int kt) {
+    unsigned char* dst = smem + s * T::STAGE_BYTES + T::A_BYTES + a_dst;
+    const bool k_ok = kt * BK + a_c * VEC < a.K;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+    for (int j = 0; j < B_ITERS; ++j) {
+      const bool ok = k_ok && b_row_ok[j];
+      cp_async16(dst + j * 32 * 128, ok ? b_src[j] + kt * BK : bmat, ok);
+    }
+  };
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
+
+  // Main loop: tiles kt + 1, kt + 2 in flight while kt is multiplied. Tile kt + 2 goes into the stage that
+  // tile kt - 1 used: every thread waited for its warpgroup's wgmma of kt - 1 before the barrier below.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) {
+      load_a(s);
+      load_b(s, s);
+    }
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    mma::fence_proxy_async_shared();
+    __syncthreads();
+    const int s = kt % kStages;
+    const uint32_t a_tile = sbase + s * T::STAGE_BYTES + wg * 64 * 128, b_tile = sbase + s * T::STAGE_BYTES + T::A_BYTES;
+    mma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const uint64_t da = mma::wgmma_desc_k_sw128(a_tile + kk * 32), db = mma::wgmma_desc_k_sw128(b_tile + kk * 32);
+      if constexpr (BN == 128)
+        mma::wgmma_m64n128k16<kF16>(acc, da, db);
+      else if constexpr (BN == 64)
+        mma::wgmma_m64n64k16<kF16>(acc, da, db);
+      else
+        mma::wgmma_m64n32k16<kF16>(acc, da, db);
+    }
+    mma::wgmma_commit();
+    const int next = kt + kStages - 1;
+    if (next < ktiles) {
+      load_a(next % kStages);
+      load_b(next % kStages, next);
+    }
+    cp_async_commit();
+    mma::wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: the tile in shared memory as scalar_t [BM][OUT_LD], then 16-byte stores along the channels.
+  scalar_t* tile = reinterpret_cast<scalar_t*>(smem);
+  int64_t* row_base = reinterpret_cast<int64_t*>(smem + BM * T::OUT_LD * 2);
+  if (tid < BM) {
+    const int m = m0 + tid;
+    int64_t rbase = -1;
+    if (m < a.M) {
+      const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
+      rbase = n * a.c_sN + int64_t(a.dst_scale * my + py) * a.c_sH + int64_t(a.dst_scale * mx + px) * a.c_sW;
+    }
+    row_base[tid] = rbase;
+  }
+  {
+    const int g = lane >> 2, t4 = lane & 3, r = wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      alignas(4) scalar_t lo[2] = {static_cast<scalar_t>(acc[4 * j]), static_cast<scalar_t>(acc[4 * j + 1])};
+      alignas(4) scalar_t hi[2] = {static_cast<scalar_t>(acc[4 * j + 2]), static_cast<scalar_t>(acc[4 * j + 3])};
+      *reinterpret_cast<uint32_t*>(tile + r * T::OUT_LD + 8 * j + 2 * t4) = *reinterpret_cast<const uint32_t*>(lo);
+      *reinterpret_cast<uint32_t*>(tile + (r + 8) * T::OUT_LD + 8 * j + 2 * t4) =
+          *reinterpret_cast<const uint32_t*>(hi);
+    }
+  }
+  __syncthreads();
+  scalar_t* c_out = static_cast<scalar_t*>(a.c);
+  constexpr int VPR = BN / 8;  // 16-byte vectors per row
+#pragma unroll
+  for (int v = tid; v < BM * VPR; v += kThreads) {
+    const int r = v / VPR, cv = v % VPR, n = n0 + cv * 8;
+    const int64_t rbase = row_base[r];
+    if (rbase >= 0 && n < a.N)
+      *reinterpret_cast<uint4*>(c_out + rbase + n) = *reinterpret_cast<const uint4*>(tile + r * T::OUT_LD + cv * 8);
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// ---- sm_90a: grad_weight on wgmma -----------------------------------------------------------------------------
+// gw^T[(ky, kx, co), ci] = sum over input pixels p of grad_output[p's tap pixel, co] * x[p, ci]: both operands
+// are contiguous along M / N (channels), so they go into shared memory M-/N-major (transposed operands of
+// wgmma): a K-tile of 64 pixels is, per 64-channel block, 64 rows (one per pixel) of 128 bytes, chunk c of row k
+// at c ^ (k % 8); blocks 8 KB apart (the descriptor's leading-byte offset), 8-row groups 1 KB apart (its
+// stride-byte offset). Split over K (pixels) as planned by plan_splits; each CTA adds its fp32 tile into the
+// dense [M][N] workspace with 16-byte atomics. Tile 128 x BN x 64, BN in {128, 64}, 3 stages, two CTAs per SM.
+template <int BN>
+struct WgmmaWgradTile {
+  static constexpr int BM = 128, BK = 64;
+  static constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int OUT_LD = BN + 4;  // staged fp32 output row
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024;
+  static_assert(BM * OUT_LD * 4 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
+};
+
+// Descriptor of an M-/N-major operand (see above): blocks of 64 channels `block_bytes` apart.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ inline uint64_t wgmma_desc_mn_sw128(uint32_t smem_byte_addr, uint32_t block_bytes) {
+  return uint64_t((smem_byte_addr & 0x3FFFF) >> 4) | (uint64_t(block_bytes >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+#endif
+
+template <typename scalar_t, int BN>
+__global__ void __launch_bounds__(kThreads, 2) wgmma_wgrad_kernel(const GemmArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgmmaWgradTile<BN>;
+  constexpr int BM = T::BM, BK = T::BK, VEC = 8;
+  constexpr bool kF16 = std::is_same_v<scalar_t, c10::Half>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t sbase = smem_addr(smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, split = blockIdx.z;
+  const int ktiles = (a.K + BK - 1) / BK;
+  const int kt_begin = split * a.ktiles_per_split, kt_end = min(ktiles, kt_begin + a.ktiles_per_split);
+  const int nk = kt_end - kt_begin;
+  const uint16_t* act = static_cast<const uint16_t*>(a.act);
+  const uint16_t* bmat = static_cast<const uint16_t*>(a.b);
+  const int rows_hw = a.rows_H * a.rows_W;
+  const int sH = int(a.act_sH), sW = int(a.act_sW);
+
+  // A: thread's M chunk (8 channels of one tap: act_C % 8 == 0) is fixed; its K rows (pixels) a_r + 16 i are
+  // stepped by BK pixels per K-tile with one carry per coordinate.
+  constexpr int A_ITERS = BK / 16;
+  const int a_v = tid & 15, a_r = tid >> 4;
+  const uint32_t a_dst = (a_v >> 3) * (BK * 128) + a_r * 128 + (((a_v & 7) ^ (a_r & 7)) << 4);
+  const int m = m0 + a_v * VEC;
+  const bool m_ok = m < a.M;
+  const int tap = m / a.act_C, w_c = m - tap * a.act_C;
+  const int w_ty = tap >> a.taps_shift, w_tx = tap & (a.taps_w - 1);
+  int pix_nb[A_ITERS], pix_y[A_ITERS], pix_x[A_ITERS];
+#pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int p = kt_begin * BK + a_r + 16 * i;
+    const int n = p / rows_hw, rem = p - n * rows_hw;
+    pix_nb[i] = n * int(a.act_sN);
+    pix_y[i] = rem / a.rows_W;
+    pix_x[i] = rem - pix_y[i] * a.rows_W;
+  }
+  const int step_x = BK % a.rows_W, step_y = (BK / a.rows_W) % a.rows_H, step_nb = (BK / rows_hw) * int(a.act_sN);
+  auto load_a = [&](int s, int kt) {
+    unsigned char* dst = smem + s * T::STAGE_BYTES + a_dst;
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const int y = a.src_scale * pix_y[i] + a.src_off + a.src_dir * w_ty;
+      const int x = a.src_scale * pix_x[i] + a.src_off + a.src_dir * w_tx;
+      const bool ok = m_ok && kt * BK + a_r + 16 * i < a.K && y >= 0 && y < a.act_H && x >= 0 && x < a.act_W;
+      cp_async16(dst + i * 16 * 128, ok ? act + (pix_nb[i] + y * sH + x * sW + w_c) : act, ok);
+      pix_x[i] += step_x;
+      if (pix_x[i] >= a.rows_W) {
+        pix_x[i] -= a.rows_W;
+        ++pix_y[i];
+      }
+      pix_y[i] += step_y;
+      if (pix_y[i] >= a.rows_H) {
+        pix_y[i] -= a.rows_H;
+        pix_nb[i] += int(a.act_sN);
+      }
+      pix_nb[i] += step_nb;
+    }
+  };
+  // B: x as a dense [K pixels][N channels] matrix; thread's chunk b_v of rows b_r + B_ROWS j.
+  constexpr int B_VPR = BN / VEC, B_ROWS = kThreads / B_VPR, B_ITERS = BK / B_ROWS;
+  const int b_v = tid % B_VPR, b_r = tid / B_VPR;
+  const uint32_t b_dst = T::A_BYTES + (b_v >> 3) * (BK * 128) + b_r * 128 + (((b_v & 7) ^ (b_r & 7)) << 4);
+  const bool n_ok = n0 + b_v * VEC < a.N;
+  const uint16_t* b_col = bmat + n0 + b_v * VEC;
+  auto load_b = [&](int s, int kt) {
+    unsigned char* dst = smem + s * T::STAGE_BYTES + b_dst;
+#pragma unroll
+    for (int j = 0; j < B_ITERS; ++j) {
+      const int p = kt * BK + b_r + B_ROWS * j;  // (b_r + B_ROWS j) % 8 == b_r % 8: B_ROWS is 16 or 32
+      const bool ok = n_ok && p < a.K;
+      cp_async16(dst + j * B_ROWS * 128, ok ? b_col + int64_t(p) * a.N : bmat, ok);
+    }
+  };
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nk) {
+      load_a(s, kt_begin + s);
+      load_b(s, kt_begin + s);
+    }
+    cp_async_commit();
+  }
+  for (int i = 0; i < nk; ++i) {
+    cp_async_wait<kStages - 2>();
+    mma::fence_proxy_async_shared();
+    __syncthreads();
+    const int s = i % kStages;
+    const uint32_t a_tile = sbase + s * T::STAGE_BYTES + wg * (BK * 128);  // the warpgroup's 64-channel block
+    const uint32_t b_tile = sbase + s * T::STAGE_BYTES + T::A_BYTES;
+    mma::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {  // 16 pixels = two 8-row groups = 2 KB further
+      const uint64_t da = wgmma_desc_mn_sw128(a_tile + kk * 2048, BK * 128);
+      const uint64_t db = wgmma_desc_mn_sw128(b_tile + kk * 2048, BK * 128);
+      if constexpr (BN == 128)
+        mma::wgmma_m64n128k16_tt<kF16>(acc, da, db);
+      else
+        mma::wgmma_m64n64k16_tt<kF16>(acc, da, db);
+    }
+    mma::wgmma_commit();
+    const int next = i + kStages - 1;
+    if (next < nk) {
+      load_a(next % kStages, kt_begin + next);
+      load_b(next % kStages, kt_begin + next);
+    }
+    cp_async_commit();
+    mma::wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: the fp32 tile in shared memory, then 16-byte atomic adds along N into the dense [M][N] workspace.
+  float* tile = reinterpret_cast<float*>(smem);
+  {
+    const int g = lane >> 2, t4 = lane & 3, r = wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      *reinterpret_cast<float2*>(tile + r * T::OUT_LD + 8 * j + 2 * t4) = make_float2(acc[4 * j], acc[4 * j + 1]);
+      *reinterpret_cast<float2*>(tile + (r + 8) * T::OUT_LD + 8 * j + 2 * t4) =
+          make_float2(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+  __syncthreads();
+  float* c_acc = static_cast<float*>(a.c);
+  constexpr int VPR = BN / 4;
+#pragma unroll 4
+  for (int v = tid; v < BM * VPR; v += kThreads) {
+    const int r = v / VPR, cv = v % VPR, row = m0 + r, n = n0 + cv * 4;
+    if (row < a.M && n < a.N) {
+      const float* t = tile + r * T::OUT_LD + cv * 4;
+      atomicAdd(reinterpret_cast<float4*>(c_acc + int64_t(row) * a.N + n), make_float4(t[0], t[1], t[2], t[3]));
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// ---- sm_90a: the forward for C_out <= 32, all four output phases per CTA ---------------------------------------
+// Phase (py, px) and tap (ty, tx) read the input at the shift (dy, dx) = (py - ty, px - tx) from the row's pixel,
+// so the 16 (phase, tap) products use only 9 shifted copies of the input. A CTA takes 128 input pixels, loops K
+// over (shift, C_in) (a K-tile of 64 channels lies in one shift: C_in % 64 == 0) and multiplies each gathered
+// tile by the weights of the phases that use that shift: all 4 phases for (0, 0), 2 for the edges, 1 for the
+// corners. The accumulators are 4 blocks of 32 columns, one per phase in the order slot = 2 px + py, so the
+// 2-phase edges with dy = 0 (slots 2px, 2px+1) and (0, 0) (all) are one wider wgmma each (n64, n128). Against
+// one phase per CTA (wgmma_conv_kernel, grid z = 4): the input is gathered 9 times instead of 16, a CTA writes
+// 4x the output per setup and pipeline fill, and fewer, wider MMAs read A from shared memory.
+// B (prepacked): [9 shifts][4 slots][32 co][C_in], zero where a phase does not use the shift or co >= C_out.
+struct AllPhasesTile {
+  static constexpr int BM = 128, BK = 64;
+  static_assert(BK * 2 == 128, "a K-tile row is one 128-byte swizzle row");
+  static constexpr int A_BYTES = BM * 128, B_BYTES = 128 * 128, STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int SLOT_LD = 40, ROW_LD = 4 * SLOT_LD + 8;  // staged output (elements): conflict-free stores
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024;
+  static_assert(BM * ROW_LD * 2 + BM * 8 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads, 2) wgmma_forward_all_phases_kernel(const GemmArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = AllPhasesTile;
+  constexpr int BM = T::BM, BK = T::BK, VEC = 8;
+  constexpr bool kF16 = std::is_same_v<scalar_t, c10::Half>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const uint32_t sbase = smem_addr(smem);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int m0 = blockIdx.x * BM;
+  const int ktiles = (a.K + BK - 1) / BK;  // 9 * C_in / 64
+  const uint16_t* act = static_cast<const uint16_t*>(a.act);
+  const uint16_t* bmat = static_cast<const uint16_t*>(a.b);
+  const int rows_hw = a.rows_H * a.rows_W;
+  const int sH = int(a.act_sH), sW = int(a.act_sW);
+
+  constexpr int A_ITERS = BM / 32;
+  const int a_c = tid & 7, a_r = tid >> 3;
+  const uint32_t a_dst = a_r * 128 + ((a_c ^ (a_r & 7)) << 4);
+  int row_off[A_ITERS];
+  uint32_t row_shifts[A_ITERS];  // bit 3 (dy + 1) + (dx + 1): the shifted pixel is inside the input
+#pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int m = m0 + a_r + 32 * i;
+    row_off[i] = 0;
+    row_shifts[i] = 0;
+    if (m < a.M) {
+      const int n = m / rows_hw, rem = m - n * rows_hw, qy = rem / a.rows_W, qx = rem - qy * a.rows_W;
+      row_off[i] = n * int(a.act_sN) + qy * sH + qx * sW;
+#pragma unroll
+      for (int s = 0; s < 9; ++s) {
+        const int y = qy + s / 3 - 1, x = qx + s % 3 - 1;
+        if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) row_shifts[i] |= 1u << s;
+      }
+    }
+  }
+  // K-tile kt: shift kt / (C_in / 64), channels from (kt % (C_in / 64)) * 64; stepped, no division.
+  int ld_shift = 0, ld_chan = 0;
+  auto load = [&](int st) {
+    const int dy = ld_shift / 3 - 1, dx = ld_shift % 3 - 1;
+    unsigned char* dst = smem + st * T::STAGE_BYTES + a_dst;
+    const int off = dy * sH + dx * sW + ld_chan + a_c * VEC;
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const bool ok = (row_shifts[i] >> ld_shift) & 1u;
+      cp_async16(dst + i * 32 * 128, ok ? act + (row_off[i] + off) : act, ok);
+    }
+    // B rows (slot j, co a_r): only the slots whose phase uses this shift (the others are never read).
+    const uint16_t* src = bmat + (int64_t(ld_shift) * 128 + a_r) * a.act_C + ld_chan + a_c * VEC;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int py = j & 1, px = j >> 1;
+      if (py - dy >= 0 && py - dy <= 1 && px - dx >= 0 && px - dx <= 1)
+        cp_async16(dst + T::A_BYTES + j * 32 * 128, src + int64_t(j) * 32 * a.act_C, true);
+    }
+    ld_chan += BK;
+    if (ld_chan == a.act_C) {
+      ld_chan = 0;
+      ++ld_shift;
+    }
+  };
+
+  float acc[4][16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[j][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load(s);
+    cp_async_commit();
+  }
+  const int tiles_per_shift = a.act_C / BK;
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    mma::fence_proxy_async_shared();
+    __syncthreads();
+    const int st = kt % kStages, shift = kt / tiles_per_shift;
+    const uint32_t a_tile = sbase + st * T::STAGE_BYTES + wg * 64 * 128;
+    const uint32_t b_tile = sbase + st * T::STAGE_BYTES + T::A_BYTES;
+    mma::wgmma_fence();
+    // One unrolled K loop per shift (the accumulator blocks each shift updates are fixed per loop).
+    auto k_loop = [&](auto&& mma_step) {
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) mma_step(mma::wgmma_desc_k_sw128(a_tile + kk * 32), b_tile + kk * 32);
+    };
+    auto db = [](uint32_t b, int slot) { return mma::wgmma_desc_k_sw128(b + slot * 32 * 128); };
+    switch (shift) {  // (dy, dx) = (shift / 3 - 1, shift % 3 - 1); slot = 2 px + py
+      case 0:  // (-1, -1): phase (0, 0)
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n32k16_blocks<kF16>(acc[0], da, db(b, 0)); });
+        break;
+      case 1:  // (-1, 0): phases (0, 0), (0, 1)
+        k_loop([&](uint64_t da, uint32_t b) {
+          mma::wgmma_m64n32k16_blocks<kF16>(acc[0], da, db(b, 0));
+          mma::wgmma_m64n32k16_blocks<kF16>(acc[2], da, db(b, 2));
+        });
+        break;
+      case 2:  // (-1, 1): (0, 1)
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n32k16_blocks<kF16>(acc[2], da, db(b, 2)); });
+        break;
+      case 3:  // (0, -1): (0, 0), (1, 0) = slots 0, 1
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n64k16_blocks<kF16>(acc[0], acc[1], da, db(b, 0)); });
+        break;
+      case 4:  // (0, 0): all four
+        k_loop([&](uint64_t da, uint32_t b) {
+          mma::wgmma_m64n128k16_blocks<kF16>(acc[0], acc[1], acc[2], acc[3], da, db(b, 0));
+        });
+        break;
+      case 5:  // (0, 1): (0, 1), (1, 1) = slots 2, 3
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n64k16_blocks<kF16>(acc[2], acc[3], da, db(b, 2)); });
+        break;
+      case 6:  // (1, -1): (1, 0)
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n32k16_blocks<kF16>(acc[1], da, db(b, 1)); });
+        break;
+      case 7:  // (1, 0): (1, 0), (1, 1)
+        k_loop([&](uint64_t da, uint32_t b) {
+          mma::wgmma_m64n32k16_blocks<kF16>(acc[1], da, db(b, 1));
+          mma::wgmma_m64n32k16_blocks<kF16>(acc[3], da, db(b, 3));
+        });
+        break;
+      default:  // (1, 1): (1, 1)
+        k_loop([&](uint64_t da, uint32_t b) { mma::wgmma_m64n32k16_blocks<kF16>(acc[3], da, db(b, 3)); });
+        break;
+    }
+    mma::wgmma_commit();
+    if (kt + kStages - 1 < ktiles) load((kt + kStages - 1) % kStages);
+    cp_async_commit();
+    mma::wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue: [BM][slot][co] in shared memory, then per (row, phase) up to 4 16-byte stores of 8 channels.
+  scalar_t* tile = reinterpret_cast<scalar_t*>(smem);
+  int64_t* row_base = reinterpret_cast<int64_t*>(smem + BM * T::ROW_LD * 2);
+  if (tid < BM) {
+    const int m = m0 + tid;
+    int64_t rbase = -1;
+    if (m < a.M) {
+      const int n = m / rows_hw, rem = m - n * rows_hw, qy = rem / a.rows_W, qx = rem - qy * a.rows_W;
+      rbase = n * a.c_sN + int64_t(2 * qy) * a.c_sH + int64_t(2 * qx) * a.c_sW;
+    }
+    row_base[tid] = rbase;
+  }
+  {
+    const int g = lane >> 2, t4 = lane & 3, r = wg * 64 + (warp & 3) * 16 + g;
+#pragma unroll
+    for (int slot = 0; slot < 4; ++slot)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float* d = acc[slot] + 4 * j;
+        alignas(4) scalar_t lo[2] = {static_cast<scalar_t>(d[0]), static_cast<scalar_t>(d[1])};
+        alignas(4) scalar_t hi[2] = {static_cast<scalar_t>(d[2]), static_cast<scalar_t>(d[3])};
+        const int col = slot * T::SLOT_LD + 8 * j + 2 * t4;
+        *reinterpret_cast<uint32_t*>(tile + r * T::ROW_LD + col) = *reinterpret_cast<const uint32_t*>(lo);
+        *reinterpret_cast<uint32_t*>(tile + (r + 8) * T::ROW_LD + col) = *reinterpret_cast<const uint32_t*>(hi);
+      }
+  }
+  __syncthreads();
+  scalar_t* c_out = static_cast<scalar_t*>(a.c);
+#pragma unroll
+  for (int v = tid; v < BM * 16; v += kThreads) {
+    const int r = v >> 4, slot = (v >> 2) & 3, cv = v & 3, co = cv * 8;
+    const int64_t rbase = row_base[r];
+    if (rbase >= 0 && co < a.N)
+      *reinterpret_cast<uint4*>(c_out + rbase + (slot & 1) * a.c_sH + (slot >> 1) * a.c_sW + co) =
+          *reinterpret_cast<const uint4*>(tile + r * T::ROW_LD + slot * T::SLOT_LD + co);
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// B of wgmma_forward_all_phases_kernel: packed[shift][slot][co < 32][ci] = w[ci, co, 1 + py - 2dy, 1 + px - 2dx]
+// (tap ty = py - dy, ky = 1 - py + 2 ty), zero where the tap is outside {0, 1} or co >= C_out.
+template <typename scalar_t>
+__global__ void pack_all_phases_weight_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t s2,
+                                              int64_t s3, int cin, int cout, scalar_t* __restrict__ packed) {
+  const int total = 9 * 4 * 32 * cin;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
+    const int ci = i % cin, r = i / cin, co = r % 32, slot = (r / 32) % 4, shift = r / 128;
+    const int dy = shift / 3 - 1, dx = shift % 3 - 1, py = slot & 1, px = slot >> 1;
+    const int ty = py - dy, tx = px - dx;
+    const bool used = co < cout && ty >= 0 && ty <= 1 && tx >= 0 && tx <= 1;
+    packed[i] = used ? w[ci * s0 + co * s1 + (1 - py + 2 * ty) * s2 + (1 - px + 2 * tx) * s3] : scalar_t(0);
+  }
+}
+
+// Whether the code loaded for this process's kernels is the sm_90a one (the file is compiled for sm_90 and
+// sm_90a; which cubin the driver picks is its choice), so that wgmma_conv_kernel has its body.
+__global__ void sm90a_probe_kernel(int* flag) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *flag = 1;
+#else
+  *flag = 0;
+#endif
+}
+
+// Probed once per process (synchronously: not while the stream is being captured into a CUDA graph, where
+// the mma.sync kernel is used until a probe has run outside a capture).
+bool wgmma_available() {
+  static std::atomic<int> state{-1};
+  const int known = state.load();
+  if (known >= 0) return known == 1;
+  // HIERPAR_DISABLE_WGMMA=1 keeps the mma.sync kernels (same-process before / after timings, bisecting).
+  const char* disable = std::getenv("HIERPAR_DISABLE_WGMMA");
+  if (at::cuda::getCurrentDeviceProperties()->major != 9 || (disable && disable[0] == '1')) {
+    state = 0;
+    return false;
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;
+  at::Tensor flag = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
+  sm90a_probe_kernel<<<1, 1, 0, stream>>>(flag.mutable_data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const bool ok = flag.item<int>() == 1;
+  state = ok ? 1 : 0;
+  return ok;
+}
+
+// The wgmma kernel's preconditions beyond GemmArgs' own (a_vec, b_vec: 16-byte copies; c_vec: 16-byte
+// channels-innermost stores; no split): a 16-bit dtype and a tile width of 32..128. B is a fresh ATen
+// allocation (16-byte aligned) in the K-major layout, packed by the caller once this says yes.
+template <typename scalar_t>
+bool wgmma_applies(const GemmArgs& a) {
+  return !std::is_same_v<scalar_t, float> && a.a_vec && a.b_vec && a.c_vec && a.c_sC == 1 && !a.c_atomic &&
+         a.splits == 1 && a.K % 8 == 0 && a.N > 16 && wgmma_available();
+}
+
+template <typename scalar_t, int BN>
+void launch_wgmma_tile(const GemmArgs& a, int phases, cudaStream_t stream) {
+  constexpr int smem = WgmmaTile<BN>::SMEM_BYTES;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_conv_kernel<scalar_t, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      smem));
+  const dim3 grid((a.M + 127) / 128, (a.N + BN - 1) / BN, phases);
+  wgmma_conv_kernel<scalar_t, BN><<<grid, kThreads, smem, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename scalar_t>
+void launch_wgmma(const GemmArgs& a, int phases) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    TORCH_INTERNAL_ASSERT(false, "conv_transpose2d: the wgmma kernel has no fp32 variant");
+  } else {
+    auto stream = at::cuda::getCurrentCUDAStream();
+    switch (pick_bn(a.N)) {
+      case 128: launch_wgmma_tile<scalar_t, 128>(a, phases, stream); break;
+      case 64: launch_wgmma_tile<scalar_t, 64>(a, phases, stream); break;
+      default: launch_wgmma_tile<scalar_t, 32>(a, phases, stream); break;
+    }
+  }
+}
+
+
 // Splits K when the output tiles alone cannot fill the GPU (two CTAs per SM), into as many splits as still fit
 // in one wave (a wave and a few CTAs would cost two waves: 256->128 grad_weight had 9 x 32 CTAs on 264 slots),
 // keeping >= 4 K-tiles (256 16-bit / 128 fp32 elements of K) per split (each split adds one fp32 atomic per
@@ -535,18 +1161,62 @@ void launch(const GemmArgs& a, int phases) {
   }
 }
 
+// grad_weight on wgmma: 16-bit operands with 16-byte copies (C_out % 8, C_in % 8) and C_in > 32 (one tile
+// of 64 or 128 channels); the result goes into the dense fp32 [16 C_out][C_in] workspace.
+template <typename scalar_t>
+bool wgmma_wgrad_applies(const GemmArgs& a) {
+  return !std::is_same_v<scalar_t, float> && a.a_vec && a.b_vec && a.N > 32 && wgmma_available();
+}
+
+template <typename scalar_t>
+void launch_wgmma_wgrad(const GemmArgs& a) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    TORCH_INTERNAL_ASSERT(false, "conv_transpose2d: the wgmma kernel has no fp32 variant");
+  } else {
+    auto stream = at::cuda::getCurrentCUDAStream();
+    auto go = [&](auto bn_tag) {
+      constexpr int BN = decltype(bn_tag)::value;
+      constexpr int smem = WgmmaWgradTile<BN>::SMEM_BYTES;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_wgrad_kernel<scalar_t, BN>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const dim3 grid((a.M + 127) / 128, (a.N + BN - 1) / BN, a.splits);
+      wgmma_wgrad_kernel<scalar_t, BN><<<grid, kThreads, smem, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (a.N > 64)
+      go(std::integral_constant<int, 128>{});
+    else
+      go(std::integral_constant<int, 64>{});
+  }
+}
+
 // Zeroes a dense tensor (split-K accumulation target) with one memset, no ATen op.
 void zero_dense(const at::Tensor& t) {
   C10_CUDA_CHECK(cudaMemsetAsync(t.data_ptr(), 0, t.numel() * t.element_size(), at::cuda::getCurrentCUDAStream()));
 }
 
-// Forward weight per phase: packed[py, px][ty, tx, ci][co] = w[ci, co, 1 - py + 2ty, 1 - px + 2tx].
+// Forward weight per phase: packed[py, px][ty, tx, ci][co] = w[ci, co, 1 - py + 2ty, 1 - px + 2tx] for the
+// mma.sync kernel ([K, N]), or packed[py, px][co][ty, tx, ci] when k_major (the wgmma kernel's [N, K]).
 template <typename scalar_t>
 __global__ void pack_forward_weight_kernel(const scalar_t* __restrict__ w, int64_t s0, int64_t s1, int64_t s2,
-                                           int64_t s3, int cin, int cout, scalar_t* __restrict__ packed) {
+                                           int64_t s3, int cin, int cout, bool k_major,
+                                           scalar_t* __restrict__ packed) {
   const int total = 16 * cin * cout;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += blockDim.x * gridDim.x) {
-    const int co = i % cout, r = i / cout, ci = r % cin, tap = (r / cin) % 4, phase = r / (4 * cin);
+    int co, ci, tap, phase;
+    if (k_major) {
+      ci = i % cin;
+      const int r = i / cin;
+      tap = r % 4;
+      co = (r / 4) % cout;
+      phase = r / (4 * cout);
+    } else {
+      co = i % cout;
+      const int r = i / cout;
+      ci = r % cin;
+      tap = (r / cin) % 4;
+      phase = r / (4 * cin);
+    }
     const int ky = 1 - (phase >> 1) + 2 * (tap >> 1), kx = 1 - (phase & 1) + 2 * (tap & 1);
     packed[i] = w[ci * s0 + co * s1 + ky * s2 + kx * s3];
   }
@@ -587,6 +1257,50 @@ void set_activation(GemmArgs& a, const at::Tensor& t) {
   a.a_vec = c % VEC == 0 && aligned16(a.act);
 }
 
+// The all-phases forward: 16-bit, C_in % 64 == 0, 8 <= C_out <= 32 with C_out % 8 == 0, a channels_last
+// output. HIERPAR_WGMMA_ALL_PHASES=0 uses the one-phase-per-CTA kernel instead (same-process timings).
+template <typename scalar_t>
+bool wgmma_all_phases_applies(const ConvTranspose2dGeometry& g, const at::Tensor& x, const at::Tensor& out,
+                              bool out_channels_last) {
+  if (std::is_same_v<scalar_t, float> || g.in_channels % 64 != 0 || g.out_channels % 8 != 0 ||
+      g.out_channels > 32 || !out_channels_last || !aligned16(out.data_ptr()) || !aligned16(x.data_ptr()))
+    return false;
+  const char* env = std::getenv("HIERPAR_WGMMA_ALL_PHASES");
+  return !(env && env[0] == '0') && wgmma_available();
+}
+
+template <typename scalar_t>
+void launch_wgmma_all_phases(const ConvTranspose2dGeometry& g, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    TORCH_INTERNAL_ASSERT(false, "conv_transpose2d: the wgmma kernel has no fp32 variant");
+  } else {
+    auto stream = at::cuda::getCurrentCUDAStream();
+    const int cin = int(g.in_channels), cout = int(g.out_channels);
+    at::Tensor packed = at::empty({9, 4, 32, cin}, weight.options());
+    const int total = 9 * 4 * 32 * cin;
+    pack_all_phases_weight_kernel<scalar_t><<<std::min((total + 255) / 256, 1024), 256, 0, stream>>>(
+        weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
+        cin, cout, packed.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    GemmArgs a{};
+    a.M = int(g.in_pixels());
+    a.N = cout;
+    a.K = 9 * cin;
+    set_activation<scalar_t>(a, x);
+    a.rows_H = int(g.in_h);
+    a.rows_W = int(g.in_w);
+    a.b = packed.const_data_ptr<scalar_t>();
+    a.splits = 1;
+    set_output<scalar_t>(a, out.data_ptr(), dense_strides(cout, g.out_h, g.out_w, true), false);
+    constexpr int smem = AllPhasesTile::SMEM_BYTES;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_forward_all_phases_kernel<scalar_t>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    wgmma_forward_all_phases_kernel<scalar_t><<<(a.M + 127) / 128, kThreads, smem, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 // Calls f(scalar_t{}) for the fast path's dtypes.
 template <typename F>
 void dispatch_fast(at::ScalarType dtype, F&& f) {
@@ -621,15 +1335,12 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
   const int cin = int(g.in_channels), cout = int(g.out_channels);
   dispatch_fast(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    {
+    if (wgmma_all_phases_applies<scalar_t>(g, x, out, out_channels_last)) {
+      launch_wgmma_all_phases<scalar_t>(g, x, weight, out);
+    } else {
       constexpr int VEC = 16 / int(sizeof(scalar_t));
       auto stream = at::cuda::getCurrentCUDAStream();
       at::Tensor packed = at::empty({4, 4 * cin, cout}, weight.options());
-      const int total = 16 * cin * cout;
-      pack_forward_weight_kernel<scalar_t><<<std::min((total + 255) / 256, 1024), 256, 0, stream>>>(
-          weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
-          cin, cout, packed.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
 
       GemmArgs a{};
       a.M = int(g.in_pixels());
@@ -662,7 +1373,16 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
         set_output<scalar_t>(a, out.mutable_data_ptr<scalar_t>(),
                              dense_strides(cout, g.out_h, g.out_w, out_channels_last), false);
       }
-      launch<scalar_t, false>(a, 4);
+      const bool wgmma = wgmma_applies<scalar_t>(a);
+      const int total = 16 * cin * cout;
+      pack_forward_weight_kernel<scalar_t><<<std::min((total + 255) / 256, 1024), 256, 0, stream>>>(
+          weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
+          cin, cout, wgmma, packed.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (wgmma)
+        launch_wgmma<scalar_t>(a, 4);
+      else
+        launch<scalar_t, false>(a, 4);
       if (ws.defined()) out.copy_(ws);
     }
   });
@@ -689,13 +1409,10 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
       common.rows_H = int(g.in_h);
       common.rows_W = int(g.in_w);
       if (grad_input.defined()) {
-        // B[(ky, kx, co), ci] = w[ci, co, ky, kx].
-        const at::Tensor wt = weight.permute({2, 3, 1, 0}).contiguous();
         GemmArgs a = common;
         a.M = int(g.in_pixels());
         a.N = cin;
         a.K = 16 * cout;
-        a.b = wt.const_data_ptr<scalar_t>();
         a.b_phase_stride = 0;
         a.b_vec = cin % VEC == 0;
         a.dst_scale = 1;
@@ -714,7 +1431,15 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
           set_output<scalar_t>(a, grad_input.mutable_data_ptr<scalar_t>(),
                                dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), false);
         }
-        launch<scalar_t, false>(a, 1);
+        // B[(ky, kx, co), ci] = w[ci, co, ky, kx] ([K, N]), or its transpose [ci][(ky, kx, co)] for wgmma.
+        const bool wgmma = wgmma_applies<scalar_t>(a);
+        const at::Tensor wt = weight.permute(wgmma ? at::IntArrayRef{0, 2, 3, 1} : at::IntArrayRef{2, 3, 1, 0})
+                                  .contiguous();
+        a.b = wt.const_data_ptr<scalar_t>();
+        if (wgmma)
+          launch_wgmma<scalar_t>(a, 1);
+        else
+          launch<scalar_t, false>(a, 1);
         if (ws.defined()) grad_input.copy_(ws);
       }
       if (grad_weight.defined()) {
@@ -742,7 +1467,10 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
           set_output<scalar_t>(a, ws.data_ptr<float>(), Strides{cin, int64_t(4) * cout * cin, int64_t(cout) * cin, 1},
                                true);
         }
-        launch<scalar_t, true>(a, 1);
+        if (!std::is_same_v<scalar_t, float> && wgmma_wgrad_applies<scalar_t>(a))
+          launch_wgmma_wgrad<scalar_t>(a);
+        else
+          launch<scalar_t, true>(a, 1);
         if (ws.defined()) grad_weight.copy_(ws.permute({3, 2, 0, 1}));
       }
     }

@@ -1,6 +1,7 @@
 // The fast CUDA paths of hierpar::conv_transpose2d for kernel 4, stride 2, padding 1 (DCGAN's upsampling
 // layers). Private to hierpar_ops; conv_transpose_kernel.cu calls them when they apply.
-//  - conv_transpose_k4s2p1.cu: phase-decomposed implicit GEMMs on the tensor cores (C_out >= 16);
+//  - conv_transpose_k4s2p1.cu: phase-decomposed implicit GEMMs on the tensor cores (C_out >= 16): mma.sync,
+//    and wgmma on Hopper for bf16/fp16;
 //  - conv_transpose_small_cout.cu: CUDA-core kernels for C_out <= kSmallCoutMax (the RGB / grayscale layer).
 #pragma once
 
