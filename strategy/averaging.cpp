@@ -482,6 +482,7 @@ class CollectiveAverager final : public GradientAverager {
                 "AveragingOptions: bucket caps must be >= 0 (0: no bucketing), got ", options.first_bucket_cap_bytes,
                 " and ", options.bucket_cap_bytes);
     for (auto& groups : groups_) groups.resize(placement.local_replicas());
+    for (auto& barrier : barriers_) barrier = std::make_unique<ReplicaBarrier>(placement.local_replicas(), options.timeout);
     for (auto& flats : flats_) flats.resize(placement.local_replicas());
     for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
 #ifdef HIERPAR_C10D_NCCL
@@ -576,6 +577,12 @@ class CollectiveAverager final : public GradientAverager {
       return;
     }
     at::Tensor flat = flatten_into(flats_[n][local], grads);
+    // Replicas of one process launch their all-reduces only once every one of them is here. Otherwise a
+    // replica's NCCL kernel waits on its device for a peer whose thread is still in its backward, where a
+    // cudaFree (cuDNN's benchmark search freeing the allocator's cache) waits for every peer-mapped device to go
+    // idle: a deadlock (cuda-gdb, batch 4096 on 2 H200s: pt_autograd_1 in cuMemFree_v2, replica 0's all-reduce
+    // pending). The bucket hooks of eager steps launch from inside the backward and keep that risk.
+    barriers_[n]->arrive_and_wait(who);
     all_reduce(local, network, flat, who, "all-reducing the gradients");
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
@@ -599,8 +606,11 @@ class CollectiveAverager final : public GradientAverager {
     unflatten_from(flat, tensors);
   }
 
-  // Peers blocked in a collective, in this process or another, end by the collective's timeout.
-  void abort(const std::string&) override {}
+  // Local peers waiting at a barrier stop at once; peers blocked in a collective, in this process or another,
+  // end by the collective's timeout.
+  void abort(const std::string& reason) override {
+    for (auto& barrier : barriers_) barrier->abort(reason);
+  }
 
  private:
   class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
@@ -629,6 +639,7 @@ class CollectiveAverager final : public GradientAverager {
   const AveragingOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::array<std::vector<c10::intrusive_ptr<c10d::Backend>>, 2> groups_;  // [network][local replica]
+  std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;               // [network]
   std::array<std::vector<at::Tensor>, 2> flats_;                          // [network][local replica]
   std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;   // [network][local replica]
 };
