@@ -375,12 +375,14 @@ class HostAverager final : public GradientAverager {
 // One replica's gradients of one network in buckets, all-reduced as the backward produces them (the
 // design of PyTorch DDP's reducer): each parameter's post-accumulate-grad hook counts its bucket down;
 // a complete bucket is copied into its flat buffer (one cat kernel) and its all-reduce launched
-// asynchronously, in bucket order, so every replica issues the same collectives in the same order.
+// asynchronously, in bucket order, so every replica issues the same collectives in the same order. The replicas
+// of one process launch each bucket together (`launch_barrier`): a replica's NCCL kernel must not wait on its
+// device for a peer whose thread may block in a cudaFree meanwhile (the deadlock of session 5, docs/strategy.md).
 class BucketReducer {
  public:
   BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes,
-                c10::intrusive_ptr<c10d::Backend> group)
-      : parameters_(std::move(parameters)), group_(std::move(group)) {
+                c10::intrusive_ptr<c10d::Backend> group, ReplicaBarrier& launch_barrier)
+      : parameters_(std::move(parameters)), group_(std::move(group)), launch_barrier_(launch_barrier) {
     bucket_of_.resize(parameters_.size());
     // Reverse registration order: the backward reaches the last layers first.
     for (int64_t i = static_cast<int64_t>(parameters_.size()) - 1; i >= 0; --i) {
@@ -412,7 +414,7 @@ class BucketReducer {
     TORCH_CHECK(!bucket.launched && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
                 "(two backward passes through the network in one step are not supported with bucketed averaging)");
     --bucket.pending;
-    while (next_ < buckets_.size() && buckets_[next_].pending == 0) launch(buckets_[next_++]);
+    while (next_ < buckets_.size() && buckets_[next_].pending == 0) launch(buckets_[next_++], who);
   }
 
   // After the backward: launches what the hooks did not (parameters without gradients: `grads` holds
@@ -422,7 +424,7 @@ class BucketReducer {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(grads.size() == parameters_.size(), who, ": expected the gradients of the ", parameters_.size(),
                 " attached parameters, got ", grads.size());
-    while (next_ < buckets_.size()) launch(buckets_[next_++], &grads);
+    while (next_ < buckets_.size()) launch(buckets_[next_++], who, &grads);
     for (Bucket& bucket : buckets_) {
       wait_for(bucket.work, who, "all-reducing a gradient bucket", timeout, bucket.flat.is_cuda());
       bucket.work.reset();
@@ -450,7 +452,7 @@ class BucketReducer {
     c10::intrusive_ptr<c10d::Work> work;
   };
 
-  void launch(Bucket& bucket, const std::vector<at::Tensor>* grads = nullptr) {
+  void launch(Bucket& bucket, const std::string& who, const std::vector<at::Tensor>* grads = nullptr) {
     std::vector<at::Tensor> pieces;
     pieces.reserve(bucket.members.size());
     for (int64_t i : bucket.members) {
@@ -459,6 +461,7 @@ class BucketReducer {
       pieces.push_back(grad.reshape({-1}));
     }
     at::cat_out(bucket.flat, pieces, 0);
+    launch_barrier_.arrive_and_wait(who);
     std::vector<at::Tensor> buffers{bucket.flat};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
@@ -468,6 +471,7 @@ class BucketReducer {
 
   std::vector<at::Tensor> parameters_;
   c10::intrusive_ptr<c10d::Backend> group_;
+  ReplicaBarrier& launch_barrier_;  // the averager's, for this network
   std::vector<int64_t> bucket_of_;
   std::vector<Bucket> buckets_;
   size_t next_ = 0;  // the next bucket to launch
@@ -556,7 +560,7 @@ class CollectiveAverager final : public GradientAverager {
     if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
     const int n = static_cast<int>(network);
     auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes,
-                                                   options_.bucket_cap_bytes, groups_[n][local]);
+                                                   options_.bucket_cap_bytes, groups_[n][local], *barriers_[n]);
     const std::string who = where(placement_, local, network);
     for (size_t i = 0; i < parameters.size(); ++i) {
       TORCH_CHECK(parameters[i].is_leaf() && parameters[i].requires_grad(), who, ": parameter ", i,
@@ -579,9 +583,9 @@ class CollectiveAverager final : public GradientAverager {
     at::Tensor flat = flatten_into(flats_[n][local], grads);
     // Replicas of one process launch their all-reduces only once every one of them is here. Otherwise a
     // replica's NCCL kernel waits on its device for a peer whose thread is still in its backward, where a
-    // cudaFree (cuDNN's benchmark search freeing the allocator's cache) waits for every peer-mapped device to go
-    // idle: a deadlock (cuda-gdb, batch 4096 on 2 H200s: pt_autograd_1 in cuMemFree_v2, replica 0's all-reduce
-    // pending). The bucket hooks of eager steps launch from inside the backward and keep that risk.
+    // cudaFree (cuDNN's benchmark search freeing the allocator's cache) did not return while that kernel waited:
+    // a deadlock (cuda-gdb, batch 4096 on 2 H200s: pt_autograd_1 in cuMemFree_v2, replica 0's all-reduce
+    // pending). The bucket reducers meet at the same barrier before each bucket.
     barriers_[n]->arrive_and_wait(who);
     all_reduce(local, network, flat, who, "all-reducing the gradients");
     flat.div_(placement_.global_replicas());
