@@ -482,6 +482,41 @@ TEST(StrategyTrainer, DataAndHierarchicalMatchSingleWithoutBatchNorm) {
   }
 }
 
+// bf16 autocast (and channels_last) through the trainer, on the CPU: it takes effect (the parameters differ from
+// fp32 training's), task still equals single exactly, and the replicas of a data placement end identical (host and
+// collective averaging of bf16-computed gradients).
+TEST(StrategyTrainer, Bf16AutocastTakesEffectAndKeepsTheSchemesConsistent) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  auto fp32 = test_options();
+  fp32.channels_last = true;
+  auto bf16 = fp32;
+  bf16.autocast_dtype = torch::kBFloat16;
+  const auto single_cpu = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {});
+  for (bool bn : {false, true}) {
+    const std::string what = bn ? "bf16 autocast, BatchNorm" : "bf16 autocast";
+    const auto single = train(single_cpu, bn, data, init, 0, -1, bf16);
+    const auto without = train(single_cpu, bn, data, init, 0, -1, fp32);
+    expect_trained(single[0], init, bn);
+    double largest = 0;
+    for (size_t i = 0; i < single[0].size(); ++i) {
+      EXPECT_EQ(single[0][i].scalar_type(), torch::kFloat) << what << ": parameters stay float32, tensor " << i;
+      largest = std::max(largest, (single[0][i] - without[0][i]).abs().max().item<double>());
+    }
+    EXPECT_GT(largest, 0) << what << ": training under autocast should round differently from float32";
+    const auto task = train(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CPU, {}), bn, data, init, 0,
+                            -1, bf16);
+    expect_states_equal(task[0], single[0], what + ": task vs single");
+    for (const char* reduce : {"host", "nccl"}) {
+      if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+      const auto replicas =
+          train(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), bn, data, init, 0, -1, bf16);
+      expect_trained(replicas[0], init, bn);
+      expect_states_equal(replicas[1], replicas[0], what + ", data x2 " + reduce + ": replica 1 vs replica 0");
+    }
+  }
+}
+
 TEST(StrategyTrainer, DataWithBatchNormMatchesPerPartReference) {
   const auto data = make_data(8, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
