@@ -1,6 +1,7 @@
 // Suite "batch_norm_act": forward + backward of BatchNorm (training mode) followed by the activation, at the
 // DCGAN layer shapes: discriminator layers with leaky_relu(0.2), generator layers with relu; batch 64 fp32
-// NCHW and batch 1024 bf16 channels_last (fp32 parameters and statistics).
+// NCHW, batch 64 fp32 and bf16 channels_last (the training step's tf32 and bf16 layouts) and batch 1024
+// bf16 channels_last (fp32 parameters and statistics). `--batches 64` (or 1024) runs one batch size only.
 //
 //  - bench "batch_norm_act_fwd_bwd": through autograd, as a training step runs it. stock: at::batch_norm
 //    (cuDNN where ATen picks it) then the in-place activation (DCGAN's inplace=True), then
@@ -9,13 +10,15 @@
 //    activation + activation backward + batch norm backward with the FASTER of ATen's native kernels
 //    (at::native_batch_norm[_backward]) and cuDNN's (at::cudnn_batch_norm[_backward]) at that shape, both
 //    timed, their medians in extra.stock_native_us / stock_cudnn_us; hierpar the two ops.
-//  - benches "batch_norm_act_fwd_graph" / "batch_norm_act_bwd_graph" (batch 1024 bf16 channels_last only):
-//    each direction alone, as the CUDA-graph training step runs it: the calls captured in a graph, cycling
-//    through enough copies of the inputs that each call finds its inputs out of L2 (>= 160 MB of other
-//    tensors in between), median per call. stock forward: native batch norm + in-place activation;
-//    stock backward: activation backward + native batch norm backward (cuDNN refuses bf16 input with fp32
-//    parameters). extra: compulsory_bytes (forward: read x, write out = 2 T; backward: read dy and out,
-//    write dx = 3 T, relu also reads x: 4 T), tb_per_s (compulsory_bytes / median) and floor_us
+//  - benches "batch_norm_act_fwd_graph" / "batch_norm_act_bwd_graph" (channels_last cases): each direction
+//    alone, as the CUDA-graph training step runs it: the calls captured in a graph (at least 20 per graph),
+//    median per call. Batch 1024: cycling through enough copies of the inputs that each call finds its
+//    inputs out of L2 (>= 160 MB of other tensors in between). Batch 64: two copies, so the inputs are in L2
+//    as in the step, where the layer before has just written them (the tensors are 0.5-8 MB).
+//    stock forward: batch norm + in-place activation; stock backward: activation backward + batch norm
+//    backward; batch norm is cuDNN's for float32 and ATen's native kernels for bfloat16 (cuDNN refuses bf16
+//    input with fp32 parameters); extra.stock_backend says which. extra: compulsory_bytes (forward: read x,
+//    write out = 2 T; backward: read dy and out, write dx = 3 T, relu also reads x: 4 T), tb_per_s (compulsory_bytes / median) and floor_us
 //    (compulsory_bytes at the H200's measured 4.24 TB/s copy rate).
 // extra.saved_activation_bytes: the per-layer activation memory autograd keeps for the backward.
 //   stock: BN saves its input, the in-place activation its output: 2 tensors. hierpar: the output for
@@ -51,11 +54,13 @@ struct BnCase {
   const char* activation;  // "leaky_relu" (discriminator) or "relu" (generator)
 };
 
-std::vector<BnCase> cases(bool quick) {
+std::vector<BnCase> cases(bool quick, const std::vector<int64_t>& batches) {
   const std::vector<std::vector<int64_t>> d{{64, 16, 16}, {128, 8, 8}, {256, 4, 4}};
   const std::vector<std::vector<int64_t>> g{{256, 4, 4}, {128, 8, 8}, {64, 16, 16}, {32, 32, 32}};
   std::vector<BnCase> out;
-  for (auto [batch, dtype, cl] : {std::tuple{int64_t(64), at::kFloat, false}, std::tuple{int64_t(1024), at::kBFloat16, true}}) {
+  for (auto [batch, dtype, cl] : {std::tuple{int64_t(64), at::kFloat, false}, std::tuple{int64_t(64), at::kFloat, true},
+                                  std::tuple{int64_t(64), at::kBFloat16, true}, std::tuple{int64_t(1024), at::kBFloat16, true}}) {
+    if (!batches.empty() && std::find(batches.begin(), batches.end(), batch) == batches.end()) continue;
     for (const auto& s : d) out.push_back({{batch, s[0], s[1], s[2]}, dtype, cl, "leaky_relu"});
     for (const auto& s : g) out.push_back({{batch, s[0], s[1], s[2]}, dtype, cl, "relu"});
     if (quick) break;
@@ -96,50 +101,59 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
   int64_t numel = 1;
   for (int64_t s : c.shape) numel *= s;
   const double tensor_bytes = static_cast<double>(numel) * c10::elementSize(c.dtype);
-  const int copies = static_cast<int>(std::max<double>(2, std::ceil(160e6 / tensor_bytes)));
+  const bool warm = c.shape[0] <= 64;
+  const int copies = warm ? 2 : static_cast<int>(std::max<double>(2, std::ceil(160e6 / tensor_bytes)));
+  const int calls = std::max(copies, 20);
+  // Stock at its strongest: cuDNN's batch norm for float32 (what at::batch_norm picks in the step), ATen's
+  // native kernels for bfloat16 (cuDNN refuses bfloat16 input with float32 parameters).
+  const bool cudnn = c.dtype == at::kFloat;
   struct Copy {
-    at::Tensor x, dy, out, mean, invstd;        // hierpar
-    at::Tensor s_out, s_mean, s_invstd;         // stock
+    at::Tensor x, dy, out, mean, invstd;               // hierpar
+    at::Tensor s_out, s_mean, s_invstd, s_reserve;     // stock
   };
   std::vector<Copy> cs(copies);
+  auto stock_forward = [&](Copy& k) {
+    at::Tensor y;
+    if (cudnn) std::tie(y, k.s_mean, k.s_invstd, k.s_reserve) = at::cudnn_batch_norm(k.x, w, b, rm, rv, true, momentum, eps);
+    else std::tie(y, k.s_mean, k.s_invstd) = at::native_batch_norm(k.x, w, b, rm, rv, true, momentum, eps);
+    return leaky ? at::leaky_relu_(y, slope) : at::relu_(y);
+  };
   for (auto& k : cs) {
     k.x = (at::rand(c.shape, opts) * 4 - 1).to(c.dtype).contiguous(layout);
     k.dy = (at::rand(c.shape, opts) * 2 - 1).to(c.dtype).contiguous(layout);
     std::tie(k.out, k.mean, k.invstd) =
         hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope);
-    at::Tensor y;
-    std::tie(y, k.s_mean, k.s_invstd) = at::native_batch_norm(k.x, w, b, rm, rv, true, momentum, eps);
-    k.s_out = leaky ? at::leaky_relu_(y, slope) : at::relu_(y);
+    k.s_out = stock_forward(k);
   }
   const int repeats = quick ? 5 : 20;
-  const Timing fwd_stock = time_graph_per_call([&] {
-    for (auto& k : cs) {
-      at::Tensor y = std::get<0>(at::native_batch_norm(k.x, w, b, rm, rv, true, momentum, eps));
-      if (leaky) at::leaky_relu_(y, slope);
-      else at::relu_(y);
-    }
-  }, copies, repeats);
+  // `calls` calls per graph, cycling through the copies.
+  auto each_call = [&](const std::function<void(Copy&)>& fn) {
+    for (int i = 0; i < calls; ++i) fn(cs[i % copies]);
+  };
+  const Timing fwd_stock = time_graph_per_call([&] { each_call([&](Copy& k) { stock_forward(k); }); }, calls, repeats);
   const Timing fwd_ours = time_graph_per_call([&] {
-    for (auto& k : cs) hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope);
-  }, copies, repeats);
+    each_call([&](Copy& k) { hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope); });
+  }, calls, repeats);
   const Timing bwd_stock = time_graph_per_call([&] {
-    for (auto& k : cs) {
+    each_call([&](Copy& k) {
       at::Tensor dyp = leaky ? at::leaky_relu_backward(k.dy, k.s_out, slope, true) : at::threshold_backward(k.dy, k.s_out, 0);
-      at::native_batch_norm_backward(dyp, k.x, w, rm, rv, k.s_mean, k.s_invstd, true, eps, {true, true, true});
-    }
-  }, copies, repeats);
+      if (cudnn) at::cudnn_batch_norm_backward(k.x, dyp, w, rm, rv, k.s_mean, k.s_invstd, eps, k.s_reserve);
+      else at::native_batch_norm_backward(dyp, k.x, w, rm, rv, k.s_mean, k.s_invstd, true, eps, {true, true, true});
+    });
+  }, calls, repeats);
   const Timing bwd_ours = time_graph_per_call([&] {
-    for (auto& k : cs) {
+    each_call([&](Copy& k) {
       hierpar::ops::batch_norm_act_backward(k.dy, k.out, leaky ? std::optional<at::Tensor>() : std::optional<at::Tensor>(k.x),
                                             w, b, k.mean, k.invstd, true, eps, c.activation, slope, {true, true, true});
-    }
-  }, copies, repeats);
+    });
+  }, calls, repeats);
 
   auto add = [&](const char* bench, const char* impl, const Timing& t, double bytes) {
     const double floor_us = bytes / kCopyBytesPerSecond * 1e6;
     report.add(bench, impl, config, t,
                Config().set("compulsory_bytes", bytes).set("tb_per_s", bytes / (t.median_us * 1e-6) / 1e12)
-                   .set("floor_us", floor_us).set("inputs_copies", int64_t(copies)));
+                   .set("floor_us", floor_us).set("inputs_copies", int64_t(copies))
+                   .set("stock_backend", cudnn ? "cudnn" : "native"));
   };
   const double fwd_bytes = 2 * tensor_bytes, bwd_bytes = (leaky ? 3 : 4) * tensor_bytes;
   add("batch_norm_act_fwd_graph", "stock", fwd_stock, fwd_bytes);
@@ -147,8 +161,9 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
   add("batch_norm_act_bwd_graph", "stock", bwd_stock, bwd_bytes);
   add("batch_norm_act_bwd_graph", "hierpar", bwd_ours, bwd_bytes);
   auto line = [&](const char* dir, double bytes, const Timing& ours, const Timing& stock) {
-    std::printf("  %s %-18s %-16s hierpar %7.1f us %5.2f TB/s (%3.0f%% of floor %6.1f us) | stock %7.1f us %5.2f TB/s\n",
-                dir, c10::str(c10::IntArrayRef(c.shape)).c_str(), c.activation, ours.median_us,
+    std::printf("  %s %-18s %-8s %-10s hierpar %7.1f us %5.2f TB/s (%3.0f%% of floor %6.1f us) | stock %7.1f us %5.2f TB/s\n",
+                dir, c10::str(c10::IntArrayRef(c.shape)).c_str(), c.dtype == at::kFloat ? "float32" : "bfloat16",
+                c.activation, ours.median_us,
                 bytes / ours.median_us * 1e-6, 100 * bytes / kCopyBytesPerSecond * 1e6 / ours.median_us,
                 bytes / kCopyBytesPerSecond * 1e6, stock.median_us, bytes / stock.median_us * 1e-6);
   };
@@ -160,7 +175,7 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
 void batch_norm_act_suite(Report& report, const Options& options) {
   const int repeats = options.quick ? 20 : 200;
   const double slope = 0.2, eps = 1e-5, momentum = 0.1;
-  for (const auto& c : cases(options.quick)) {
+  for (const auto& c : cases(options.quick, options.batches)) {
     const bool leaky = std::string(c.activation) == "leaky_relu";
     const auto layout = c.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
     const auto opts = at::TensorOptions().device(at::kCUDA);
@@ -250,7 +265,7 @@ void batch_norm_act_suite(Report& report, const Options& options) {
     ops_extra.set("stock_backend", backend);
     report.add("batch_norm_act_fwd_bwd_ops", "stock", config, best, ops_extra);
     report.add("batch_norm_act_fwd_bwd_ops", "hierpar", config, time_cuda(ours_ops, 20, repeats), ours_extra);
-    if (c.dtype == at::kBFloat16 && c.channels_last) time_directions(report, c, config, options.quick);
+    if (c.channels_last) time_directions(report, c, config, options.quick);
   }
 }
 
