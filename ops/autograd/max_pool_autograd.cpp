@@ -80,6 +80,9 @@ class MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
     auto [output, indices] =
         ops::max_pool2d(input, args.kernel_size, args.stride, args.padding, args.dilation, args.ceil_mode);
     ctx->mark_non_differentiable({indices});
+    // indices never receive a gradient: without this the engine would fill a zero uint8 tensor of the
+    // output's size for them in every backward (one extra kernel per pooling layer and step).
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({indices});
     ctx->saved_data["input_size"] = input.sizes().vec();
     args.save(ctx);
@@ -87,6 +90,7 @@ class MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
+    if (!grads[0].defined()) return {Variable(), Variable()};
     const auto indices = ctx->get_saved_variables()[0];
     const auto input_size = ctx->saved_data["input_size"].toIntVector();
     const auto args = PoolArgs::load(ctx);
