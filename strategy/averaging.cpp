@@ -594,7 +594,11 @@ class CollectiveAverager final : public GradientAverager {
 
   void sum(int64_t local, Network network, const at::Tensor& tensor) override {
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
-    all_reduce(local, network, tensor, where(placement_, local, network), "all-reducing BatchNorm statistics");
+    const std::string who = where(placement_, local, network);
+    // The same launch barrier as the gradients' (synchronized BatchNorm all-reduced its statistics without it,
+    // and its row hung as the gradients' had: 4 H200s, session 6).
+    barriers_[static_cast<int>(network)]->arrive_and_wait(who);
+    all_reduce(local, network, tensor, who, "all-reducing BatchNorm statistics");
   }
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
@@ -605,6 +609,7 @@ class CollectiveAverager final : public GradientAverager {
     c10d::BroadcastOptions options;
     options.rootRank = 0;
     options.timeout = options_.timeout;
+    barriers_[static_cast<int>(network)]->arrive_and_wait(who);
     wait_for(groups_[static_cast<int>(network)][local]->broadcast(buffers, options), who,
              "broadcasting replica 0's tensors", options_.timeout);
     unflatten_from(flat, tensors);
