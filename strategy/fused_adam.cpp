@@ -1,8 +1,9 @@
 #include "hierpar/strategy/fused_adam.h"
 
+#include "hierpar/ops.h"
+
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_zero.h>
-#include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
@@ -104,10 +105,10 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
     }
     if (params.empty()) continue;
     // The fused kernel reads the step counters (for the bias corrections) but leaves incrementing them to
-    // its caller, as torch.optim.Adam(fused=True) does.
+    // its caller, as ATen's fused Adam does.
     at::_foreach_add_(steps, 1);
-    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
-                     o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+    hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
+                              o.weight_decay(), o.eps(), o.amsgrad());
   }
   return {};
 }

@@ -11,8 +11,10 @@
 // same data as eager steps, so it must agree exactly.
 #include "testing.h"
 
+#include "hierpar/ops.h"
 #include "hierpar/strategy/fused_adam.h"
 
+#include <ATen/ops/_fused_adam.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -267,6 +269,85 @@ TEST(FusedAdam, RejectsBadInput) {
   p.mutable_grad() = torch::randn({4, 3}).t();  // right shape, transposed strides
   HIERPAR_EXPECT_THROW_MSG(fused.step(), "the gradient of parameters[0]: expected a dense");
   HIERPAR_EXPECT_THROW_MSG(fused.step([] { return torch::Tensor(); }), "a loss closure is not supported");
+}
+
+// The op under FusedAdam on its own: hierpar::fused_adam_ (hierpar's CUDA kernel) against ATen's fused Adam on
+// the same GPU state, in every dtype, with tensors whose sizes straddle the kernel's 2048-element blocks, one of
+// one element, an empty one, and more tensors than one launch's table holds (so the update takes several
+// launches). Both compute in the dtype's opmath type (fp32 for half/bf16) with the same formula in a possibly
+// different order: they agree to a few rounding units of the stored dtype, tolerance_for(dtype).
+TEST(FusedAdamOp, CudaMatchesAtenFusedAdam) {
+  HIERPAR_REQUIRE_CUDA();
+  for (const auto dtype : {torch::kFloat, torch::kDouble, torch::kHalf, torch::kBFloat16}) {
+    const bool amsgrad = coin();
+    const double weight_decay = coin() ? 0.0 : 0.01;
+    const auto options = torch::dtype(dtype).device(torch::kCUDA);
+    std::vector<std::vector<int64_t>> shapes = {{2048 * rand_int(1, 40) + rand_int(-1, 1)}, {1}, {0},
+                                                {rand_int(1, 9), rand_int(1, 9), 4, 4}, {rand_int(100, 400), 33}};
+    for (int64_t i = rand_int(60, 70); i > 0; --i) shapes.push_back({rand_int(1, 3000)});
+    std::vector<torch::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+    for (const auto& shape : shapes) {
+      params.push_back(random_tensor(shape, options));
+      grads.push_back(random_tensor(shape, options));
+      exp_avgs.push_back(random_tensor(shape, options) * 0.1);
+      exp_avg_sqs.push_back(random_tensor(shape, options).abs() * 0.01);
+      if (amsgrad) max_exp_avg_sqs.push_back(random_tensor(shape, options).abs() * 0.01);
+      steps.push_back(torch::full({}, static_cast<double>(rand_int(1, 50)), options.dtype(torch::kFloat)));
+    }
+    auto clones = [](const std::vector<torch::Tensor>& v) {
+      std::vector<torch::Tensor> out;
+      for (const auto& t : v) out.push_back(t.clone());
+      return out;
+    };
+    const auto initial_params = clones(params);
+    auto ref_params = clones(params), ref_exp_avgs = clones(exp_avgs), ref_exp_avg_sqs = clones(exp_avg_sqs),
+         ref_max = clones(max_exp_avg_sqs);
+    const double lr = 1e-2, beta1 = coin() ? 0.5 : 0.9, beta2 = 0.999, eps = 1e-8;
+    hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
+                              weight_decay, eps, amsgrad);
+    at::_fused_adam_(ref_params, grads, ref_exp_avgs, ref_exp_avg_sqs, ref_max, steps, lr, beta1, beta2, weight_decay,
+                     eps, amsgrad, /*maximize=*/false);
+    const std::string what = c10::str(dtype, " amsgrad ", amsgrad, " weight_decay ", weight_decay, " beta1 ", beta1,
+                                      " (seed ", run_seed(), ")");
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const std::string which = what + " tensor " + std::to_string(i);
+      expect_close(params[i], ref_params[i], which + " param");
+      expect_close(exp_avgs[i], ref_exp_avgs[i], which + " exp_avg");
+      expect_close(exp_avg_sqs[i], ref_exp_avg_sqs[i], which + " exp_avg_sq");
+      if (amsgrad) expect_close(max_exp_avg_sqs[i], ref_max[i], which + " max_exp_avg_sq");
+    }
+    // The parameters moved (the comparison is not of untouched tensors): Adam steps by about lr.
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      if (params[i].numel() == 0) continue;
+      EXPECT_GT((params[i] - initial_params[i]).abs().max().item<double>(), lr / 4) << what << " tensor " << i;
+    }
+  }
+}
+
+TEST(FusedAdamOp, RejectsBadInput) {
+  const auto p = torch::randn({3, 4}), g = torch::randn({3, 4}), m = torch::zeros({3, 4}), v = torch::zeros({3, 4});
+  const auto s = torch::ones({});
+  auto call = [](std::vector<torch::Tensor> ps, std::vector<torch::Tensor> gs, std::vector<torch::Tensor> ms,
+                 std::vector<torch::Tensor> vs, std::vector<torch::Tensor> maxs, std::vector<torch::Tensor> ss,
+                 bool amsgrad = false, double lr = 1e-3) {
+    hierpar::ops::fused_adam_(ps, gs, ms, vs, maxs, ss, lr, 0.9, 0.999, 0.0, 1e-8, amsgrad);
+  };
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g, g}, {m}, {v}, {}, {s}), "grads, exp_avgs, exp_avg_sqs and steps: expected 1");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {v}, {}, {s}, /*amsgrad=*/true), "max_exp_avg_sqs: expected 1");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {v}, {}, {s}, false, -1.0), "lr: expected a non-negative");
+  HIERPAR_EXPECT_THROW_MSG(call({torch::ones({3}, torch::kLong)}, {g}, {m}, {v}, {}, {s}), "params[0]: expected a dense");
+  HIERPAR_EXPECT_THROW_MSG(call({p, p.to(torch::kDouble)}, {g, g}, {m, m}, {v, v}, {}, {s, s}),
+                           "params[1]: expected params[0]'s device and dtype");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {torch::randn({4, 3}).t()}, {m}, {v}, {}, {s}), "grads[0]: expected a dense");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m.to(torch::kDouble)}, {v}, {}, {s}), "exp_avgs[0]: expected a dense");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {torch::zeros({3})}, {}, {s}), "exp_avg_sqs[0]: expected a dense");
+  HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {v}, {}, {torch::ones({}, torch::kDouble)}),
+                           "steps[0]: expected a one-element float32 tensor");
+  // The Meta kernel checks the same.
+  const auto meta = [](const torch::Tensor& t) { return t.to(torch::kMeta); };
+  HIERPAR_EXPECT_THROW_MSG(call({meta(p)}, {meta(g)}, {meta(m)}, {meta(torch::zeros({3}))}, {}, {meta(s)}),
+                           "exp_avg_sqs[0]: expected a dense");
+  EXPECT_NO_THROW(call({meta(p)}, {meta(g)}, {meta(m)}, {meta(v)}, {}, {meta(s)}));
 }
 
 }  // namespace

@@ -8,7 +8,7 @@ namespace {
 
 const char* const kOps[] = {"max_pool2d",     "max_pool2d_backward",       "batch_norm_act",
                             "batch_norm_act_backward", "conv_transpose2d", "conv_transpose2d_backward",
-                            "conv2d",         "conv2d_backward"};
+                            "conv2d",         "conv2d_backward",           "fused_adam_"};
 
 TEST(Registry, EveryOpHasASchema) {
   for (const char* name : kOps) {

@@ -69,4 +69,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(const at::Tensor&
                                                                at::IntArrayRef padding, at::IntArrayRef dilation,
                                                                int64_t groups, std::array<bool, 3> output_mask);
 
+// Adam's update (torch::optim::Adam's: L2 weight decay added to the gradient, optional AMSGrad) of every
+// params[i] from grads[i], in place with its moments exp_avgs[i], exp_avg_sqs[i] (and max_exp_avg_sqs[i] when
+// amsgrad; else that list is empty). steps[i] is a one-element float32 tensor holding the step number this
+// update is (the caller increments it first, as for ATen's fused Adam). One device and dtype per call; on CUDA
+// one launch for up to 60 tensors, at memory speed (see ops/cuda/fused_adam_kernel.cu).
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
+                 double weight_decay, double eps, bool amsgrad);
+
 }  // namespace hierpar::ops

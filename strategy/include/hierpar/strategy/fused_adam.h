@@ -1,6 +1,7 @@
 // Adam over a fixed list of parameters whose step is two multi-tensor kernel launches per (device, dtype)
-// group: one adds 1 to every parameter's step counter, one (ATen's at::_fused_adam_) updates every
-// parameter and both moments. Nothing in step() or zero_grad() reads a value on the host or allocates,
+// group: one adds 1 to every parameter's step counter, one (hierpar::fused_adam_: on CUDA hierpar's kernel,
+// on the CPU ATen's fused Adam) updates every parameter and both moments. Nothing in step() or zero_grad()
+// reads a value on the host or allocates,
 // so both can be captured into a CUDA graph: the step counters are device tensors (float32, as ATen's
 // fused kernels expect) and the moments are allocated in the constructor, not on the first step (a
 // first step inside a capture would otherwise record their zero fill into the graph).
