@@ -392,6 +392,14 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
                            false});
     }
   }
+  // C_out == 32, C_in % 64 == 0, channels_last: bf16/fp16 grad_input on the staged-patch kernel (8 x 16 input
+  // pixels per tile): full tiles (16 x 16), partial ones in both directions and more than one tile across
+  // (9 x 21, 1 x 3, 13 x 17), two 64-channel blocks (C_in 128), odd batches and batch 1.
+  for (auto [batch, cin, h, w] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {5, 64, 16, 16}, {3, 128, 9, 21}, {1, 64, 1, 3}, {rand_int(1, 9), 64, 13, 17}}) {
+    cases.push_back(Case{batch, cin, 32, h, w, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
+                         coin(), false});
+  }
   for (const Case& c : cases) {
     for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
