@@ -316,10 +316,11 @@ TEST(FusedAdamOp, CudaMatchesAtenFusedAdam) {
       expect_close(exp_avg_sqs[i], ref_exp_avg_sqs[i], which + " exp_avg_sq");
       if (amsgrad) expect_close(max_exp_avg_sqs[i], ref_max[i], which + " max_exp_avg_sq");
     }
-    // The parameters moved (the comparison is not of untouched tensors): Adam steps by about lr.
+    // The parameters moved (the comparison is not of untouched tensors). From random moments a step can be far
+    // below lr, and a tiny one rounds away in half/bf16, so per tensor of >= 64 elements: some element moved.
     for (size_t i = 0; i < shapes.size(); ++i) {
-      if (params[i].numel() == 0) continue;
-      EXPECT_GT((params[i] - initial_params[i]).abs().max().item<double>(), lr / 4) << what << " tensor " << i;
+      if (params[i].numel() < 64) continue;
+      EXPECT_GT((params[i] - initial_params[i]).abs().max().item<double>(), 0) << what << " tensor " << i;
     }
   }
 }
