@@ -8,8 +8,8 @@
 // with BCE-with-logits, Adam(2e-4, 0.5, 0.999). Two choices differ from the anchor's code but not its results,
 // and apply to stock and hierpar alike: G's backward is restricted to G's parameters (the anchor also computes
 // D's weight gradients there, which D's next zero_grad discards), and zero_grad sets gradients to none (so no
-// zero fill and no accumulation add runs). Both use hierpar::strategy::FusedAdam (ATen's fused Adam kernel,
-// capturable), so the optimiser is not part of the comparison.
+// zero fill and no accumulation add runs). Both use hierpar::strategy::FusedAdam (capturable), stock with
+// ATen's fused Adam kernel (torch.optim.Adam(fused=True)'s), hierpar with its own (hierpar::fused_adam_).
 //
 // Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
 // rows (bf16, and TF32 beside NCHW), CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
@@ -62,6 +62,7 @@ namespace {
 using namespace hierpar::bench;
 using hierpar::LayerSet;
 using hierpar::strategy::CapturedStep;
+using hierpar::strategy::AdamKernel;
 using hierpar::strategy::FusedAdam;
 
 // torch.autocast(device_type="cuda", dtype=torch.bfloat16) when `bf16`, else nothing.
@@ -94,8 +95,9 @@ class DcganStep : public TrainingStep {
       hierpar::strategy::convert_to_channels_last(*discriminator_);
     }
     generator_params_ = generator_->parameters();
-    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam());
-    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam());
+    const auto adam_kernel = layers == LayerSet::stock ? AdamKernel::aten : AdamKernel::hierpar;
+    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam(), adam_kernel);
+    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam(), adam_kernel);
     const auto cuda = at::TensorOptions().device(at::kCUDA);
     real_ = at::rand({batch, options.channels, options.image_size, options.image_size}, cuda) * 2 - 1;
     if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
@@ -144,7 +146,8 @@ class CnnStep : public TrainingStep {
  public:
   CnnStep(LayerSet layers, int64_t batch) : model_(layers) {
     model_->to(at::kCUDA);
-    optimizer_ = std::make_unique<FusedAdam>(model_->parameters(), torch::optim::AdamOptions(1e-3));
+    optimizer_ = std::make_unique<FusedAdam>(model_->parameters(), torch::optim::AdamOptions(1e-3),
+                                             layers == LayerSet::stock ? AdamKernel::aten : AdamKernel::hierpar);
     const auto cuda = at::TensorOptions().device(at::kCUDA);
     images_ = at::rand({batch, 1, 28, 28}, cuda);
     labels_ = at::randint(0, 10, {batch}, cuda.dtype(at::kLong));

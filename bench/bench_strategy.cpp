@@ -171,6 +171,8 @@ void strategy_suite(Report& report, const Options& options) {
         // Every row at its fastest: FusedAdam and CUDA graphs wherever the trainer can capture the placement's
         // step (it falls back to eager steps for task and hierarchical; the row's config says which ran).
         trainer_options.fused_adam = true;
+        trainer_options.fused_adam_kernel =
+            row.layers == hierpar::LayerSet::stock ? hs::AdamKernel::aten : hs::AdamKernel::hierpar;
         trainer_options.cuda_graphs = true;
         trainer_options.autocast_dtype = c.precision.bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
         trainer_options.channels_last = c.precision.bf16;

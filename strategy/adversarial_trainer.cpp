@@ -269,7 +269,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
                 "AdversarialTrainer: the generator and the discriminator must have parameters");
     auto make_optimizer = [&](const std::vector<torch::Tensor>& parameters,
                               const AdamSettings& settings) -> std::unique_ptr<torch::optim::Adam> {
-      if (options_.fused_adam) return std::make_unique<FusedAdam>(parameters, adam_options(settings));
+      if (options_.fused_adam) {
+        return std::make_unique<FusedAdam>(parameters, adam_options(settings), options_.fused_adam_kernel);
+      }
       return std::make_unique<torch::optim::Adam>(parameters, adam_options(settings));
     };
     replica->generator_optimizer = make_optimizer(replica->generator_parameters, options_.generator_adam);

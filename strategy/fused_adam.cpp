@@ -3,6 +3,7 @@
 #include "hierpar/ops.h"
 
 #include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_fused_adam.h>
 #include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -46,8 +47,8 @@ bool same_element_order(const torch::Tensor& a, const torch::Tensor& b) {
 
 }  // namespace
 
-FusedAdam::FusedAdam(std::vector<torch::Tensor> parameters, torch::optim::AdamOptions options)
-    : torch::optim::Adam(checked(parameters, options), options), parameters_(std::move(parameters)) {
+FusedAdam::FusedAdam(std::vector<torch::Tensor> parameters, torch::optim::AdamOptions options, AdamKernel kernel)
+    : torch::optim::Adam(checked(parameters, options), options), kernel_(kernel), parameters_(std::move(parameters)) {
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < parameters_.size(); ++i) {
     const auto& p = parameters_[i];
@@ -107,8 +108,13 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
     // The fused kernel reads the step counters (for the bias corrections) but leaves incrementing them to
     // its caller, as ATen's fused Adam does.
     at::_foreach_add_(steps, 1);
-    hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
-                              o.weight_decay(), o.eps(), o.amsgrad());
+    if (kernel_ == AdamKernel::hierpar) {
+      hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
+                                o.weight_decay(), o.eps(), o.amsgrad());
+    } else {
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
+                       o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
+    }
   }
   return {};
 }

@@ -61,11 +61,12 @@ std::string describe(const torch::optim::AdamOptions& o) {
 }
 
 // Steps FusedAdam and torch::optim::Adam K times on the same gradients and compares the results.
-void compare_with_torch_adam(const torch::TensorOptions& options, Layout conv_layout, int steps) {
+void compare_with_torch_adam(const torch::TensorOptions& options, Layout conv_layout, int steps,
+                             hierpar::strategy::AdamKernel kernel = hierpar::strategy::AdamKernel::hierpar) {
   const auto adam_options = random_options();
   const auto initial = random_parameters(options, conv_layout);
   auto fused_params = leaf_copies(initial), torch_params = leaf_copies(initial);
-  FusedAdam fused(fused_params, adam_options);
+  FusedAdam fused(fused_params, adam_options, kernel);
   torch::optim::Adam reference(torch_params, adam_options);
   for (int k = 0; k < steps; ++k) {
     fused.zero_grad();
@@ -113,6 +114,9 @@ TEST(FusedAdam, MatchesTorchAdamOnCuda) {
   HIERPAR_REQUIRE_CUDA();
   compare_with_torch_adam(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::contiguous, 9);
   compare_with_torch_adam(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::channels_last, 9);
+  // ATen's kernel, which the benchmarks' stock rows use.
+  compare_with_torch_adam(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::channels_last, 9,
+                          hierpar::strategy::AdamKernel::aten);
 }
 
 // step() and zero_grad(false) captured into one CUDA graph, replayed K times with new gradients copied into

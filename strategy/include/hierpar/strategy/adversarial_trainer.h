@@ -31,6 +31,7 @@
 #pragma once
 
 #include "hierpar/strategy/averaging.h"
+#include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/placement.h"
 
 #include <torch/nn/modules/container/any.h>
@@ -70,6 +71,8 @@ struct AdversarialOptions {
   // hierpar::strategy::FusedAdam (a torch::optim::Adam whose step is two fused kernels per network and
   // device, capturable) instead of torch::optim::Adam. Required by cuda_graphs.
   bool fused_adam = false;
+  // Its kernel (fused_adam.h): hierpar's, or ATen's for a stock baseline.
+  AdamKernel fused_adam_kernel = AdamKernel::hierpar;
   // Capture each replica's step as CUDA graphs and replay them (see the top of this file). Needs CUDA
   // devices; task/hierarchical placements fall back to eager steps.
   bool cuda_graphs = false;

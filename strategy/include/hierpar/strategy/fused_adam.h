@@ -23,12 +23,18 @@
 
 namespace hierpar::strategy {
 
+// The kernel that updates the parameters: hierpar's (hierpar::fused_adam_), or ATen's at::_fused_adam_, the
+// one torch.optim.Adam(fused=True) runs (the benchmarks' stock rows use it, so that stock keeps its own
+// optimiser).
+enum class AdamKernel { hierpar, aten };
+
 class FusedAdam : public torch::optim::Adam {
  public:
   // Every parameter must be a dense floating-point leaf; parameters may live on several devices and
   // dtypes (each (device, dtype) group is updated by its own launches).
   explicit FusedAdam(std::vector<torch::Tensor> parameters,
-                     torch::optim::AdamOptions options = torch::optim::AdamOptions());
+                     torch::optim::AdamOptions options = torch::optim::AdamOptions(),
+                     AdamKernel kernel = AdamKernel::hierpar);
 
   // Updates every parameter that has a gradient (a parameter without one is skipped and its step counter
   // stays, as in torch::optim::Adam). A gradient must have its parameter's strides (except in dimensions
@@ -57,6 +63,7 @@ class FusedAdam : public torch::optim::Adam {
   const torch::Tensor& max_exp_avg_sq(size_t i) const { return max_exp_avg_sqs_.at(i); }
 
  private:
+  AdamKernel kernel_;
   std::vector<torch::Tensor> parameters_;
   std::vector<torch::Tensor> steps_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_;
   std::vector<std::vector<size_t>> groups_;  // parameter indices sharing a device and dtype
