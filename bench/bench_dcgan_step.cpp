@@ -2,14 +2,16 @@
 // torch::nn layers against hierpar's (LayerSet), eager and as one CUDA graph, in TF32 (NCHW and channels_last) and
 // in bf16 autocast with channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager).
 //
-// The step is the anchor's recipe (shared/anchors/dcgan_torch.py), identical for both layer sets:
+// The step is the anchor's recipe (shared/anchors/dcgan_torch.py):
 //   z = randn; D.zero_grad; e_real = BCE(D(real), 1); fake = G(z); e_fake = BCE(D(fake.detach()), 0);
 //   (e_real + e_fake).backward(); D.step; G.zero_grad; e_g = BCE(D(fake), 1); e_g.backward(); G.step
-// with BCE-with-logits, Adam(2e-4, 0.5, 0.999). Two choices differ from the anchor's code but not its results,
-// and apply to stock and hierpar alike: G's backward is restricted to G's parameters (the anchor also computes
-// D's weight gradients there, which D's next zero_grad discards), and zero_grad sets gradients to none (so no
-// zero fill and no accumulation add runs). Both use hierpar::strategy::FusedAdam (capturable), stock with
-// ATen's fused Adam kernel (torch.optim.Adam(fused=True)'s), hierpar with its own (hierpar::fused_adam_).
+// with BCE-with-logits, Adam(2e-4, 0.5, 0.999). The stock rows write it out with torch::nn layers on one stream
+// (StockDcganStep); hierpar's rows run hierpar::strategy::AdversarialTrainer, the step its users get (hierpar's
+// layers, its fused Adam kernel hierpar::fused_adam_, G's forward and D's pass over the fakes on a second stream,
+// its own graph capture). Two choices differ from the anchor's code but not its results, and both sides make
+// them: G's backward does not compute D's weight gradients (the anchor's does, and D's next zero_grad discards
+// them), and zero_grad sets gradients to none (no zero fill, no accumulation add). Stock uses
+// hierpar::strategy::FusedAdam (capturable) with ATen's fused Adam kernel (torch.optim.Adam(fused=True)'s).
 //
 // Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
 // rows (bf16, and TF32 beside NCHW), CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
@@ -79,13 +81,17 @@ class TrainingStep {
  public:
   virtual ~TrainingStep() = default;
   virtual void run() = 0;
+  // A step that warms up, captures and replays itself (the trainer): measure() only calls run().
+  virtual bool captures_itself() const { return false; }
+  virtual int64_t graph_kernel_nodes() const { return -1; }
 };
 
-class DcganStep : public TrainingStep {
+// The stock rows: torch::nn layers in the anchor's recipe, written out as a stock LibTorch user would.
+class StockDcganStep : public TrainingStep {
  public:
-  DcganStep(LayerSet layers, int64_t batch, bool bf16, bool channels_last) : bf16_(bf16) {
+  StockDcganStep(int64_t batch, bool bf16, bool channels_last) : bf16_(bf16) {
     hierpar::models::DCGANOptions options;
-    options.layers = layers;
+    options.layers = LayerSet::stock;
     generator_ = hierpar::models::Generator(options);
     discriminator_ = hierpar::models::Discriminator(options);
     generator_->to(at::kCUDA);
@@ -95,9 +101,8 @@ class DcganStep : public TrainingStep {
       hierpar::strategy::convert_to_channels_last(*discriminator_);
     }
     generator_params_ = generator_->parameters();
-    const auto adam_kernel = layers == LayerSet::stock ? AdamKernel::aten : AdamKernel::hierpar;
-    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam(), adam_kernel);
-    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam(), adam_kernel);
+    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam(), AdamKernel::aten);
+    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam(), AdamKernel::aten);
     const auto cuda = at::TensorOptions().device(at::kCUDA);
     real_ = at::rand({batch, options.channels, options.image_size, options.image_size}, cuda) * 2 - 1;
     if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
@@ -140,6 +145,41 @@ class DcganStep : public TrainingStep {
   std::unique_ptr<FusedAdam> optimizer_g_, optimizer_d_;
   at::Tensor real_, ones_, zeros_, loss_d_, loss_g_;
   std::vector<int64_t> noise_sizes_;
+};
+
+// hierpar's rows: the trainer its users run (strategy/adversarial_trainer.h, single placement) on hierpar's layer
+// set, with hierpar's fused Adam, its own CUDA graph capture (graph rows) and G's forward and D's pass over the
+// fakes on a second stream. Its step copies the batch into the graph's static input (one copy kernel, which the
+// stock rows, reading their static batch in place, do not pay) and logs the losses on the device.
+class TrainerStep : public TrainingStep {
+ public:
+  TrainerStep(int64_t batch, bool bf16, bool channels_last, bool graphs) {
+    hierpar::models::DCGANOptions model;
+    model.layers = LayerSet::hierpar;
+    hierpar::models::Generator generator(model);
+    hierpar::models::Discriminator discriminator(model);
+    hierpar::strategy::AdversarialOptions options;  // DCGAN's Adam (2e-4, beta1 0.5), BCE with logits
+    options.noise_shape = {model.nz, 1, 1};
+    options.fused_adam = true;
+    options.cuda_graphs = graphs;
+    options.autocast_dtype = bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
+    options.channels_last = channels_last;
+    options.loss_log_steps = 1 << 14;  // no host sync inside the timed steps
+    trainer_ = std::make_unique<hierpar::strategy::AdversarialTrainer>(
+        torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator),
+        hierpar::strategy::Placement::make(hierpar::strategy::Scheme::single, 1, hierpar::strategy::Reduce::host),
+        options);
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    real_ = at::rand({batch, model.channels, model.image_size, model.image_size}, cuda) * 2 - 1;
+    if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
+  }
+  void run() override { trainer_->step(real_); }
+  bool captures_itself() const override { return trainer_->graphs(); }
+  int64_t graph_kernel_nodes() const override { return trainer_->graph_kernel_nodes(); }
+
+ private:
+  std::unique_ptr<hierpar::strategy::AdversarialTrainer> trainer_;
+  at::Tensor real_;
 };
 
 class CnnStep : public TrainingStep {
@@ -257,11 +297,24 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
   // Warm-up on a side stream (cuDNN's benchmark search, lazy initialisation, the optimiser's first steps),
   // as torch.cuda.graph's recipe asks before a capture.
   CapturedStep captured(at::Device(at::kCUDA, c10::cuda::current_device()), side_stream());
-  for (int i = 0; i < 5; ++i) captured.warm_up([&] { step.run(); });
-  at::cuda::getCurrentCUDAStream().synchronize();
   int64_t nodes = -1;
   double capture_peak = 0;
-  if (graphs) {
+  if (step.captures_itself()) {
+    // The trainer runs its warm-up steps eagerly on its own side stream, then captures at the next step (and
+    // replays it): the capture's peak, as below.
+    const int64_t warmup = hierpar::strategy::AdversarialOptions{}.graph_warmup_steps;
+    for (int64_t i = 0; i < warmup; ++i) step.run();
+    at::cuda::getCurrentCUDAStream().synchronize();
+    c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+    step.run();
+    at::cuda::getCurrentCUDAStream().synchronize();
+    capture_peak = allocated_mb(true);
+    nodes = step.graph_kernel_nodes();
+  } else {
+    for (int i = 0; i < 5; ++i) captured.warm_up([&] { step.run(); });
+    at::cuda::getCurrentCUDAStream().synchronize();
+  }
+  if (graphs && !step.captures_itself()) {
     // A replay allocates nothing (the graph's private pool was filled while capturing), so a graph row's
     // memory is the peak allocated while capturing, which the pool keeps reserved from then on.
     c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
@@ -270,8 +323,9 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
     capture_peak = allocated_mb(true);
     nodes = captured.kernel_nodes();
   }
-  const std::function<void()> one_step = graphs ? std::function<void()>([&] { captured.replay(0); })
-                                                : std::function<void()>([&] { step.run(); });
+  const std::function<void()> one_step = graphs && !step.captures_itself()
+                                             ? std::function<void()>([&] { captured.replay(0); })
+                                             : std::function<void()>([&] { step.run(); });
   one_step();  // the first replay uploads the graph
   at::cuda::getCurrentCUDAStream().synchronize();
   c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
@@ -441,8 +495,13 @@ void dcgan_step_suite(Report& report, const Options& options) {
           at::manual_seed(0);
           {
             const double before = allocated_mb(false);
-            DcganStep step(layers, batch, bf16, channels_last);
-            rows.push_back(measure(report, "dcgan_step", layers, batch, bf16, channels_last, graphs, step, before,
+            std::unique_ptr<TrainingStep> step;
+            if (layers == LayerSet::stock) {
+              step = std::make_unique<StockDcganStep>(batch, bf16, channels_last);
+            } else {
+              step = std::make_unique<TrainerStep>(batch, bf16, channels_last, graphs);
+            }
+            rows.push_back(measure(report, "dcgan_step", layers, batch, bf16, channels_last, graphs, *step, before,
                                    options, profile_out.get()));
           }
           release_memory();

@@ -3,7 +3,7 @@
 // placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
 // (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
 // global batches 64 (the seed's), 1024 and 4096. The stock row is the same trainer on one GPU with
-// torch::nn layers; every other row uses hierpar's layers. data (2, nccl) runs three ways: bucketed
+// torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's layers. data (2, nccl) runs three ways: bucketed
 // all-reduce during the backward (the default), one flat buffer after it (config buckets = flat), and
 // bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after every row.
 //
@@ -174,6 +174,8 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.fused_adam_kernel =
             row.layers == hierpar::LayerSet::stock ? hs::AdamKernel::aten : hs::AdamKernel::hierpar;
         trainer_options.cuda_graphs = true;
+        // The stock row on one stream, as stock LibTorch code runs a step.
+        trainer_options.overlap_passes = row.layers != hierpar::LayerSet::stock;
         trainer_options.autocast_dtype = c.precision.bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
         trainer_options.channels_last = c.precision.bf16;
         trainer_options.averaging.bucket_cap_bytes =

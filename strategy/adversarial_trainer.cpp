@@ -8,6 +8,9 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -58,6 +61,12 @@ struct AdversarialTrainer::Replica {
   // Synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
   std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;
   int64_t warmup_done = 0;
+  // options.overlap_passes: two pooled streams of the device, so that one differs from whichever stream
+  // the step runs on (the caller's, or a CapturedStep's); empty when the step runs on one stream.
+  std::vector<c10::Stream> pass_streams;
+  // The first step runs on one stream all the same: cuDNN's benchmark mode times its candidate algorithms
+  // there, and timings taken beside the other stream's kernels would pick them by noise.
+  bool first_step_done = false;
 };
 
 // One persistent thread per local replica after the first (which runs on the caller's thread): the
@@ -216,6 +225,32 @@ class FrozenParameters {
   const std::vector<torch::Tensor>& parameters_;
 };
 
+// `waiter` waits for the work queued so far on `producer` (captured as a dependency inside a CUDA graph).
+void order(const c10::Stream& producer, const c10::Stream& waiter) {
+  c10::Event event(producer.device_type());
+  event.record(producer);
+  event.block(waiter);
+}
+
+c10::Stream current_stream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
+
+// Autocast's cache of cast weights off for the scope: a cast cached by one stream's pass and read by the
+// other's would be freed to the first stream's pool while the second may still read it.
+class AutocastCacheOff {
+ public:
+  explicit AutocastCacheOff(bool active) : active_(active), was_(at::autocast::is_autocast_cache_enabled()) {
+    if (active_) at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() {
+    if (active_) at::autocast::set_autocast_cache_enabled(was_);
+  }
+
+ private:
+  bool active_, was_;
+};
+
 // Parameters and buffers of a module grouped by dtype (a broadcast moves one flat buffer per dtype).
 std::map<int, std::vector<torch::Tensor>> state_by_dtype(const torch::nn::Module& module) {
   std::map<int, std::vector<torch::Tensor>> groups;
@@ -305,6 +340,23 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     }
   }
   averager_ = make_averager(placement_, options_.averaging);
+  // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
+  // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
+  if (options_.overlap_passes && !(averager_ && !graphs_)) {
+    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+      const ReplicaDevices& devices = placement_.replicas[i];
+      if (devices.generator != devices.discriminator || !devices.generator.is_cuda()) continue;
+      c10::impl::VirtualGuardImpl guard_impl(devices.generator.type());
+      for (int k = 0; k < 2; ++k) {
+        replicas_[i]->pass_streams.push_back(guard_impl.getStreamFromGlobalPool(devices.generator));
+      }
+      TORCH_INTERNAL_ASSERT(replicas_[i]->pass_streams[0] != replicas_[i]->pass_streams[1]);
+      // D's gradients from the fakes' branch (made on the second stream) accumulate on the stream of D's
+      // AccumulateGrad nodes (the main one): autograd syncs them correctly and warns once that the streams
+      // differ, which here is the design.
+      at::globalContext().setWarnOnAccumulateGradStreamMismatch(false);
+    }
+  }
   workers_ = std::make_unique<Workers>(placement_.local_replicas());
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
@@ -420,6 +472,13 @@ torch::Tensor AdversarialTrainer::draw_noise(int64_t local, int64_t share) const
   return global_noise(share, devices.generator).narrow(0, devices.replica * share, share);
 }
 
+std::optional<c10::Stream> AdversarialTrainer::fake_pass_stream(int64_t local) const {
+  const Replica& r = *replicas_[local];
+  const std::vector<c10::Stream>& streams = r.pass_streams;
+  if (streams.empty() || !r.first_step_done) return std::nullopt;
+  return streams[0] == current_stream(placement_.replicas[local].discriminator) ? streams[1] : streams[0];
+}
+
 void AdversarialTrainer::drain_losses() {
   if (pending_losses_ == 0) return;
   std::vector<torch::Tensor> per_replica;
@@ -524,9 +583,19 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   torch::Tensor real = real_share.to(devices.discriminator, /*non_blocking=*/true);
   if (options_.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
 
+  // With overlap_passes, G's forward and D's pass over the fakes run on `fake_stream` (see the header).
+  const std::optional<c10::Stream> fake_stream = fake_pass_stream(local);
+  const c10::Stream main_stream = current_stream(devices.discriminator);
+  AutocastCacheOff autocast_cache_off(fake_stream.has_value() && options_.autocast_dtype.has_value());
+  if (fake_stream) {
+    order(main_stream, *fake_stream);
+    noise.record_stream(*fake_stream);
+  }
+
   // G's forward is queued first: on a task placement it runs on G's device while D's real pass runs on D's.
   torch::Tensor fake;
   {
+    c10::OptionalStreamGuard on_fake_stream(fake_stream);
     auto scope = autocast(devices.generator);
     hierpar::nn::BatchNormSyncGuard bn_sync(r.generator_bn_sync.get());
     fake = r.generator.forward<torch::Tensor>(noise);
@@ -539,10 +608,22 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     auto scope = autocast(devices.discriminator);
     hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
     d_loss_real = loss(r.discriminator.forward<torch::Tensor>(real), true);
+    // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
+    if (fake_stream) order(main_stream, *fake_stream);
+    c10::OptionalStreamGuard on_fake_stream(fake_stream);
     d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(fake_on_d.detach()), false);
+  }
+  if (fake_stream) {
+    // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
+    order(*fake_stream, main_stream);
+    fake_on_d.record_stream(main_stream);
+    d_loss_fake.record_stream(main_stream);
   }
   torch::Tensor d_loss = d_loss_real + d_loss_fake;
   d_loss.backward();
+  // The fakes' branch of the backward ran on `fake_stream`; autograd has made the main stream wait for it
+  // (D's update reads those gradients), and so does a capture's end: made explicit here and after G's.
+  if (fake_stream) order(*fake_stream, main_stream);
   averaging_point(Network::discriminator, r.discriminator_parameters);
   r.discriminator_optimizer->step();
   // Under autocast, the casts of D's weights cached by the forwards above are stale after the update;
@@ -560,6 +641,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     }
     g_loss.backward();  // the gradient w.r.t. the fake crosses back to G's device by the copy's backward
   }
+  if (fake_stream) order(*fake_stream, main_stream);  // G's backward ran there
   averaging_point(Network::generator, r.generator_parameters);
   r.generator_optimizer->step();
   at::autocast::clear_cache();
@@ -578,6 +660,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     r.loss_log.index_copy_(0, r.loss_row, row);
     r.loss_row.add_(1);
   }
+  r.first_step_done = true;
 }
 
 }  // namespace hierpar::strategy

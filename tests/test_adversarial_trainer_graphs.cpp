@@ -12,6 +12,7 @@
 // for bit), and bf16 autocast steps to bf16's tolerance.
 #include "testing.h"
 
+#include "hierpar/models/dcgan.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/fused_adam.h"
 
@@ -240,6 +241,91 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
     for (size_t k = 0; k < a.step_means.size(); ++k) {
       EXPECT_NEAR(a.step_means[k].first, b.step_means[k].first, 1e-4) << what << " step " << k;
       EXPECT_NEAR(a.step_means[k].second, b.step_means[k].second, 1e-4) << what << " step " << k;
+    }
+  }
+}
+
+// G's forward and D's pass over the fakes on a second stream (options.overlap_passes, the default) give the
+// numbers of one stream: in fp32 the same kernels on the same data, D's two gradient branches summed in either
+// order (a + b == b + a), so bit for bit eagerly and to the graph tolerance as graphs; in bf16 autocast the
+// overlapped step casts D's weights per pass (no cast cache shared across streams), so D's gradient sums round
+// once more: bf16's tolerance. On the tiny pair and on the seed's DCGAN with hierpar's layers at batch 64
+// (passes long enough for the streams to run side by side, so missing ordering would show).
+TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
+  HIERPAR_REQUIRE_CUDA();
+  deterministic_cudnn();
+  const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
+  const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
+  for (bool bf16 : {false, true}) {
+    auto one_stream = base_options();
+    one_stream.fused_adam = true;
+    one_stream.overlap_passes = false;
+    if (bf16) {
+      one_stream.autocast_dtype = torch::kBFloat16;
+      one_stream.channels_last = true;
+    }
+    auto overlapped = one_stream;
+    overlapped.overlap_passes = true;
+    auto overlapped_graphs = overlapped;
+    overlapped_graphs.cuda_graphs = true;
+    overlapped_graphs.graph_warmup_steps = 2;
+    const auto reals = batches(6, 16, torch::kCUDA);
+    const TrainedRun a = train(placement, one_stream, reals, init, noise);
+    const TrainedRun b = train(placement, overlapped, reals, init, noise);
+    const TrainedRun c = train(placement, overlapped_graphs, reals, init, noise);
+    const std::string what = bf16 ? "bf16 + channels_last" : "fp32";
+    expect_moved(a, init);
+    const Tolerance tol = bf16 ? hierpar::testing::tolerance_for(torch::kBFloat16) : kReorderTolerance;
+    expect_same_run(b, a, tol, what + ": overlapped eager vs one stream");
+    expect_same_run(c, a, tol, what + ": overlapped graphs vs one stream");
+    if (!bf16) {
+      for (size_t i = 0; i < a.state.size(); ++i)
+        EXPECT_TRUE(torch::equal(b.state[i], a.state[i])) << "fp32 eager, state tensor " << i << " not bit for bit";
+    }
+  }
+
+  // The seed's DCGAN, hierpar's layers, channels_last, batch 64, fp32 (TF32 off) and bf16.
+  for (bool bf16 : {false, true}) {
+    auto run = [&](bool overlap, bool graphs) {
+      hierpar::models::DCGANOptions model;
+      model.layers = hierpar::LayerSet::hierpar;
+      torch::manual_seed(init);
+      hierpar::models::Generator g(model);
+      hierpar::models::Discriminator d(model);
+      hs::AdversarialOptions options;
+      options.noise_shape = {model.nz, 1, 1};
+      options.fused_adam = true;
+      options.channels_last = true;
+      options.overlap_passes = overlap;
+      options.cuda_graphs = graphs;
+      options.graph_warmup_steps = 2;
+      if (bf16) options.autocast_dtype = torch::kBFloat16;
+      hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+      torch::manual_seed(noise);
+      torch::cuda::manual_seed_all(noise);
+      hierpar::testing::rng().seed(noise);
+      for (int k = 0; k < 5; ++k) {
+        trainer.step(hierpar::testing::random_tensor({64, 3, 64, 64}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA),
+                                                     hierpar::testing::Layout::channels_last));
+      }
+      std::vector<torch::Tensor> state;
+      for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
+        for (const auto& p : module->parameters()) state.push_back(p.detach().cpu().contiguous().clone());
+        for (const auto& b : module->buffers()) state.push_back(b.detach().cpu().clone());
+      }
+      return std::pair{state, trainer.take_losses()};
+    };
+    const auto [state_a, losses_a] = run(false, false);
+    const std::string what = std::string("DCGAN batch 64 ") + (bf16 ? "bf16" : "fp32");
+    const Tolerance tol = bf16 ? hierpar::testing::tolerance_for(torch::kBFloat16) : kReorderTolerance;
+    for (bool graphs : {false, true}) {
+      const auto [state_b, losses_b] = run(true, graphs);
+      ASSERT_EQ(state_a.size(), state_b.size());
+      for (size_t i = 0; i < state_a.size(); ++i)
+        hierpar::testing::expect_close(state_b[i], state_a[i], tol,
+                                       what + (graphs ? ", overlapped graphs" : ", overlapped eager") +
+                                           " vs one stream: state tensor " + std::to_string(i));
+      hierpar::testing::expect_close(losses_b, losses_a, tol, what + ": loss log");
     }
   }
 }

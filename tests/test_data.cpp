@@ -618,6 +618,7 @@ TEST(Examples, StepFlagsGiveOneLineErrors) {
   const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
   expect_one_line_error(run_dcgan(base + "--graphs sometimes", dir), "--graphs: expected on or off, got 'sometimes'", "graphs value");
   expect_one_line_error(run_dcgan(base + "--precision fp16", dir), "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value");
+  expect_one_line_error(run_dcgan(base + "--overlap maybe", dir), "--overlap: expected on or off, got 'maybe'", "overlap value");
   expect_one_line_error(run_dcgan(base + "--optimizer sgd", dir), "--optimizer: expected adam or fused, got 'sgd'", "optimizer value");
   expect_one_line_error(run_dcgan(base + "--graphs on", dir), "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU");
   expect_one_line_error(run_dcgan(base + "--precision bf16", dir), "--precision bf16 needs a CUDA device", "bf16 on CPU");

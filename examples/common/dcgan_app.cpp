@@ -171,6 +171,8 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
   StepSettings s;
   if (config.graphs != "auto" && config.graphs != "on" && config.graphs != "off")
     throw FlagError("--graphs: expected on or off, got '" + config.graphs + "'");
+  if (config.overlap != "on" && config.overlap != "off")
+    throw FlagError("--overlap: expected on or off, got '" + config.overlap + "'");
   if (config.precision != "fp32" && config.precision != "tf32" && config.precision != "bf16")
     throw FlagError("--precision: expected fp32, tf32 or bf16, got '" + config.precision + "'");
   if (config.optimizer != "auto" && config.optimizer != "adam" && config.optimizer != "fused")
@@ -185,6 +187,7 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
   s.tf32 = config.precision != "fp32";
   if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
   s.channels_last = config.channels_last || config.precision == "bf16";
+  s.overlap = config.overlap == "on" && cuda;
   return s;
 }
 
@@ -192,6 +195,7 @@ std::string StepSettings::describe() const {
   std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
   d += autocast_dtype ? ", bf16 autocast" : (tf32 ? ", fp32 with TF32" : ", fp32");
   if (channels_last) d += ", channels_last";
+  if (overlap) d += ", two streams";
   return d;
 }
 
@@ -342,6 +346,7 @@ int train_dcgan(DCGANTrainConfig config) {
   options.noise_shape = {config.model.nz};
   options.fused_adam = step.fused_adam;
   options.cuda_graphs = step.graphs;
+  options.overlap_passes = step.overlap;
   options.autocast_dtype = step.autocast_dtype;
   options.channels_last = step.channels_last;
   options.loss_log_steps = config.log_every;

@@ -42,8 +42,10 @@ struct DCGANTrainConfig {
   bool resume = false;
   // The training step (hierpar::strategy::AdversarialTrainer): CUDA graphs auto (on for CUDA) | on | off;
   // precision fp32 | tf32 (TF32 convolutions and matmuls) | bf16 (autocast to bf16, channels_last end to
-  // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused.
+  // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused;
+  // overlap on | off: G's forward and D's pass over the fakes on a second stream (AdversarialOptions).
   std::string graphs = "auto";
+  std::string overlap = "on";
   std::string precision = "tf32";
   bool channels_last = false;
   std::string optimizer = "auto";
@@ -68,7 +70,7 @@ int train_dcgan(DCGANTrainConfig config);
 // How the step runs, resolved from the flags for the placement's device type: throws FlagError naming the
 // flag for unknown values and for requests the device cannot serve (graphs or bf16 on the CPU).
 struct StepSettings {
-  bool graphs = false, fused_adam = false, channels_last = false, tf32 = false;
+  bool graphs = false, fused_adam = false, channels_last = false, tf32 = false, overlap = true;
   std::optional<c10::ScalarType> autocast_dtype;
   std::string describe() const;  // e.g. "CUDA graphs on, FusedAdam, bf16 autocast, channels_last"
 };

@@ -2,6 +2,7 @@
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
 //                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl --sync-bn]
 //                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
+//                          [--overlap on|off]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
@@ -64,6 +65,7 @@ int train(int argc, char** argv) {
       .add("out", &config.out, "output folder")
       .add("resume", &config.resume, "continue from <out>/checkpoint.pt")
       .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
+      .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
       .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
       .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
       .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)")

@@ -21,6 +21,16 @@
 // Task and hierarchical placements keep G and D on two devices and run one autograd backward across them,
 // which a per-device capture cannot split: they run eagerly (graph_fallback() says why).
 //
+// Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
+// D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch, and the two
+// branches of D's backward overlap likewise (autograd runs a node's backward on its forward's stream). The
+// fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
+// first, as one stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's
+// weights itself (no cast shared across the streams), which sums D's two weight gradients in fp32. The
+// trainer's first step runs on one stream (cuDNN's benchmark mode times its algorithms there), and the
+// trainer turns off autograd's warning about AccumulateGrad streams (D's gradients from the second stream
+// accumulate on the main one by design).
+//
 // Usage (a DCGAN example):
 //   auto placement = hierpar::strategy::Placement::from_flags(strategy, gpus, reduce);
 //   std::cout << placement << "\n";
@@ -34,6 +44,7 @@
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/placement.h"
 
+#include <c10/core/Stream.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/optim/adam.h>
 
@@ -87,6 +98,10 @@ struct AdversarialOptions {
   // hierpar's models (both layer sets) normalise with the statistics of the whole global batch, summed
   // over the replicas through the averager (strategy/sync_batch_norm.h); no effect with one replica.
   bool sync_batch_norm = false;
+  // G's forward and D's pass over the fakes on a second stream of the device (see the top of this file).
+  // Used where one CUDA device runs both networks and no averager hooks into the backward (eager data
+  // parallelism averages buckets as gradients become ready, on the stream that finished them).
+  bool overlap_passes = true;
 };
 
 // Converts the 4-d parameters of `module` (and its submodules) to channels_last, in place (set_data).
@@ -159,6 +174,8 @@ class AdversarialTrainer {
   void step_body(int64_t local, const torch::Tensor& real, const torch::Tensor& noise, Phase phase);
   torch::Tensor global_noise(int64_t share, const c10::Device& device) const;  // [share * global replicas, ...]
   torch::Tensor draw_noise(int64_t local, int64_t share) const;                 // local replica's rows of it
+  // The stream for G's forward and D's pass over the fakes (options.overlap_passes), or none: one stream.
+  std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
   void drain_losses();
 
   Placement placement_;
