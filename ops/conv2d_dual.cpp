@@ -40,18 +40,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_on(
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
   at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) {
-    // The dual transposed convolution's forward of grad_output.
-    grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
-    backend.forward(dual, grad_output4, weight, /*bias=*/at::Tensor(), grad_input);
-    if (unbatched) grad_input = grad_input.squeeze(0);
-  }
-  if (output_mask[1]) {
-    // The dual transposed convolution's grad_weight, its input being grad_output and its grad_output the input.
-    grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
+  // The dual transposed convolution's forward of grad_output.
+  auto compute_grad_input = [&] { backend.forward(dual, grad_output4, weight, /*bias=*/at::Tensor(), grad_input); };
+  // The dual transposed convolution's grad_weight, its input being grad_output and its grad_output the input.
+  auto compute_grad_weight = [&] {
     backend.backward(dual, /*grad_output4=*/input4, /*input4=*/grad_output4, weight, /*grad_input=*/at::Tensor(),
                      grad_weight, std::nullopt);
+  };
+  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
+  if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
+  if (output_mask[0] && output_mask[1]) {
+    // Separate kernels on the same operands, neither reading the other's result: concurrently on CUDA.
+    backend.side_by_side(input.device(), compute_grad_input, compute_grad_weight);
+  } else if (output_mask[0]) {
+    compute_grad_input();
+  } else if (output_mask[1]) {
+    compute_grad_weight();
   }
+  if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
   if (output_mask[2]) {
     grad_bias = new_output({dual.in_channels}, input.options());
     const auto acc = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

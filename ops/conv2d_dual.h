@@ -6,6 +6,8 @@
 #include "conv_transpose_backends.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/FunctionRef.h>
 
 #include <array>
 #include <optional>
@@ -16,6 +18,10 @@ namespace hierpar::detail {
 struct ConvTranspose2dBackend {
   decltype(&run_conv_transpose2d_forward_cpu) forward;
   decltype(&run_conv_transpose2d_backward_cpu) backward;
+  // Runs two independent computations on `device` (neither reads what the other writes) and returns when both
+  // are done as far as the caller's stream order goes: on the CPU one after the other; on CUDA the second on a
+  // side stream concurrently with the first (ops/cuda/side_stream.h).
+  void (*side_by_side)(c10::Device device, c10::function_ref<void()> first, c10::function_ref<void()> second);
 };
 
 at::Tensor conv2d_on(const ConvTranspose2dBackend& backend, const at::Tensor& input, const at::Tensor& weight,

@@ -502,6 +502,8 @@ int64_t AdversarialTrainer::graph_kernel_nodes(int64_t local) const {
   return r.graph && r.graph->captured() ? r.graph->kernel_nodes() : 0;
 }
 
+torch::Tensor AdversarialTrainer::graph_input(int64_t local) const { return replicas_.at(local)->static_real; }
+
 void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
                                       StepLosses& out) {
   Replica& r = *replicas_[local];
@@ -535,7 +537,9 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
   TORCH_CHECK(noise_share.defined() == r.noise_given, "step: under CUDA graphs noise must be given at every step "
               "or at none (the first step ", r.noise_given ? "gave" : "did not give", " it)");
   // The only work outside the graphs: the batch (and given noise) into the buffers the graphs read.
-  r.static_real.copy_(real_share, /*non_blocking=*/true);
+  const bool in_place = real_share.data_ptr() == r.static_real.data_ptr() &&
+                        real_share.strides() == r.static_real.strides() && real_share.device() == r.static_real.device();
+  if (!in_place) r.static_real.copy_(real_share, /*non_blocking=*/true);
   if (r.noise_given) {
     TORCH_CHECK(noise_share.sizes() == r.static_noise.sizes(), "step: under CUDA graphs the noise must keep the "
                 "first step's shape ", r.static_noise.sizes(), ", got ", noise_share.sizes());

@@ -6,10 +6,17 @@
 
 #include "testing.h"
 
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
 #include <array>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 namespace hierpar::testing {
 
@@ -73,6 +80,48 @@ inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch
       const double analytic = wrt.grad.contiguous().view(-1)[i].item<double>();
       EXPECT_NEAR(analytic, numeric, 1e-6 * std::max(1.0, std::abs(numeric))) << wrt.name << " element " << i << " "
                                                                              << what;
+    }
+  }
+}
+
+// `backward` (CUDA; its gradients computed from `operands`, the undefined ones skipped) called eagerly, then
+// captured in a CUDA graph on a pool stream and replayed twice, each time after fresh random values were copied
+// into `operands` and the graph's outputs were filled with NaN: each replay's gradients must equal, bit for bit,
+// an eager call's on the same values (and so be written in full). The eager call comes first so that one-time
+// work outside a capture (the wgmma probe) is done, as in a training step warmed before capture.
+using Gradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+inline void expect_graph_replay_equals_eager(const std::function<Gradients()>& backward,
+                                             const std::vector<torch::Tensor>& operands, const std::string& what) {
+  auto as_list = [](const Gradients& g) {
+    std::vector<torch::Tensor> out;
+    for (const torch::Tensor& t : {std::get<0>(g), std::get<1>(g), std::get<2>(g)})
+      if (t.defined()) out.push_back(t);
+    return out;
+  };
+  backward();
+  torch::cuda::synchronize();
+  at::cuda::CUDAGraph graph;
+  std::vector<torch::Tensor> captured;
+  {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    graph.capture_begin();
+    captured = as_list(backward());
+    graph.capture_end();
+  }
+  torch::cuda::synchronize();
+  for (int replay = 0; replay < 2; ++replay) {
+    for (const torch::Tensor& t : operands) {
+      torch::Tensor in_place = t;
+      in_place.copy_(random_tensor(t.sizes(), t.options()));
+    }
+    for (torch::Tensor& t : captured) t.fill_(std::numeric_limits<double>::quiet_NaN());
+    torch::cuda::synchronize();
+    graph.replay();
+    torch::cuda::synchronize();
+    const auto eager = as_list(backward());
+    ASSERT_EQ(eager.size(), captured.size()) << what;
+    for (size_t i = 0; i < eager.size(); ++i) {
+      EXPECT_TRUE(torch::equal(captured[i], eager[i])) << what << ": gradient " << i << ", replay " << replay;
     }
   }
 }

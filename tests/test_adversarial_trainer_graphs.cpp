@@ -245,6 +245,47 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
   }
 }
 
+// A batch written straight into graph_input() and stepped on in place trains like a batch the step copies
+// there; without graphs there is no such buffer.
+TEST(AdversarialTrainerGraphs, GraphInputIsReadInPlace) {
+  HIERPAR_REQUIRE_CUDA();
+  deterministic_cudnn();
+  const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
+  const auto reals = batches(6, 16, torch::kCUDA);
+  auto options = base_options();
+  options.fused_adam = options.cuda_graphs = true;
+  options.graph_warmup_steps = 2;
+  const TrainedRun copied = train(placement, options, reals, 11, 12);
+
+  torch::manual_seed(11);
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  torch::manual_seed(12);
+  torch::cuda::manual_seed_all(12);
+  EXPECT_FALSE(trainer.graph_input().defined()) << "no buffer before the first step";
+  trainer.step(reals[0]);
+  const torch::Tensor input = trainer.graph_input();
+  ASSERT_TRUE(input.defined());
+  for (size_t k = 1; k < reals.size(); ++k) {
+    input.copy_(reals[k]);
+    trainer.step(input);
+  }
+  std::vector<torch::Tensor> state;
+  for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
+    for (const auto& p : module->parameters()) state.push_back(p.detach().cpu().contiguous().clone());
+    for (const auto& b : module->buffers()) state.push_back(b.detach().cpu().clone());
+  }
+  ASSERT_EQ(state.size(), copied.state.size());
+  for (size_t i = 0; i < state.size(); ++i)
+    hierpar::testing::expect_close(state[i], copied.state[i], kReorderTolerance, "state tensor " + std::to_string(i));
+
+  options.cuda_graphs = false;
+  hs::AdversarialTrainer eager(torch::nn::AnyModule(PairNet(true)), torch::nn::AnyModule(PairNet(false)), placement,
+                               options);
+  eager.step(reals[0]);
+  EXPECT_FALSE(eager.graph_input().defined()) << "eager steps read the batch where it is";
+}
+
 // G's forward and D's pass over the fakes on a second stream (options.overlap_passes, the default) give the
 // numbers of one stream: in fp32 the same kernels on the same data, D's two gradient branches summed in either
 // order (a + b == b + a), so bit for bit eagerly and to the graph tolerance as graphs; in bf16 autocast the

@@ -482,6 +482,37 @@ TEST(Conv2dCuda, WideK4S2P1RouteMatchesAten) {
   }
 }
 
+TEST(Conv2dCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBackward) {
+  HIERPAR_REQUIRE_CUDA();
+  // With both gradients asked for, grad_input (the dual forward) and grad_weight (the dual grad_weight) run on two
+  // streams (ops/cuda/side_stream.h). Checked bit for bit: the joint eager call equals each gradient alone, and the
+  // backward captured in a CUDA graph and replayed on fresh values equals the eager call. The shapes keep every
+  // fp32 atomic sum of the k4s2p1 GEMMs' K splits at one part (see the same test in test_conv_transpose.cpp): batch 2,
+  // 16x16 -> 8x8 (K = 128 output pixels for grad_weight; 4 * C_out = 128 for grad_input).
+  std::vector<Case> cases;
+  for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+    // The discriminator's first layer (the dual of the small-C_out transposed convolution).
+    cases.push_back(Case{2, 3, 64, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, false, layout, false, false});
+    // C_in >= 16: the dual of the k4s2p1 implicit GEMMs.
+    cases.push_back(Case{2, 16, 32, 16, 16, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, false, layout, false, false});
+  }
+  for (const Case& c : cases) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      const std::string what = std::string("CUDA graph ") + c10::toString(dtype) + " " + c.describe();
+      auto backward = [&](std::array<bool, 3> mask) {
+        return hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation,
+                                             c.groups, mask);
+      };
+      const auto both = backward({true, true, false});
+      EXPECT_TRUE(torch::equal(std::get<0>(both), std::get<0>(backward({true, false, false})))) << what << ": grad_input alone";
+      EXPECT_TRUE(torch::equal(std::get<1>(both), std::get<1>(backward({false, true, false})))) << what << ": grad_weight alone";
+      hierpar::testing::expect_graph_replay_equals_eager([&] { return backward({true, true, false}); },
+                                                         {t.input, t.grad_output}, what);
+    }
+  }
+}
+
 // ---- the layer ---------------------------------------------------------------------------------------
 
 torch::nn::Conv2dOptions random_options() {

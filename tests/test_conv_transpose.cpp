@@ -476,6 +476,49 @@ TEST(ConvTransposeCuda, Fp32FollowsTheConvolutionTf32Flag) {
   at::globalContext().setAllowTF32CuDNN(before);
 }
 
+TEST(ConvTransposeCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBackward) {
+  HIERPAR_REQUIRE_CUDA();
+  // With both gradients asked for, the k4s2p1 and small-C_out routes compute grad_weight on a side stream
+  // alongside grad_input (ops/cuda/side_stream.h). Checked bit for bit: (1) the joint eager call equals each
+  // gradient computed alone (the concurrency changes no value); (2) the backward captured in a CUDA graph (the
+  // fork/join captured as a branch) and replayed on fresh values equals the eager call.
+  // Bitwise equality needs a deterministic summation order: the k4s2p1 GEMMs split K into at most
+  // max(1, K-tiles / 4) parts added by fp32 atomics, and up to two such adds onto zero are order-independent
+  // (a + b == b + a). So the shapes keep every atomic sum at <= 2 parts: batch 2 at 8x8 (K = 128 pixels for
+  // grad_weight: one split), C_out = 16 in fp32 (grad_input K = 256: two splits), C_out = 32 only in bf16
+  // (grad_input K = 512 of 64-wide tiles: two splits; channels_last takes the staged-patch kernel, no atomics).
+  // The small-C_out kernels use no atomics; their fp32 grad_weight is the general path's cuBLAS GEMM.
+  struct Route {
+    Case c;
+    std::vector<torch::Dtype> dtypes;
+  };
+  std::vector<Route> routes;
+  for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+    routes.push_back({Case{2, 64, 16, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, false, false},
+                      {torch::kFloat, torch::kBFloat16}});
+    routes.push_back({Case{2, 64, 32, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, false, false},
+                      {torch::kBFloat16}});
+    // Small C_out: CUDA-core grad_input + general-path grad_weight (fp32), tensor-core kernels for both (bf16 with
+    // a channels_last input).
+    routes.push_back({Case{2, 32, 3, 16, 16, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, false, false},
+                      {torch::kFloat, torch::kBFloat16}});
+  }
+  for (const Route& r : routes) {
+    for (auto dtype : r.dtypes) {
+      const Case& c = r.c;
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      const std::string what = std::string("CUDA graph ") + c10::toString(dtype) + " " + c.describe();
+      const auto both = backward_only(c, t, {true, true, false});
+      const auto only_input = backward_only(c, t, {true, false, false});
+      const auto only_weight = backward_only(c, t, {false, true, false});
+      EXPECT_TRUE(torch::equal(std::get<0>(both), std::get<0>(only_input))) << what << ": grad_input alone";
+      EXPECT_TRUE(torch::equal(std::get<1>(both), std::get<1>(only_weight))) << what << ": grad_weight alone";
+      hierpar::testing::expect_graph_replay_equals_eager([&] { return backward_only(c, t, {true, true, false}); },
+                                                         {t.input, t.grad_output}, what);
+    }
+  }
+}
+
 // ---- the layer ---------------------------------------------------------------------------------------
 
 torch::nn::ConvTranspose2dOptions random_options() {

@@ -7,7 +7,13 @@
 namespace hierpar::detail {
 namespace {
 
-constexpr ConvTranspose2dBackend kCpu{&run_conv_transpose2d_forward_cpu, &run_conv_transpose2d_backward_cpu};
+void one_after_the_other(c10::Device, c10::function_ref<void()> first, c10::function_ref<void()> second) {
+  first();
+  second();
+}
+
+constexpr ConvTranspose2dBackend kCpu{&run_conv_transpose2d_forward_cpu, &run_conv_transpose2d_backward_cpu,
+                                      &one_after_the_other};
 
 at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,

@@ -4,14 +4,21 @@
 // forward runs k4s2p1_small_cout_grad_input, its grad_input k4s2p1_small_cout_forward and its grad_weight
 // k4s2p1_small_cout_grad_weight (ops/cuda/conv_transpose_small_cout.cu), tensor-core kernels in bf16/fp16 when
 // C_out % 16 == 0; k4s2p1 layers with C_in >= 16 take the implicit-GEMM kernels of conv_transpose_k4s2p1.cu.
+// With both gradients asked for, grad_weight runs on a side stream alongside grad_input (ops/cuda/side_stream.h).
 #include "conv2d_dual.h"
+#include "cuda/side_stream.h"
 
 #include <torch/library.h>
 
 namespace hierpar::detail {
 namespace {
 
-constexpr ConvTranspose2dBackend kCuda{&run_conv_transpose2d_forward_cuda, &run_conv_transpose2d_backward_cuda};
+void on_two_streams(c10::Device device, c10::function_ref<void()> first, c10::function_ref<void()> second) {
+  run_side_by_side(device, first, second);
+}
+
+constexpr ConvTranspose2dBackend kCuda{&run_conv_transpose2d_forward_cuda, &run_conv_transpose2d_backward_cuda,
+                                       &on_two_streams};
 
 at::Tensor conv2d_cuda(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,

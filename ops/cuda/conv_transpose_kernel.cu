@@ -16,6 +16,9 @@
 // output [N, C_out, kH, kW] is exactly the GEMM's [N, kH*kW*C_out] (channels_last) or [N, C_out*kH*kW]
 // (NCHW) result, so the GEMM writes the output (and backward reads grad_output as its column buffer).
 //
+// Concurrency: when the backward computes grad_input and grad_weight with separate kernels (k4s2p1 and small
+// C_out routes), grad_weight runs on a side stream alongside grad_input (ops/cuda/side_stream.h).
+//
 // Precision: fp32 GEMMs use TF32 tensor cores when at::globalContext().allowTF32CuDNN(CONV) is on (stock
 // PyTorch's default for convolutions, which is what this op replaces); fp64 is exact-fp64; bf16/fp16
 // multiply on the tensor cores with fp32 accumulation. col2im sums in fp32 (fp64 for double).
@@ -23,6 +26,7 @@
 #include "conv_transpose_backends.h"
 #include "conv_transpose_shape.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/side_stream.h"
 
 #include <ATen/Context.h>
 #include <ATen/Dispatch.h>
@@ -233,10 +237,12 @@ void run_conv_transpose2d_forward_cuda(const ConvTranspose2dGeometry& g, const a
   });
 }
 
-void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
-                                        const at::Tensor& input4, const at::Tensor& weight,
-                                        const at::Tensor& grad_input, const at::Tensor& grad_weight,
-                                        std::optional<double> grad_input_leaky_relu_slope) {
+namespace {
+
+// The backward, every kernel on the current stream (see run_conv_transpose2d_backward_cuda).
+void backward_on_current_stream(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                const at::Tensor& input4, const at::Tensor& weight, const at::Tensor& grad_input,
+                                const at::Tensor& grad_weight, std::optional<double> grad_input_leaky_relu_slope) {
   // The gradients the general (column buffer + cuBLAS) path below still has to compute.
   bool general_input = grad_input.defined(), general_weight = grad_weight.defined();
   if (!general_input && !general_weight) return;
@@ -340,6 +346,41 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
     }
   });
   finish();
+}
+
+// True when grad_input and grad_weight are computed by separate kernels that share no intermediate: the
+// small-C_out kernels (grad_weight by its own kernel or by the general path with no grad_input) and the
+// k4s2p1 implicit GEMMs. The general path is left on one stream: there both GEMMs read one im2col column
+// buffer (a split would build it twice), and in the DCGAN it computes both only for a generator's first
+// layer whose input needs a gradient (1x1 input, direct GEMMs, batch-sized).
+bool gradients_computed_apart(const ConvTranspose2dGeometry& g, at::ScalarType dtype) {
+  return g.in_pixels() > 0 && g.out_channels > 0 &&
+         (k4s2p1_small_cout_applies(g, dtype) || k4s2p1_fast_path_applies(g, dtype));
+}
+
+}  // namespace
+
+void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
+                                        const at::Tensor& input4, const at::Tensor& weight,
+                                        const at::Tensor& grad_input, const at::Tensor& grad_weight,
+                                        std::optional<double> grad_input_leaky_relu_slope) {
+  if (!grad_input.defined() || !grad_weight.defined() || !gradients_computed_apart(g, grad_output4.scalar_type())) {
+    backward_on_current_stream(g, grad_output4, input4, weight, grad_input, grad_weight, grad_input_leaky_relu_slope);
+    return;
+  }
+  // Both asked for, from separate kernels: grad_weight on a side stream, concurrently with grad_input
+  // (ops/cuda/side_stream.h: fork/join by events, safe in CUDA graph capture and with the caching allocator).
+  // Each half is exactly the call that computes that gradient alone, so the values are those of a
+  // one-gradient call. The implicit GEMMs of both read grad_output channels_last: converted once, here, on
+  // the current stream (a no-op when it already is), not once per half.
+  c10::cuda::CUDAGuard device_guard(grad_output4.device());
+  const at::Tensor go = k4s2p1_small_cout_applies(g, grad_output4.scalar_type())
+                            ? grad_output4
+                            : grad_output4.contiguous(at::MemoryFormat::ChannelsLast);
+  run_side_by_side(
+      go.device(),
+      [&] { backward_on_current_stream(g, go, input4, weight, grad_input, at::Tensor(), grad_input_leaky_relu_slope); },
+      [&] { backward_on_current_stream(g, go, input4, weight, at::Tensor(), grad_weight, std::nullopt); });
 }
 
 namespace {

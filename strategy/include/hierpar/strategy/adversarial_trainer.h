@@ -148,6 +148,11 @@ class AdversarialTrainer {
   const std::string& graph_fallback() const { return graph_fallback_; }
   // Kernel nodes of local replica `local`'s captured graphs (0 before the capture).
   int64_t graph_kernel_nodes(int64_t local = 0) const;
+  // Under CUDA graphs, the device buffer local replica `local`'s graphs read the real batch from (defined from
+  // the first step on, undefined without graphs). Each step copies its batch there, unless the batch already
+  // is that buffer (same memory, sizes and strides): a loader that writes batches straight into it saves the
+  // copy and a batch's worth of device memory.
+  torch::Tensor graph_input(int64_t local = 0) const;
 
   // Makes every replica (here and in other processes) equal to global replica 0: parameters and
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.
