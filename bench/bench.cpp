@@ -3,6 +3,12 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <kineto/ActivityType.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -11,6 +17,7 @@
 #include <fstream>
 #include <iomanip>
 #include <map>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -177,5 +184,84 @@ bool register_suite(const std::string& name, Suite suite) {
 }
 
 const std::vector<std::pair<std::string, Suite>>& suites() { return registry(); }
+
+Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats) {
+  c10::cuda::device_synchronize();
+  at::cuda::CUDAGraph graph;
+  {
+    const c10::cuda::CUDAStreamGuard on_pool_stream(c10::cuda::getStreamFromPool());
+    graph.capture_begin();
+    capture();
+    graph.capture_end();
+  }
+  c10::cuda::device_synchronize();
+  Timing t = time_cuda([&] { graph.replay(); }, 3, repeats);
+  t.median_us /= calls;
+  t.min_us /= calls;
+  return t;
+}
+
+Profile profile(const std::function<void()>& fn, int calls) {
+  using namespace torch::autograd::profiler;
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  at::cuda::getCurrentCUDAStream().synchronize();
+  prepareProfiler(config, activities);
+  enableProfiler(config, activities);
+  for (int i = 0; i < calls; ++i) fn();
+  at::cuda::getCurrentCUDAStream().synchronize();
+  auto result = disableProfiler();
+  Profile p;
+  p.calls = calls;
+  std::map<std::string, std::pair<int64_t, double>> by_name;
+  for (const auto& e : result->events()) {
+    if (e.activityType() != static_cast<uint8_t>(libkineto::ActivityType::CONCURRENT_KERNEL)) continue;
+    const std::string name = e.name();
+    auto& entry = by_name[name];
+    entry.first += 1;
+    entry.second += e.durationNs() / 1e3;
+    p.kernels += 1;
+    p.busy_us += e.durationNs() / 1e3;
+    if (name.find("nchwToNhwc") != std::string::npos || name.find("nhwcToNchw") != std::string::npos) p.conversions += 1;
+  }
+  p.available = p.kernels > 0;
+  const std::set<std::string> copy_like{"aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy",
+                                        "aten::copy", "aten::empty_like", "aten::empty_strided"};
+  const auto& events = result->events();
+  for (const auto& copy : events) {
+    if (copy.deviceType() != c10::DeviceType::CPU || copy.name() != "aten::copy_") continue;
+    const torch::autograd::profiler::KinetoEvent* caller = nullptr;
+    for (const auto& e : events) {
+      if (e.deviceType() != c10::DeviceType::CPU || e.startThreadId() != copy.startThreadId() ||
+          copy_like.count(e.name()) || e.startNs() > copy.startNs() || e.endNs() < copy.endNs())
+        continue;
+      if (!caller || e.durationNs() < caller->durationNs()) caller = &e;
+    }
+    std::ostringstream key;
+    key << (caller ? caller->name() : std::string("(no enclosing operator)")) << " <- copy_";
+    if (copy.hasShapes()) {
+      for (const auto& shape : copy.shapes()) key << " " << c10::IntArrayRef(shape);
+    }
+    p.copies_by_caller[key.str()] += 1;
+  }
+  p.kernels /= calls;
+  p.busy_us /= calls;
+  p.conversions /= calls;
+  p.top.assign(by_name.begin(), by_name.end());
+  std::sort(p.top.begin(), p.top.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  return p;
+}
+
+
+void write_kernels(std::ostream& os, const Profile& p) {
+  const auto flags = os.flags();
+  os << std::fixed;
+  for (const auto& [name, entry] : p.top) {
+    os << "  " << std::setw(9) << std::setprecision(1) << entry.second / p.calls << " us/call " << std::setw(5)
+       << std::setprecision(1) << double(entry.first) / p.calls << "x  " << name.substr(0, 140) << "\n";
+  }
+  os.flags(flags);
+}
 
 }  // namespace hierpar::bench

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,25 @@ struct Timing {
 // Times fn on the current CUDA stream: `warmup` untimed calls, then `repeats` calls each between two CUDA
 // events; returns the median and minimum. fn must only enqueue work (no host synchronisation).
 Timing time_cuda(const std::function<void()>& fn, int warmup = 20, int repeats = 100);
+
+// `capture` (enqueue-only work that makes `calls` calls) captured in one CUDA graph on a pool stream (the legacy
+// default stream cannot capture); the median replay time over `repeats` replays, per call: GPU time with no launch
+// gaps, as a captured training step runs it. Warm up first what must not be captured (cuDNN's benchmark search).
+Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats);
+
+// What the profiler (kineto/CUPTI) saw over `calls` calls of fn (run after a device sync; synced after).
+struct Profile {
+  int calls = 0;
+  double kernels = 0, busy_us = 0, conversions = 0;  // per call; conversions: cuDNN's NCHW<->NHWC kernels
+  std::vector<std::pair<std::string, std::pair<int64_t, double>>> top;  // kernel -> (count, total us), by time
+  // Eager calls only (a graph replay runs no operators): each aten::copy_ by the innermost operator around it
+  // that is not a copy/conversion itself, with the copy's input shapes: where layout copies come from.
+  std::map<std::string, int64_t> copies_by_caller;
+  bool available = false;
+};
+Profile profile(const std::function<void()>& fn, int calls);
+// The kernels by GPU time, one line each: us and launches per call, name.
+void write_kernels(std::ostream& os, const Profile& p);
 
 struct Record {
   std::string bench, impl;

@@ -70,24 +70,6 @@ std::vector<BnCase> cases(bool quick, const std::vector<int64_t>& batches) {
 
 constexpr double kCopyBytesPerSecond = 4.24e12;  // H200, measured device-to-device copy (docs/batch_norm_act.md)
 
-// Times one replay of a graph holding `calls` captured by `capture`, per call.
-Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats) {
-  c10::cuda::device_synchronize();
-  at::cuda::CUDAGraph graph;
-  {
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-    c10::cuda::CUDAStreamGuard guard(side);
-    graph.capture_begin();
-    capture();
-    graph.capture_end();
-  }
-  c10::cuda::device_synchronize();
-  Timing t = time_cuda([&] { graph.replay(); }, 3, repeats);
-  t.median_us /= calls;
-  t.min_us /= calls;
-  return t;
-}
-
 // Forward alone and backward alone, graph-captured, inputs out of L2 (see the file comment).
 void time_directions(Report& report, const BnCase& c, const Config& config, bool quick) {
   at::AutoDispatchBelowADInplaceOrView no_autograd;

@@ -6,6 +6,10 @@
 // forward (stock: at::conv2d + at::leaky_relu; hierpar: conv2d with the activation fused into its store) and
 // forward + backward (both: at::leaky_relu_backward, whose mask comes from the pre-activation for stock and from the
 // output for hierpar, then the convolution's backward). Both sides call the ops directly.
+// Then "conv2d_fwd_bwd_graph": every convolution of the seed's discriminator (3 -> 32 -> 64 -> 128 -> 256 at kernel
+// 4, stride 2, padding 1, then 256 -> 1 at kernel 4 over the 4x4 map), forward + backward (grad_input and
+// grad_weight), each side's calls captured in a CUDA graph after an eager warm-up: GPU time, as a captured step.
+// HIERPAR_BENCH_PROFILE=<file>: those layers' kernels by GPU time, stock and hierpar, appended there.
 #include "bench.h"
 
 #include "hierpar/ops.h"
@@ -19,6 +23,10 @@
 #include <ATen/ops/rand.h>
 
 #include <array>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <memory>
 
 namespace {
 
@@ -26,7 +34,7 @@ using namespace hierpar::bench;
 
 constexpr int64_t kCin = 3, kCout = 64, kSize = 64;
 
-void run_suite(Report& report, const Options& options) {
+void run_first_layer(Report& report, const Options& options) {
   at::globalContext().setBenchmarkCuDNN(true);
   at::globalContext().setAllowTF32CuDNN(true);
   const int warmup = options.quick ? 3 : 20, repeats = options.quick ? 10 : 100;
@@ -92,6 +100,72 @@ void run_suite(Report& report, const Options& options) {
       report.add("conv2d_dcgan_first_layer", "hierpar", config, th, Config().set("tflops", f / th.median_us * 1e-6));
     }
   }
+}
+
+// Every convolution of the discriminator, forward + backward, graph-captured (see the file comment).
+void run_discriminator_layers(Report& report, const Options& options) {
+  struct Layer {
+    int64_t cin, cout, size, stride, padding;
+  };
+  static constexpr Layer kDiscriminator[] = {{3, 32, 64, 2, 1}, {32, 64, 32, 2, 1}, {64, 128, 16, 2, 1},
+                                             {128, 256, 8, 2, 1}, {256, 1, 4, 1, 0}};
+  std::unique_ptr<std::ofstream> profile_out;
+  if (const char* path = std::getenv("HIERPAR_BENCH_PROFILE")) profile_out = std::make_unique<std::ofstream>(path, std::ios::app);
+  struct Setting {
+    int64_t batch;
+    at::ScalarType dtype;
+    bool channels_last;
+  };
+  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
+                           Setting{1024, at::kBFloat16, true}}) {
+    const auto fmt = s.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+    const auto opts = at::TensorOptions().dtype(s.dtype).device(at::kCUDA);
+    const int calls = s.batch <= 64 ? 10 : 4, repeats = options.quick ? 10 : 50;
+    for (const Layer& l : kDiscriminator) {
+      const int64_t out_size = (l.size + 2 * l.padding - 4) / l.stride + 1;
+      const at::Tensor x = (at::rand({s.batch, l.cin, l.size, l.size}, opts) * 2 - 1).contiguous(fmt);
+      const at::Tensor w = ((at::rand({l.cout, l.cin, 4, 4}, opts) * 2 - 1) * 0.05).contiguous(fmt);
+      const at::Tensor gy = (at::rand({s.batch, l.cout, out_size, out_size}, opts) * 2 - 1).contiguous(fmt);
+      const std::array<bool, 3> mask{true, true, false};
+      const std::vector<int64_t> stride{l.stride, l.stride}, padding{l.padding, l.padding};
+      auto stock = [&] {
+        at::conv2d(x, w, {}, stride, padding);
+        at::convolution_backward(gy, x, w, std::nullopt, stride, padding, {1, 1}, false, {0, 0}, 1, mask);
+      };
+      auto ours = [&] {
+        hierpar::ops::conv2d(x, w, std::nullopt, stride, padding);
+        hierpar::ops::conv2d_backward(gy, x, w, stride, padding, {1, 1}, 1, mask);
+      };
+      Config config;
+      config.set("shape", std::vector<int64_t>{s.batch, l.cin, l.size, l.size})
+          .set("out_channels", l.cout)
+          .set("kernel", int64_t(4))
+          .set("stride", l.stride)
+          .set("padding", l.padding)
+          .set("dtype", s.dtype == at::kFloat ? "float32" : "bfloat16")
+          .set("layout", s.channels_last ? "channels_last" : "nchw")
+          .set("calls_per_graph", int64_t(calls));
+      const double f = 3 * 2.0 * s.batch * out_size * out_size * l.cout * l.cin * 16;
+      for (const bool hierpar : {false, true}) {
+        const std::function<void()> call = hierpar ? std::function<void()>(ours) : std::function<void()>(stock);
+        for (int i = 0; i < 3; ++i) call();  // cuDNN's benchmark search and hierpar's probe stay out of the graph
+        const Timing t = time_graph_per_call([&] { for (int i = 0; i < calls; ++i) call(); }, calls, repeats);
+        report.add("conv2d_fwd_bwd_graph", hierpar ? "hierpar" : "stock", config, t,
+                   Config().set("tflops", f / t.median_us * 1e-6));
+        if (profile_out) {
+          const Profile p = profile(call, 10);
+          *profile_out << "== conv2d " << (hierpar ? "hierpar" : "stock") << " " << config.to_text() << ": "
+                       << std::fixed << std::setprecision(1) << p.kernels << " kernels, GPU busy " << p.busy_us << " us per call\n";
+          write_kernels(*profile_out, p);
+        }
+      }
+    }
+  }
+}
+
+void run_suite(Report& report, const Options& options) {
+  run_first_layer(report, options);
+  run_discriminator_layers(report, options);
 }
 
 HIERPAR_BENCH_SUITE("conv2d", run_suite);

@@ -1,8 +1,20 @@
 // Suite "conv_transpose": hierpar::conv_transpose2d forward + backward against stock ATen/cuDNN
 // (at::conv_transpose2d + at::convolution_backward, cudnn.benchmark on, TF32 allowed for convolutions) on
 // the DCGAN generator's five layers, at batch 64 fp32 (NCHW and channels_last) and batch 1024 bf16
-// channels_last; each pass of the k4s2p1 layers is also timed alone. Both sides call the ops directly (no autograd), with the same gradient mask: the first layer's input (the noise)
-// needs no gradient. Also a row timing the five layers back to back, and achieved TFLOP/s.
+// channels_last. Both sides call the ops directly (no autograd), with the same gradient mask: the first
+// layer's input (the noise) needs no gradient.
+//  - "conv_transpose2d_fwd_bwd" (per layer) and "conv_transpose2d_generator_fwd_bwd" (the five layers back to
+//    back): eager calls timed with CUDA events. At batch 64 a pass is a few microseconds of GPU work, so these
+//    rows partly time the host's dispatch and launches.
+//  - "conv_transpose2d_pass": forward, grad_input and grad_weight of the k4s2p1 layers, each alone, eager.
+//  - "conv_transpose2d_fwd_bwd_graph" (per layer, and the generator with extra.layers = 5): the same calls
+//    captured in a CUDA graph, as the training step runs them, where only GPU time counts: both sides warmed
+//    eagerly first (cuDNN's benchmark search done before capture), then `calls` calls captured into one graph;
+//    the median replay over `calls`, per call. The operands are the same tensors on every call (in L2 where
+//    they fit, as the eager rows).
+// extra.tflops: achieved TFLOP/s (forward, grad_weight and, when needed, grad_input as GEMMs).
+// HIERPAR_BENCH_PROFILE=<file>: each layer's forward + backward kernels by GPU time, stock and hierpar, appended
+// there (a kineto profile of 10 eager calls; kernel durations are GPU time, host gaps excluded).
 #include "bench.h"
 
 #include "hierpar/ops.h"
@@ -14,6 +26,11 @@
 #include <ATen/TensorOperators.h>
 
 #include <array>
+#include <cstdlib>
+#include <fstream>
+#include <iomanip>
+#include <memory>
+#include <functional>
 #include <vector>
 
 namespace {
@@ -70,6 +87,8 @@ void run_suite(Report& report, const Options& options) {
   at::globalContext().setBenchmarkCuDNN(true);
   at::globalContext().setAllowTF32CuDNN(true);
   const int warmup = options.quick ? 3 : 20, repeats = options.quick ? 10 : 100;
+  std::unique_ptr<std::ofstream> profile_out;
+  if (const char* path = std::getenv("HIERPAR_BENCH_PROFILE")) profile_out = std::make_unique<std::ofstream>(path, std::ios::app);
   struct Setting {
     int64_t batch;
     at::ScalarType dtype;
@@ -100,6 +119,14 @@ void run_suite(Report& report, const Options& options) {
                  Config().set("tflops", flops(o) / stock.median_us * 1e-6));
       report.add("conv_transpose2d_fwd_bwd", "hierpar", config, ours,
                  Config().set("tflops", flops(o) / ours.median_us * 1e-6));
+      if (profile_out) {
+        for (const bool hierpar : {false, true}) {
+          const Profile p = profile([&] { hierpar ? hierpar_step(o) : stock_step(o); }, 10);
+          *profile_out << "== " << (hierpar ? "hierpar" : "stock") << " " << config.to_text() << ": " << std::fixed
+                       << std::setprecision(1) << p.kernels << " kernels, GPU busy " << p.busy_us << " us per call\n";
+          write_kernels(*profile_out, p);
+        }
+      }
     }
     // Each pass alone on the k4s2p1 layers (where the time goes): forward, grad_input, grad_weight.
     for (size_t i = 1; i < layers.size(); ++i) {
@@ -136,12 +163,39 @@ void run_suite(Report& report, const Options& options) {
     }
     Config config;
     config.set("batch", s.batch).set("dtype", dtype).set("layout", layout).set("layers", int64_t(layers.size()));
-    const Timing stock = time_cuda([&] { for (const auto& o : layers) stock_step(o); }, warmup, repeats);
-    const Timing ours = time_cuda([&] { for (const auto& o : layers) hierpar_step(o); }, warmup, repeats);
+    auto stock_generator = [&] { for (const auto& o : layers) stock_step(o); };
+    auto hierpar_generator = [&] { for (const auto& o : layers) hierpar_step(o); };
+    const Timing stock = time_cuda(stock_generator, warmup, repeats);
+    const Timing ours = time_cuda(hierpar_generator, warmup, repeats);
     report.add("conv_transpose2d_generator_fwd_bwd", "stock", config, stock,
                Config().set("tflops", total_flops / stock.median_us * 1e-6));
     report.add("conv_transpose2d_generator_fwd_bwd", "hierpar", config, ours,
                Config().set("tflops", total_flops / ours.median_us * 1e-6));
+
+    // Graph-captured: GPU time only. 10 calls per graph at batch 64 (a replay of ~0.3-5 ms), 4 at batch 1024.
+    const int calls = s.batch <= 64 ? 10 : 4, graph_repeats = options.quick ? 10 : 50;
+    auto add_graph = [&](Config cfg, double f, const std::function<void()>& stock_call,
+                         const std::function<void()>& hierpar_call) {
+      cfg.set("calls_per_graph", int64_t(calls));
+      auto timed = [&](const std::function<void()>& call) {
+        for (int i = 0; i < 3; ++i) call();  // warm: cuDNN's benchmark search and hierpar's probe stay out of the graph
+        return time_graph_per_call([&] { for (int i = 0; i < calls; ++i) call(); }, calls, graph_repeats);
+      };
+      const Timing ts = timed(stock_call), th = timed(hierpar_call);
+      report.add("conv_transpose2d_fwd_bwd_graph", "stock", cfg, ts, Config().set("tflops", f / ts.median_us * 1e-6));
+      report.add("conv_transpose2d_fwd_bwd_graph", "hierpar", cfg, th, Config().set("tflops", f / th.median_us * 1e-6));
+    };
+    for (const auto& o : layers) {
+      Config cfg;
+      cfg.set("shape", std::vector<int64_t>{s.batch, o.layer.cin, o.layer.hw, o.layer.hw})
+          .set("out_channels", o.layer.cout)
+          .set("dtype", dtype)
+          .set("layout", layout)
+          .set("grad_input", o.needs_input_grad)
+          .set("layers", int64_t(1));
+      add_graph(cfg, flops(o), [&] { stock_step(o); }, [&] { hierpar_step(o); });
+    }
+    add_graph(config, total_flops, stock_generator, hierpar_generator);
   }
 }
 

@@ -22,7 +22,8 @@
 // peak_mem_mb (caching allocator's peak allocated bytes over the timed steps, less what was allocated before
 // the row's models were built; the peak is reset after warm-up so cuDNN's benchmark search is not counted; a
 // graph's private pool is allocated memory and counts).
-// HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there. A chart of ms/step (stock vs
+// HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there; HIERPAR_BENCH_OVERLAP=0 runs hierpar's
+// step on one stream (options.overlap_passes off). A chart of ms/step (stock vs
 // hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
 // examples (their PNG writer) are built.
 #include "bench.h"
@@ -43,19 +44,14 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <kineto/ActivityType.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
-#include <map>
 #include <memory>
-#include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -149,8 +145,8 @@ class StockDcganStep : public TrainingStep {
 
 // hierpar's rows: the trainer its users run (strategy/adversarial_trainer.h, single placement) on hierpar's layer
 // set, with hierpar's fused Adam, its own CUDA graph capture (graph rows) and G's forward and D's pass over the
-// fakes on a second stream. Its step copies the batch into the graph's static input (one copy kernel, which the
-// stock rows, reading their static batch in place, do not pay) and logs the losses on the device.
+// fakes on a second stream. Under graphs the batch moves into the trainer's graph input after the first step
+// (the bench's own copy is freed), so that, like the stock rows, the step reads one static batch in place.
 class TrainerStep : public TrainingStep {
  public:
   TrainerStep(int64_t batch, bool bf16, bool channels_last, bool graphs) {
@@ -165,6 +161,9 @@ class TrainerStep : public TrainingStep {
     options.autocast_dtype = bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
     options.channels_last = channels_last;
     options.loss_log_steps = 1 << 14;  // no host sync inside the timed steps
+    // HIERPAR_BENCH_OVERLAP=0: the step on one stream (same-process A/B of options.overlap_passes).
+    const char* overlap = std::getenv("HIERPAR_BENCH_OVERLAP");
+    options.overlap_passes = !(overlap && overlap[0] == '0');
     trainer_ = std::make_unique<hierpar::strategy::AdversarialTrainer>(
         torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator),
         hierpar::strategy::Placement::make(hierpar::strategy::Scheme::single, 1, hierpar::strategy::Reduce::host),
@@ -173,7 +172,11 @@ class TrainerStep : public TrainingStep {
     real_ = at::rand({batch, model.channels, model.image_size, model.image_size}, cuda) * 2 - 1;
     if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
   }
-  void run() override { trainer_->step(real_); }
+  void run() override {
+    trainer_->step(real_);
+    const at::Tensor input = trainer_->graph_input();
+    if (input.defined() && !input.is_same(real_)) real_ = input;  // the step copied it there
+  }
   bool captures_itself() const override { return trainer_->graphs(); }
   int64_t graph_kernel_nodes() const override { return trainer_->graph_kernel_nodes(); }
 
@@ -205,67 +208,6 @@ class CnnStep : public TrainingStep {
   std::unique_ptr<FusedAdam> optimizer_;
   at::Tensor images_, labels_, loss_;
 };
-
-// What the profiler saw over `steps` steps.
-struct Profile {
-  double kernels = 0, busy_us = 0, conversions = 0;  // per step
-  std::vector<std::pair<std::string, std::pair<int64_t, double>>> top;  // name -> (count, total us), by time
-  // Eager steps only (a graph replay runs no operators): each aten::copy_ by the innermost operator around it
-  // that is not a copy/conversion itself, with the copy's input shapes: where layout copies come from.
-  std::map<std::string, int64_t> copies_by_caller;
-  bool available = false;
-};
-
-Profile profile(const std::function<void()>& step, int steps) {
-  using namespace torch::autograd::profiler;
-  namespace impl = torch::profiler::impl;
-  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
-  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
-  at::cuda::getCurrentCUDAStream().synchronize();
-  prepareProfiler(config, activities);
-  enableProfiler(config, activities);
-  for (int i = 0; i < steps; ++i) step();
-  at::cuda::getCurrentCUDAStream().synchronize();
-  auto result = disableProfiler();
-  Profile p;
-  std::map<std::string, std::pair<int64_t, double>> by_name;
-  for (const auto& e : result->events()) {
-    if (e.activityType() != static_cast<uint8_t>(libkineto::ActivityType::CONCURRENT_KERNEL)) continue;
-    const std::string name = e.name();
-    auto& entry = by_name[name];
-    entry.first += 1;
-    entry.second += e.durationNs() / 1e3;
-    p.kernels += 1;
-    p.busy_us += e.durationNs() / 1e3;
-    if (name.find("nchwToNhwc") != std::string::npos || name.find("nhwcToNchw") != std::string::npos) p.conversions += 1;
-  }
-  p.available = p.kernels > 0;
-  const std::set<std::string> copy_like{"aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy",
-                                        "aten::copy", "aten::empty_like", "aten::empty_strided"};
-  const auto& events = result->events();
-  for (const auto& copy : events) {
-    if (copy.deviceType() != c10::DeviceType::CPU || copy.name() != "aten::copy_") continue;
-    const torch::autograd::profiler::KinetoEvent* caller = nullptr;
-    for (const auto& e : events) {
-      if (e.deviceType() != c10::DeviceType::CPU || e.startThreadId() != copy.startThreadId() ||
-          copy_like.count(e.name()) || e.startNs() > copy.startNs() || e.endNs() < copy.endNs())
-        continue;
-      if (!caller || e.durationNs() < caller->durationNs()) caller = &e;
-    }
-    std::ostringstream key;
-    key << (caller ? caller->name() : std::string("(no enclosing operator)")) << " <- copy_";
-    if (copy.hasShapes()) {
-      for (const auto& shape : copy.shapes()) key << " " << c10::IntArrayRef(shape);
-    }
-    p.copies_by_caller[key.str()] += 1;
-  }
-  p.kernels /= steps;
-  p.busy_us /= steps;
-  p.conversions /= steps;
-  p.top.assign(by_name.begin(), by_name.end());
-  std::sort(p.top.begin(), p.top.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
-  return p;
-}
 
 // The caching allocator's allocated bytes (current or peak), in MiB.
 double allocated_mb(bool peak) {
@@ -366,11 +308,7 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
                  << " us/step, NCHW<->NHWC conversions " << prof.conversions << "/step";
     if (graphs) *profile_out << ", graph kernel nodes " << nodes;
     *profile_out << "\n";
-    for (size_t i = 0; i < prof.top.size(); ++i) {
-      const auto& [name, cu] = prof.top[i];
-      *profile_out << "  " << std::setw(9) << std::setprecision(1) << cu.second / 3 << " us/step " << std::setw(5)
-                   << std::setprecision(1) << cu.first / 3.0 << "x  " << name.substr(0, 140) << "\n";
-    }
+    write_kernels(*profile_out, prof);
     for (const auto& [caller, count] : prof.copies_by_caller) {
       *profile_out << "  copy " << std::setprecision(1) << count / 3.0 << "x/step  " << caller << "\n";
     }
