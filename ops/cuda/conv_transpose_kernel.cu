@@ -11,6 +11,8 @@
 //    grad_weight of an NCHW input contracts over (n, h, w), which has no single stride in NCHW: that one
 //    GEMM reads a [C_in, N*H*W] copy of the input (the input is the smallest operand of these layers).
 // The column buffer is [N*H*W, G * kH*kW * C_out/G] (see conv_transpose_shape.h).
+// The copies that remain (weight repacks, the grad_weight scratch, inputs in neither layout, the k4s2p1 routes'
+// NCHW -> channels_last conversions) go through permute_copy.h: a tiled transpose where the copy permutes.
 //
 // Direct 1x1 path: with a 1x1 input, no padding, dilation 1, output_padding 0, groups 1 and no bias, the
 // output [N, C_out, kH, kW] is exactly the GEMM's [N, kH*kW*C_out] (channels_last) or [N, C_out*kH*kW]
@@ -26,6 +28,7 @@
 #include "conv_transpose_backends.h"
 #include "conv_transpose_shape.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/permute_copy.h"
 #include "cuda/side_stream.h"
 
 #include <ATen/Context.h>
@@ -169,7 +172,7 @@ bool is_direct_1x1(const ConvTranspose2dGeometry& g, bool has_bias) {
 // The weight as GEMM matrices [G, C_in/G, J_g]: tap-major columns (kH, kW, C_out/G), the order of the
 // cols buffer and of a channels_last output, or channel-major (C_out/G, kH, kW), the order of an NCHW one.
 at::Tensor weight_matrix(const at::Tensor& weight, bool tap_major) {
-  return tap_major ? weight.permute({0, 2, 3, 1}).contiguous() : weight.contiguous();
+  return contiguous_as(tap_major ? weight.permute({0, 2, 3, 1}) : weight, c10::MemoryFormat::Contiguous);
 }
 
 }  // namespace
@@ -192,7 +195,7 @@ void run_conv_transpose2d_forward_cuda(const ConvTranspose2dGeometry& g, const a
     return;
   }
   // In the output's layout: a no-op unless the input is a non-dense view, or NCHW with a channels_last weight.
-  const at::Tensor x = input4.contiguous(out_cl ? c10::MemoryFormat::ChannelsLast : c10::MemoryFormat::Contiguous);
+  const at::Tensor x = contiguous_as(input4, out_cl ? c10::MemoryFormat::ChannelsLast : c10::MemoryFormat::Contiguous);
   const bool direct = is_direct_1x1(g, has_bias) && is_row_matrix(x);
   const at::Tensor w = weight_matrix(weight, /*tap_major=*/!direct || out_cl);
   const at::Tensor b = has_bias ? bias.contiguous() : at::Tensor();
@@ -280,7 +283,7 @@ void backward_on_current_stream(const ConvTranspose2dGeometry& g, const at::Tens
   }
   if (!general_input && !general_weight) return finish();
   // grad_weight contracts the input in its own layout.
-  const at::Tensor x = general_weight ? input4.contiguous(layout_of(input4)) : at::Tensor();
+  const at::Tensor x = general_weight ? contiguous_as(input4, layout_of(input4)) : at::Tensor();
   const bool x_rows = general_weight && is_row_matrix(x);
   // Direct 1x1: grad_output, dense in either layout, is the column buffer itself.
   const bool go_cl = go.is_contiguous(c10::MemoryFormat::ChannelsLast);
@@ -338,11 +341,11 @@ void backward_on_current_stream(const ConvTranspose2dGeometry& g, const at::Tens
         gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), x.const_data_ptr<scalar_t>(), g.in_channels, cin_g, true,
                             cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
       } else {
-        const at::Tensor xt = x.transpose(0, 1).contiguous();  // [C_in, N*H*W]
+        const at::Tensor xt = contiguous_as(x.transpose(0, 1), c10::MemoryFormat::Contiguous);  // [C_in, N*H*W]
         gemm_rows<scalar_t>(cin_g, jg, g.in_pixels(), xt.const_data_ptr<scalar_t>(), g.in_pixels(),
                             cin_g * g.in_pixels(), false, cp, j, jg, false, gwp, jg, cin_g * jg, g.groups);
       }
-      if (!in_place) grad_weight.copy_(tap_major ? gw.permute({0, 3, 1, 2}) : gw);
+      if (!in_place) permute_copy_(grad_weight, tap_major ? gw.permute({0, 3, 1, 2}) : gw);
     }
   });
   finish();
@@ -376,7 +379,7 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
   const at::Tensor go = k4s2p1_small_cout_applies(g, grad_output4.scalar_type())
                             ? grad_output4
-                            : grad_output4.contiguous(at::MemoryFormat::ChannelsLast);
+                            : contiguous_as(grad_output4, at::MemoryFormat::ChannelsLast);
   run_side_by_side(
       go.device(),
       [&] { backward_on_current_stream(g, go, input4, weight, grad_input, at::Tensor(), grad_input_leaky_relu_slope); },
