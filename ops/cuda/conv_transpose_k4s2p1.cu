@@ -57,6 +57,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -1585,7 +1586,10 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
                      const at::Tensor& weight, const at::Tensor& grad_input, bool grad_input_channels_last,
                      const at::Tensor& grad_weight) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  const at::Tensor go = contiguous_as(grad_output4, at::MemoryFormat::ChannelsLast);
+  // grad_output, and the input where grad_weight needs it, channels_last: both by one launch.
+  const std::array<at::Tensor, 2> activations = contiguous_as(
+      grad_output4, grad_weight.defined() ? input4 : at::Tensor(), at::MemoryFormat::ChannelsLast);
+  const at::Tensor& go = activations[0];
   const int cin = int(g.in_channels), cout = int(g.out_channels);
   dispatch_fast(go.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -1640,7 +1644,7 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         if (ws.defined()) permute_copy_(grad_input, ws);
       }
       if (grad_weight.defined()) {
-        const at::Tensor x = contiguous_as(input4, at::MemoryFormat::ChannelsLast);
+        const at::Tensor& x = activations[1];
         GemmArgs a = common;
         a.M = 16 * cout;
         a.N = cin;

@@ -44,6 +44,7 @@
 #include <cublas_v2.h>
 #include <torch/library.h>
 
+#include <array>
 #include <climits>
 #include <type_traits>
 
@@ -387,16 +388,18 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
   // Both asked for, from separate kernels: grad_weight on a side stream, concurrently with grad_input
   // (ops/cuda/side_stream.h: fork/join by events, safe in CUDA graph capture and with the caching allocator).
   // Each half is exactly the call that computes that gradient alone, so the values are those of a
-  // one-gradient call. The implicit GEMMs of both read grad_output channels_last: converted once, here, on
-  // the current stream (a no-op when it already is), not once per half.
+  // one-gradient call. The implicit GEMMs of both read grad_output channels_last, grad_weight's the input too:
+  // converted here, on the current stream, by one launch (no-ops when they already are), not once per half.
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  const at::Tensor go = k4s2p1_small_cout_applies(g, grad_output4.scalar_type())
-                            ? grad_output4
-                            : contiguous_as(grad_output4, at::MemoryFormat::ChannelsLast);
+  const std::array<at::Tensor, 2> activations =
+      k4s2p1_small_cout_applies(g, grad_output4.scalar_type())
+          ? std::array<at::Tensor, 2>{grad_output4, input4}
+          : contiguous_as(grad_output4, input4, at::MemoryFormat::ChannelsLast);
+  const at::Tensor &go = activations[0], &x = activations[1];
   run_side_by_side(
       go.device(),
-      [&] { backward_on_current_stream(g, go, input4, weight, grad_input, at::Tensor(), grad_input_leaky_relu_slope); },
-      [&] { backward_on_current_stream(g, go, input4, weight, at::Tensor(), grad_weight, std::nullopt); });
+      [&] { backward_on_current_stream(g, go, x, weight, grad_input, at::Tensor(), grad_input_leaky_relu_slope); },
+      [&] { backward_on_current_stream(g, go, x, weight, at::Tensor(), grad_weight, std::nullopt); });
 }
 
 namespace {

@@ -11,6 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/MemoryFormat.h>
 
+#include <array>
+
 namespace hierpar::detail {
 
 // dst.copy_(src) for a dst that is dense in any dimension order and a src of dst's sizes with any strides, of
@@ -21,5 +23,10 @@ void permute_copy_(const at::Tensor& dst, const at::Tensor& src);
 
 // t.contiguous(format) through permute_copy_: t itself when it is already dense in `format`.
 at::Tensor contiguous_as(const at::Tensor& t, c10::MemoryFormat format);
+
+// Both of a and b (b may be undefined) in `format`, as above; where both take the tiled kernel with the same
+// element types, one launch copies both: a copy of a few MB is one wave whose time is mostly latency (~3.4 us
+// per launch on the H200 for 1-2 MB), so the second tensor adds little.
+std::array<at::Tensor, 2> contiguous_as(const at::Tensor& a, const at::Tensor& b, c10::MemoryFormat format);
 
 }  // namespace hierpar::detail
