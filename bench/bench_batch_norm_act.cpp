@@ -12,9 +12,11 @@
 //    timed, their medians in extra.stock_native_us / stock_cudnn_us; hierpar the two ops.
 //  - benches "batch_norm_act_fwd_graph" / "batch_norm_act_bwd_graph" (channels_last cases): each direction
 //    alone, as the CUDA-graph training step runs it: the calls captured in a graph (at least 20 per graph),
-//    median per call. Batch 1024: cycling through enough copies of the inputs that each call finds its
-//    inputs out of L2 (>= 160 MB of other tensors in between). Batch 64: two copies, so the inputs are in L2
-//    as in the step, where the layer before has just written them (the tensors are 0.5-8 MB).
+//    median per call; impl "hierpar_split_path" is hierpar with HIERPAR_BN_CLUSTER=0 (the cooperative split
+//    path instead of the cluster path, same process). Batch 1024: cycling through enough copies of the
+//    inputs that each call finds its inputs out of L2 (>= 160 MB of other tensors in between). Batch 64: two
+//    copies, so the inputs are in L2 as in the step, where the layer before has just written them (the
+//    tensors are 0.5-8 MB).
 //    stock forward: batch norm + in-place activation; stock backward: activation backward + batch norm
 //    backward; batch norm is cuDNN's for float32 and ATen's native kernels for bfloat16 (cuDNN refuses bf16
 //    input with fp32 parameters); extra.stock_backend says which. extra: compulsory_bytes (forward: read x,
@@ -37,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -113,9 +116,12 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
     for (int i = 0; i < calls; ++i) fn(cs[i % copies]);
   };
   const Timing fwd_stock = time_graph_per_call([&] { each_call([&](Copy& k) { stock_forward(k); }); }, calls, repeats);
-  const Timing fwd_ours = time_graph_per_call([&] {
-    each_call([&](Copy& k) { hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope); });
-  }, calls, repeats);
+  auto fwd_hierpar = [&] {
+    return time_graph_per_call([&] {
+      each_call([&](Copy& k) { hierpar::ops::batch_norm_act(k.x, w, b, rm, rv, true, momentum, eps, c.activation, slope); });
+    }, calls, repeats);
+  };
+  const Timing fwd_ours = fwd_hierpar();
   const Timing bwd_stock = time_graph_per_call([&] {
     each_call([&](Copy& k) {
       at::Tensor dyp = leaky ? at::leaky_relu_backward(k.dy, k.s_out, slope, true) : at::threshold_backward(k.dy, k.s_out, 0);
@@ -123,12 +129,23 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
       else at::native_batch_norm_backward(dyp, k.x, w, rm, rv, k.s_mean, k.s_invstd, true, eps, {true, true, true});
     });
   }, calls, repeats);
-  const Timing bwd_ours = time_graph_per_call([&] {
-    each_call([&](Copy& k) {
-      hierpar::ops::batch_norm_act_backward(k.dy, k.out, leaky ? std::optional<at::Tensor>() : std::optional<at::Tensor>(k.x),
-                                            w, b, k.mean, k.invstd, true, eps, c.activation, slope, {true, true, true});
-    });
-  }, calls, repeats);
+  auto bwd_hierpar = [&] {
+    return time_graph_per_call([&] {
+      each_call([&](Copy& k) {
+        hierpar::ops::batch_norm_act_backward(k.dy, k.out, leaky ? std::optional<at::Tensor>() : std::optional<at::Tensor>(k.x),
+                                              w, b, k.mean, k.invstd, true, eps, c.activation, slope, {true, true, true});
+      });
+    }, calls, repeats);
+  };
+  const Timing bwd_ours = bwd_hierpar();
+  // The same calls on the cooperative split path (HIERPAR_BN_CLUSTER=0, read at each call): the same-process
+  // A/B of the cluster path, which takes the tensors up to 8 MiB (docs/batch_norm_act.md).
+  const char* cluster_env = std::getenv("HIERPAR_BN_CLUSTER");
+  const std::string cluster_before = cluster_env ? cluster_env : "";
+  ::setenv("HIERPAR_BN_CLUSTER", "0", 1);
+  const Timing fwd_split = fwd_hierpar(), bwd_split = bwd_hierpar();
+  if (cluster_env) ::setenv("HIERPAR_BN_CLUSTER", cluster_before.c_str(), 1);
+  else ::unsetenv("HIERPAR_BN_CLUSTER");
 
   auto add = [&](const char* bench, const char* impl, const Timing& t, double bytes) {
     const double floor_us = bytes / kCopyBytesPerSecond * 1e6;
@@ -142,15 +159,18 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
   add("batch_norm_act_fwd_graph", "hierpar", fwd_ours, fwd_bytes);
   add("batch_norm_act_bwd_graph", "stock", bwd_stock, bwd_bytes);
   add("batch_norm_act_bwd_graph", "hierpar", bwd_ours, bwd_bytes);
-  auto line = [&](const char* dir, double bytes, const Timing& ours, const Timing& stock) {
-    std::printf("  %s %-18s %-8s %-10s hierpar %7.1f us %5.2f TB/s (%3.0f%% of floor %6.1f us) | stock %7.1f us %5.2f TB/s\n",
+  add("batch_norm_act_fwd_graph", "hierpar_split_path", fwd_split, fwd_bytes);
+  add("batch_norm_act_bwd_graph", "hierpar_split_path", bwd_split, bwd_bytes);
+  auto line = [&](const char* dir, double bytes, const Timing& ours, const Timing& split, const Timing& stock) {
+    std::printf("  %s %-18s %-8s %-10s hierpar %7.1f us %5.2f TB/s (%3.0f%% of floor %6.1f us) | split path %7.1f us"
+                " | stock %7.1f us %5.2f TB/s\n",
                 dir, c10::str(c10::IntArrayRef(c.shape)).c_str(), c.dtype == at::kFloat ? "float32" : "bfloat16",
                 c.activation, ours.median_us,
                 bytes / ours.median_us * 1e-6, 100 * bytes / kCopyBytesPerSecond * 1e6 / ours.median_us,
-                bytes / kCopyBytesPerSecond * 1e6, stock.median_us, bytes / stock.median_us * 1e-6);
+                bytes / kCopyBytesPerSecond * 1e6, split.median_us, stock.median_us, bytes / stock.median_us * 1e-6);
   };
-  line("fwd", fwd_bytes, fwd_ours, fwd_stock);
-  line("bwd", bwd_bytes, bwd_ours, bwd_stock);
+  line("fwd", fwd_bytes, fwd_ours, fwd_split, fwd_stock);
+  line("bwd", bwd_bytes, bwd_ours, bwd_split, bwd_stock);
   std::fflush(stdout);
 }
 

@@ -15,7 +15,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 namespace {
@@ -725,6 +727,25 @@ void check_direct_backward(const Case& c, const Inputs& in, const Result& got, c
   expect_scaled(db2, ref.db, rtol, "grad_bias (sums only), " + ctx, ref.db_terms);
 }
 
+// Runs body(path) on each of the two paths that shapes beyond the one-kernel path take: the cluster path
+// (the default, for tensors up to 8 MiB whose rows fit the staging) and the cooperative split path
+// (HIERPAR_BN_CLUSTER=0, which the op reads at each call). The variable's prior value is restored.
+template <typename Body>
+void on_both_split_paths(Body body) {
+  struct Restore {
+    std::optional<std::string> prior;
+    ~Restore() {
+      if (prior) ::setenv("HIERPAR_BN_CLUSTER", prior->c_str(), 1);
+      else ::unsetenv("HIERPAR_BN_CLUSTER");
+    }
+  } restore;
+  if (const char* v = std::getenv("HIERPAR_BN_CLUSTER")) restore.prior = v;
+  ::unsetenv("HIERPAR_BN_CLUSTER");
+  body(std::string("cluster path"));
+  ::setenv("HIERPAR_BN_CLUSTER", "0", 1);
+  body(std::string("cooperative split path"));
+}
+
 // Shapes drawn so that each CUDA path is taken (see ops/cuda/batch_norm_act_kernel.cu): channels_last and
 // NCHW addressing; 16-byte vectors (channels resp. H*W a multiple of 16 bytes' worth of elements) and the
 // scalar fallback (not a multiple, or a misaligned buffer); the one-kernel path (<= 8 vectors per thread
@@ -733,62 +754,125 @@ void check_direct_backward(const Case& c, const Inputs& in, const Result& got, c
 // with only the parameter gradients; every dtype, every activation, training and eval.
 TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
   HIERPAR_REQUIRE_CUDA();
-  constexpr int64_t kThreads = 512;
-  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
-    const int64_t V = 16 / c10::elementSize(dtype);
-    for (bool channels_last : {false, true}) {
-      for (int vec_mode : {0, 1, 2}) {  // 0: vectors, 1: sizes not a multiple, 2: misaligned buffer
-        for (bool split : {false, true}) {
-          const bool vec_sizes = vec_mode != 1, vectors = vec_mode == 0;
-          Case c;
-          c.dtype = dtype;
-          c.param_dtype = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
-          c.layout = channels_last ? Layout::channels_last : Layout::contiguous;
-          const char* acts[] = {"identity", "relu", "leaky_relu"};
-          c.act = acts[rand_int(0, 2)];
-          c.slope = kSlopes[rand_int(0, 4)];
-          c.affine = rand_int(0, 3) != 0;
-          c.training = rand_int(0, 4) != 0;
-          c.running = !c.training || coin();
-          int64_t C, H, W, rows_per_lane_limit;
-          if (channels_last) {
-            // Up to 20 vector columns (8 per block) resp. 10 * V - 1 scalar ones (32 per block): one to
-            // three channel groups.
-            C = vec_sizes ? V * rand_int(1, 20) : V * rand_int(0, 9) + rand_int(1, V - 1);
-            H = rand_int(1, 7);
-            W = rand_int(2, 7);
-            const int64_t cols = vectors ? C / V : C;
-            const int64_t bx = std::min<int64_t>(pow2_at_least(cols), vectors ? 8 : 32);
-            rows_per_lane_limit = 8 * (kThreads / bx);  // rows (= N*H*W) beyond which the rows are split
-          } else {
-            C = rand_int(1, 5);
-            H = 2 * rand_int(0, 3) + 1;  // odd: H*W is a multiple of V exactly when W is
-            W = vec_sizes ? V * rand_int(1, 4) : V * rand_int(0, 3) + rand_int(1, V - 1);
-            rows_per_lane_limit = 8 * kThreads * (vectors ? V : 1);  // in elements N*H*W
-            if (H * W == 1) H = 3;  // H*W == 1 is addressed as channels_last
+  on_both_split_paths([](const std::string& path) {
+    constexpr int64_t kThreads = 512;
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      const int64_t V = 16 / c10::elementSize(dtype);
+      for (bool channels_last : {false, true}) {
+        for (int vec_mode : {0, 1, 2}) {  // 0: vectors, 1: sizes not a multiple, 2: misaligned buffer
+          for (bool split : {false, true}) {
+            const bool vec_sizes = vec_mode != 1, vectors = vec_mode == 0;
+            Case c;
+            c.dtype = dtype;
+            c.param_dtype = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+            c.layout = channels_last ? Layout::channels_last : Layout::contiguous;
+            const char* acts[] = {"identity", "relu", "leaky_relu"};
+            c.act = acts[rand_int(0, 2)];
+            c.slope = kSlopes[rand_int(0, 4)];
+            c.affine = rand_int(0, 3) != 0;
+            c.training = rand_int(0, 4) != 0;
+            c.running = !c.training || coin();
+            int64_t C, H, W, rows_per_lane_limit;
+            if (channels_last) {
+              // Up to 20 vector columns (8 per block) resp. 10 * V - 1 scalar ones (32 per block): one to
+              // three channel groups.
+              C = vec_sizes ? V * rand_int(1, 20) : V * rand_int(0, 9) + rand_int(1, V - 1);
+              H = rand_int(1, 7);
+              W = rand_int(2, 7);
+              const int64_t cols = vectors ? C / V : C;
+              const int64_t bx = std::min<int64_t>(pow2_at_least(cols), vectors ? 8 : 32);
+              rows_per_lane_limit = 8 * (kThreads / bx);  // rows (= N*H*W) beyond which the rows are split
+            } else {
+              C = rand_int(1, 5);
+              H = 2 * rand_int(0, 3) + 1;  // odd: H*W is a multiple of V exactly when W is
+              W = vec_sizes ? V * rand_int(1, 4) : V * rand_int(0, 3) + rand_int(1, V - 1);
+              rows_per_lane_limit = 8 * kThreads * (vectors ? V : 1);  // in elements N*H*W
+              if (H * W == 1) H = 3;  // H*W == 1 is addressed as channels_last
+            }
+            const int64_t L = H * W;
+            const int64_t n_max_single = std::max<int64_t>(1, rows_per_lane_limit / L);
+            const int64_t N = split ? n_max_single + rand_int(1, n_max_single + 3) : rand_int(1, n_max_single);
+            c.shape = {N, C, H, W};
+            if (N * L < 2) c.shape[0] = 2;
+            Inputs in = random_inputs(c, torch::kCUDA);
+            if (vec_mode == 2) {
+              in.x = misaligned_copy(in.x);
+              in.dy = misaligned_copy(in.dy);
+            }
+            Result got = run_hierpar(c, in);
+            Result ref = run_reference(c, in, got.out);
+            const std::string where = std::string("cuda path vec_mode=") + std::to_string(vec_mode) +
+                                      (split ? " split (" + path + ")" : " one-kernel");
+            compare(got, ref, c, scaled_rtol(c.dtype), where);
+            check_branches(got, ref, c, where);
+            expect_layout_kept(in.x, got.out, c.describe());
+            check_direct_backward(c, in, got, ref, where);
           }
-          const int64_t L = H * W;
-          const int64_t n_max_single = std::max<int64_t>(1, rows_per_lane_limit / L);
-          const int64_t N = split ? n_max_single + rand_int(1, n_max_single + 3) : rand_int(1, n_max_single);
-          c.shape = {N, C, H, W};
-          if (N * L < 2) c.shape[0] = 2;
-          Inputs in = random_inputs(c, torch::kCUDA);
-          if (vec_mode == 2) {
-            in.x = misaligned_copy(in.x);
-            in.dy = misaligned_copy(in.dy);
-          }
-          Result got = run_hierpar(c, in);
-          Result ref = run_reference(c, in, got.out);
-          const std::string where = std::string("cuda path vec_mode=") + std::to_string(vec_mode) +
-                                    (split ? " split" : " one-kernel");
-          compare(got, ref, c, scaled_rtol(c.dtype), where);
-          check_branches(got, ref, c, where);
-          expect_layout_kept(in.x, got.out, c.describe());
-          check_direct_backward(c, in, got, ref, where);
         }
       }
     }
-  }
+  });
+}
+
+// The cluster path's shapes and boundaries, each also on the cooperative split path. The cluster path takes
+// training calls that would split their rows, with at most 512 rows per CTA of a cluster of 8 (N*H*W <= 4096
+// vector rows) and at most 8 MiB: the rows limit exactly and just beyond it, the bytes limit exactly and
+// beyond it (1024 channels); batch 1; channel counts that leave columns of a block idle (6 of 8 columns,
+// 3 of 4) and odd ones on the scalar path (5 and 33 float32 channels: 8 resp. 32 columns per block); every
+// dtype it stages (2-byte scalar vectors cannot be staged and keep the split path); NCHW shapes (one channel
+// per block: splitting starts beyond 4096 vector rows, so they keep the split path); every activation; the
+// backward with and without the input, and with only the parameter gradients (that launch keeps the split
+// path).
+TEST(BatchNormActCuda, ClusterPathShapesAndBoundaries) {
+  HIERPAR_REQUIRE_CUDA();
+  struct Shape {
+    std::vector<int64_t> shape;
+    c10::ScalarType dtype;
+    Layout layout;
+  };
+  const std::vector<Shape> shapes{
+      {{64, 48, 8, 8}, torch::kFloat, Layout::channels_last},      // 4096 rows: the rows limit
+      {{65, 48, 8, 8}, torch::kFloat, Layout::channels_last},      // 4160 rows: beyond
+      {{8, 1024, 16, 16}, torch::kFloat, Layout::channels_last},   // 8 MiB: the bytes limit
+      {{9, 1024, 16, 16}, torch::kFloat, Layout::channels_last},   // 9 MiB: beyond
+      {{256, 512, 4, 4}, torch::kFloat, Layout::channels_last},    // both limits exactly
+      {{64, 256, 4, 4}, torch::kFloat, Layout::channels_last},     // the batch-64 DCGAN layers
+      {{64, 128, 8, 8}, torch::kFloat, Layout::channels_last},
+      {{64, 64, 16, 16}, torch::kFloat, Layout::channels_last},
+      {{64, 256, 4, 4}, torch::kBFloat16, Layout::channels_last},
+      {{64, 128, 8, 8}, torch::kBFloat16, Layout::channels_last},
+      {{1, 24, 64, 64}, torch::kFloat, Layout::channels_last},  // batch 1; 6 of 8 columns per block
+      {{1, 3, 256, 256}, torch::kFloat, Layout::contiguous},    // batch 1, NCHW
+      {{64, 32, 32, 32}, torch::kFloat, Layout::contiguous},
+      {{16, 5, 16, 16}, torch::kFloat, Layout::channels_last},  // scalar path, 5 of 8 columns
+      {{16, 33, 8, 8}, torch::kFloat, Layout::channels_last},   // scalar path, 33 columns
+      {{16, 6, 16, 16}, torch::kDouble, Layout::channels_last},
+      {{16, 16, 16, 16}, torch::kHalf, Layout::channels_last},
+      {{256, 24, 16, 16}, torch::kHalf, Layout::contiguous},
+      {{8, 24, 16, 16}, torch::kBFloat16, Layout::channels_last},  // 3 of 4 columns (bf16 vectors of 8)
+  };
+  on_both_split_paths([&](const std::string& path) {
+    for (const auto& s : shapes) {
+      Case c;
+      c.shape = s.shape;
+      c.dtype = s.dtype;
+      c.param_dtype = s.dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
+      c.layout = s.layout;
+      const char* acts[] = {"identity", "relu", "leaky_relu"};
+      c.act = acts[rand_int(0, 2)];
+      c.slope = kSlopes[rand_int(0, 4)];
+      c.affine = rand_int(0, 3) != 0;
+      c.running = coin();
+      Inputs in = random_inputs(c, torch::kCUDA);
+      Result got = run_hierpar(c, in);
+      Result ref = run_reference(c, in, got.out);
+      const std::string where = "cuda " + path;
+      compare(got, ref, c, scaled_rtol(c.dtype), where);
+      check_branches(got, ref, c, where);
+      expect_layout_kept(in.x, got.out, c.describe());
+      check_direct_backward(c, in, got, ref, where);
+    }
+  });
 }
 
 // Split path with more rows per thread than a block stages in shared memory (~210 KB per block at one
@@ -847,71 +931,88 @@ TEST(BatchNormActCuda, SplitPathOnEveryDevice) {
   }
 }
 
-// The split path combines the partials in a fixed order in every block: two calls in a row give
-// bit-identical results (NCHW float32 and channels_last bfloat16 with several channel groups).
+// The split and cluster paths combine the partials in a fixed order in every block: two calls in a row give
+// bit-identical results (split: NCHW float32, channels_last bfloat16 with several channel groups; cluster:
+// channels_last float32 with an idle column), on each path.
 TEST(BatchNormActCuda, SplitPathRepeatsExactly) {
   HIERPAR_REQUIRE_CUDA();
-  for (bool channels_last : {false, true}) {
-    const auto opts = torch::TensorOptions().dtype(channels_last ? torch::kBFloat16 : torch::kFloat).device(torch::kCUDA);
-    const std::vector<int64_t> shape = channels_last ? std::vector<int64_t>{256, 136, 8, 8} : std::vector<int64_t>{64, 24, 20, 20};
-    auto x = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
-    auto dy = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
-    auto popts = opts.dtype(torch::kFloat);
-    auto w = random_tensor({shape[1]}, popts), b = random_tensor({shape[1]}, popts);
-    auto once = [&] {
-      auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5,
-                                                              "leaky_relu", 0.2);
-      auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true,
-                                                                1e-5, "leaky_relu", 0.2, {true, true, true});
-      return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
-    };
-    auto first = once(), second = once();
-    for (size_t i = 0; i < first.size(); ++i) {
-      EXPECT_TRUE(torch::equal(first[i], second[i])) << "result " << i << " channels_last=" << channels_last;
+  struct Shape {
+    std::vector<int64_t> shape;
+    c10::ScalarType dtype;
+    bool channels_last;
+  };
+  const std::vector<Shape> shapes{{{64, 24, 20, 20}, torch::kFloat, false},
+                                  {{256, 136, 8, 8}, torch::kBFloat16, true},
+                                  {{64, 136, 8, 8}, torch::kFloat, true}};
+  on_both_split_paths([&](const std::string& path) {
+    for (const auto& [shape, dtype, channels_last] : shapes) {
+      const auto opts = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
+      auto x = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
+      auto dy = random_tensor(shape, opts, channels_last ? Layout::channels_last : Layout::contiguous);
+      auto popts = opts.dtype(torch::kFloat);
+      auto w = random_tensor({shape[1]}, popts), b = random_tensor({shape[1]}, popts);
+      auto once = [&] {
+        auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, std::nullopt, std::nullopt, true, 0.1, 1e-5,
+                                                                "leaky_relu", 0.2);
+        auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true,
+                                                                  1e-5, "leaky_relu", 0.2, {true, true, true});
+        return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
+      };
+      auto first = once(), second = once();
+      for (size_t i = 0; i < first.size(); ++i) {
+        EXPECT_TRUE(torch::equal(first[i], second[i])) << path << ": result " << i << " shape " << c10::IntArrayRef(shape);
+      }
     }
-  }
+  });
 }
 
-// The split path is a cooperative launch: it must capture into a CUDA graph (the training step is
-// replayed as one) and the replay, with new input values copied in, must equal eager calls bit for bit.
+// The split path is a cooperative launch, the cluster path a cluster launch: each must capture into a CUDA
+// graph (the training step is replayed as one) and the replay, with new input values copied in, must equal
+// eager calls bit for bit.
 TEST(BatchNormActCuda, SplitPathReplaysFromACudaGraph) {
   HIERPAR_REQUIRE_CUDA();
-  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-  const std::vector<int64_t> shape{256, 72, 8, 8};  // 9 vector columns: two channel groups, split rows
-  auto x = random_tensor(shape, opts, Layout::channels_last), dy = random_tensor(shape, opts, Layout::channels_last);
-  auto w = random_tensor({shape[1]}, opts.dtype(torch::kFloat)), b = random_tensor({shape[1]}, opts.dtype(torch::kFloat));
-  auto rm = torch::zeros({shape[1]}, w.options()), rv = torch::ones({shape[1]}, w.options());
-  auto step = [&](const torch::Tensor& rm_, const torch::Tensor& rv_) {
-    auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, rm_, rv_, true, 0.1, 1e-5, "leaky_relu", 0.2);
-    auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true, 1e-5,
-                                                              "leaky_relu", 0.2, {true, true, true});
-    return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
-  };
-  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-  torch::cuda::synchronize();
-  at::cuda::CUDAGraph graph;
-  std::vector<torch::Tensor> captured;
-  {
-    c10::cuda::CUDAStreamGuard guard(side);
-    graph.capture_begin();
-    captured = step(rm, rv);
-    graph.capture_end();
-  }
-  torch::cuda::synchronize();
-  auto rm_eager = torch::zeros_like(rm), rv_eager = torch::ones_like(rv);
-  for (int replay = 0; replay < 2; ++replay) {
-    x.copy_(random_tensor(shape, opts, Layout::channels_last));
-    dy.copy_(random_tensor(shape, opts, Layout::channels_last));
-    torch::cuda::synchronize();
-    graph.replay();
-    torch::cuda::synchronize();
-    auto eager = step(rm_eager, rv_eager);
-    for (size_t i = 0; i < eager.size(); ++i) {
-      EXPECT_TRUE(torch::equal(captured[i], eager[i])) << "result " << i << ", replay " << replay;
+  // 9 vector columns: several channel groups; 16384 rows (the split path) and 4096 (the cluster path)
+  const std::vector<std::vector<int64_t>> shapes{{256, 72, 8, 8}, {64, 72, 8, 8}};
+  on_both_split_paths([&](const std::string& path) {
+    for (const auto& shape : shapes) {
+      const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+      auto x = random_tensor(shape, opts, Layout::channels_last), dy = random_tensor(shape, opts, Layout::channels_last);
+      auto w = random_tensor({shape[1]}, opts.dtype(torch::kFloat)), b = random_tensor({shape[1]}, opts.dtype(torch::kFloat));
+      auto rm = torch::zeros({shape[1]}, w.options()), rv = torch::ones({shape[1]}, w.options());
+      auto step = [&](const torch::Tensor& rm_, const torch::Tensor& rv_) {
+        auto [out, mean, invstd] = hierpar::ops::batch_norm_act(x, w, b, rm_, rv_, true, 0.1, 1e-5, "leaky_relu", 0.2);
+        auto [dx, dw, db] = hierpar::ops::batch_norm_act_backward(dy, out, std::nullopt, w, b, mean, invstd, true, 1e-5,
+                                                                  "leaky_relu", 0.2, {true, true, true});
+        return std::vector<torch::Tensor>{out, mean, invstd, dx, dw, db};
+      };
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+      torch::cuda::synchronize();
+      at::cuda::CUDAGraph graph;
+      std::vector<torch::Tensor> captured;
+      {
+        c10::cuda::CUDAStreamGuard guard(side);
+        graph.capture_begin();
+        captured = step(rm, rv);
+        graph.capture_end();
+      }
+      torch::cuda::synchronize();
+      auto rm_eager = torch::zeros_like(rm), rv_eager = torch::ones_like(rv);
+      for (int replay = 0; replay < 2; ++replay) {
+        x.copy_(random_tensor(shape, opts, Layout::channels_last));
+        dy.copy_(random_tensor(shape, opts, Layout::channels_last));
+        torch::cuda::synchronize();
+        graph.replay();
+        torch::cuda::synchronize();
+        auto eager = step(rm_eager, rv_eager);
+        for (size_t i = 0; i < eager.size(); ++i) {
+          EXPECT_TRUE(torch::equal(captured[i], eager[i]))
+              << path << " " << c10::IntArrayRef(shape) << ": result " << i << ", replay " << replay;
+        }
+        EXPECT_TRUE(torch::equal(rm, rm_eager)) << path << " " << c10::IntArrayRef(shape) << ": running_mean, replay " << replay;
+        EXPECT_TRUE(torch::equal(rv, rv_eager)) << path << " " << c10::IntArrayRef(shape) << ": running_var, replay " << replay;
+      }
     }
-    EXPECT_TRUE(torch::equal(rm, rm_eager)) << "running_mean, replay " << replay;
-    EXPECT_TRUE(torch::equal(rv, rv_eager)) << "running_var, replay " << replay;
-  }
+  });
 }
 
 TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {

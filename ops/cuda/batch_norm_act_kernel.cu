@@ -23,6 +23,12 @@
 //    the SM's shared memory leaves per block at the kernel's occupancy; every stream the kernel reads), so
 //    the elementwise pass reads them from there instead of L2/DRAM. Only the rows beyond those are read
 //    twice from global memory.
+//  - Cluster path (Hopper; tensors up to 8 MiB with up to 512 rows per CTA, all staged): instead of the
+//    cooperative grid, a channel group's row splits are the CTAs of one thread-block cluster (up to 8).
+//    Each CTA puts its block sums into every CTA's shared memory (distributed shared memory), the cluster
+//    barrier replaces the grid barrier, and every CTA adds the slots in rank order itself: no global
+//    partials, no grid-wide barrier, the same bit-identical statistics in every CTA. Every row is staged,
+//    so each element is read from global memory once.
 //  - The elementwise pass walks a thread's global rows in reverse (those read last are the likeliest to be
 //    still in L2), loads them as last use (evict-first) and streams its stores, so writing the output does
 //    not evict input rows not yet re-read.
@@ -41,10 +47,13 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace hierpar::detail::bn {
 namespace {
@@ -177,6 +186,8 @@ struct Tile {
   int64_t chunk;  // rows per split
   int splits;
   int staged_rows;  // rows per thread staged in shared memory (split path; 0: none)
+  int cluster;      // 1: the splits are one thread-block cluster (grid.y == splits), combined through DSMEM
+  int exchange_bytes;  // cluster path: the exchange buffer at the start of the dynamic shared memory
   at::cuda::detail::IntDivider<uint32_t> div_lv;  // NCHW: row -> (n, vector in the plane)
 };
 
@@ -270,6 +281,57 @@ __device__ __forceinline__ void wait_for_all_partials() {
   cooperative_groups::this_grid().sync();
 }
 
+// Cluster path (sm_90). Every thread arrives at the cluster barrier when the kernel starts; the wait for
+// that phase comes before the first store into another CTA's shared memory, which is only valid once that
+// CTA runs.
+__device__ __forceinline__ void cluster_arrive_at_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __cluster_barrier_arrive_relaxed();
+#endif
+}
+
+// The channel group's totals over the cluster's CTAs (its row splits) of the block sums `s` (valid in
+// threads tid < bx: the K channels of column tx). Each CTA puts its sums into slot `rank` of every CTA's
+// exchange buffer `xch` ([cluster][2][bx * K] in shared memory); after the cluster barrier every CTA adds
+// the slots in rank order: the same additions in every CTA, so all have bit-identical totals. Returns the
+// totals of the group's channel tid in threads tid < bx * K.
+template <typename acc_t, int K>
+__device__ __forceinline__ SumsK<acc_t, 1> cluster_totals(const SumsK<acc_t, K>& s, acc_t* xch, int cluster) {
+  SumsK<acc_t, 1> total;
+  total.zero();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  const int bx = blockDim.x, tx = threadIdx.x, tid = threadIdx.y * bx + tx;
+  const int chb = bx * K, slot = 2 * chb;
+  const int rank = static_cast<int>(cg::this_cluster().block_rank());
+  acc_t* const mine = xch + rank * slot;
+  if (tid < bx) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      mine[tx * K + k] = s.p[k];
+      mine[chb + tx * K + k] = s.q[k];
+    }
+  }
+  __syncthreads();
+  __cluster_barrier_wait();  // the phase every thread arrived at when its kernel started
+  for (int i = tid; i < cluster * slot; i += kThreads) {
+    const int r = i / slot;
+    if (r != rank) *cg::this_cluster().map_shared_rank(mine + i % slot, r) = mine[i % slot];
+  }
+  __cluster_barrier_arrive();  // release: this CTA's stores into the others' slots
+  __cluster_barrier_wait();    // acquire: every CTA's slot has landed here
+  if (tid < chb) {
+    for (int r = 0; r < cluster; ++r) {
+      total.p[0] += xch[r * slot + tid];
+      total.q[0] += xch[r * slot + chb + tid];
+    }
+  }
+#else
+  __trap();  // the host takes the cluster path on sm_90 and newer only
+#endif
+  return total;
+}
+
 template <typename acc_t>
 __device__ __forceinline__ acc_t activate(acc_t y, Act act, acc_t slope) {
   if (act == Act::relu) return y > acc_t(0) ? y : acc_t(0);
@@ -300,10 +362,24 @@ struct ForwardArgs {
   Act act;
   bool training;
 
+  // What finalize reads of channel ch (the running statistics only `with_running`).
+  struct Channel {
+    acc_t gamma, beta, running_mean, running_var;
+  };
+  __device__ __forceinline__ Channel channel_params(int64_t ch, bool with_running) const {
+    Channel c;
+    c.gamma = weight ? weight[ch] : acc_t(1);
+    c.beta = bias ? bias[ch] : acc_t(0);
+    c.running_mean = with_running && running_mean ? running_mean[ch] : acc_t(0);
+    c.running_var = with_running && running_mean ? running_var[ch] : acc_t(0);
+    return c;
+  }
+
   // The affine map (scale, shift) of the normalisation of channel ch from its state over all rows; with
-  // `write`, also stores the statistics and updates the running stats (one block per channel does).
-  __device__ __forceinline__ void finalize(int64_t ch, acc_t n, acc_t mean, acc_t m2, bool write, acc_t& scale,
-                                           acc_t& shift) const {
+  // `write`, also stores the statistics and updates the running stats (one block per channel does; `c` then
+  // holds the running statistics).
+  __device__ __forceinline__ void finalize(int64_t ch, const Channel& c, acc_t n, acc_t mean, acc_t m2, bool write,
+                                           acc_t& scale, acc_t& shift) const {
     const acc_t var = m2 / n;
     const acc_t invstd = acc_t(1) / sqrt(var + eps);
     if (write) {
@@ -311,16 +387,15 @@ struct ForwardArgs {
       save_invstd[ch] = invstd;
       if (running_mean) {
         const acc_t unbiased = var * (n / (n - acc_t(1)));
-        running_mean[ch] = (acc_t(1) - momentum) * running_mean[ch] + momentum * mean;
-        running_var[ch] = (acc_t(1) - momentum) * running_var[ch] + momentum * unbiased;
+        running_mean[ch] = (acc_t(1) - momentum) * c.running_mean + momentum * mean;
+        running_var[ch] = (acc_t(1) - momentum) * c.running_var + momentum * unbiased;
       }
     }
-    affine(ch, mean, invstd, scale, shift);
+    affine(c, mean, invstd, scale, shift);
   }
-  __device__ __forceinline__ void affine(int64_t ch, acc_t mean, acc_t invstd, acc_t& scale, acc_t& shift) const {
-    const acc_t gamma = weight ? weight[ch] : acc_t(1), beta = bias ? bias[ch] : acc_t(0);
-    scale = gamma * invstd;
-    shift = beta - mean * scale;
+  __device__ __forceinline__ void affine(const Channel& c, acc_t mean, acc_t invstd, acc_t& scale, acc_t& shift) const {
+    scale = c.gamma * invstd;
+    shift = c.beta - mean * scale;
   }
 };
 
@@ -335,6 +410,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   using VecT = Vec<scalar_t, V>;
   __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<S, S1, kBxMax<kCL, V>>];
   __shared__ acc_t s_scale[kMaxChannelsPerBlock], s_shift[kMaxChannelsPerBlock];
+  if (t.cluster) cluster_arrive_at_start();
   const int bx = blockDim.x, tx = threadIdx.x;
   const int tid = threadIdx.y * bx + tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
@@ -343,13 +419,14 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   const int64_t r1 = min(t.rows, r0 + t.chunk);
   auto channel = [&](int k) { return kCL ? col * V + k : col; };
 
-  // The staged rows (dynamic shared memory): [row][thread] vectors, conflict-free.
+  // Dynamic shared memory: the cluster path's exchange buffer, then the staged rows: [row][thread]
+  // vectors, conflict-free.
   extern __shared__ __align__(16) unsigned char staged_raw[];
   const ThreadRows rows(r0, r1, active);
   auto row_ptr = [&](int j) { return reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, rows.row(j))); };
   // Rows [0, staged) of this thread live in shared memory from the statistics to the elementwise pass.
   const int staged = min(rows.count, t.staged_rows);
-  VecT* const stage = reinterpret_cast<VecT*>(staged_raw) + tid;  // row j at stage[j * kThreads]
+  VecT* const stage = reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + tid;  // row j at stage[j * kThreads]
 
   acc_t scale[V], shift[V];
   if (a.training) {
@@ -383,6 +460,18 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     constexpr int kStatsUnroll = kCL && V == 8 ? 2 * kUnroll : kUnroll;
     for_rows<kStatsUnroll>(staged, rows.count, [&](int j) { return *row_ptr(j); }, add);
     for_staged_rows(staged, [&](int j) { add(stage[j * kThreads]); });
+    // Split and cluster paths: thread tid < bx * K finishes channel tid of the group. It loads that
+    // channel's shift, parameters and running statistics now, so that their latency overlaps the
+    // reductions and the barrier instead of following them.
+    const int chb = bx * K;
+    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + tid;
+    const bool finisher = t.splits > 1 && tid < chb && fch < t.C;
+    acc_t f_origin = 0;
+    typename ForwardArgs<acc_t>::Channel f_params{};
+    if (finisher) {
+      f_origin = static_cast<acc_t>(x[kCL ? fch : fch * t.L]);  // row 0 of channel fch
+      f_params = a.channel_params(fch, blockIdx.y == 0);
+    }
     S s;
     s.zero();
 #pragma unroll
@@ -393,16 +482,23 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     s = reduce_columns(s, reinterpret_cast<S*>(smem_raw));
     const acc_t count = static_cast<acc_t>(t.rows * kPerRow<kCL, V>);
     // (n, mean, m2) of a channel from its shifted sums: mean = origin + S1 / n, m2 = S2 - S1^2 / n.
-    auto finish = [&](int64_t ch, acc_t org, acc_t sum, acc_t sum_sq, bool write, acc_t& sc, acc_t& sh) {
+    auto finish = [&](int64_t ch, const typename ForwardArgs<acc_t>::Channel& c, acc_t org, acc_t sum,
+                      acc_t sum_sq, bool write, acc_t& sc, acc_t& sh) {
       const acc_t d = sum / count;
-      a.finalize(ch, count, org + d, max(sum_sq - sum * d, acc_t(0)), write, sc, sh);
+      a.finalize(ch, c, count, org + d, max(sum_sq - sum * d, acc_t(0)), write, sc, sh);
     };
     if (t.splits == 1) {
       if (tid < bx && active) {
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          finish(channel(k), origin[k], s.p[k], s.q[k], true, s_scale[tx * K + k], s_shift[tx * K + k]);
+          finish(channel(k), a.channel_params(channel(k), true), origin[k], s.p[k], s.q[k], true,
+                 s_scale[tx * K + k], s_shift[tx * K + k]);
         }
+      }
+    } else if (t.cluster) {
+      const S1 total = cluster_totals(s, reinterpret_cast<acc_t*>(staged_raw), t.splits);
+      if (finisher) {
+        finish(fch, f_params, f_origin, total.p[0], total.q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
       }
     } else {
       if (tid < bx && active) {
@@ -415,7 +511,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       wait_for_all_partials();
       // Threads = (channel of the group) x (part of the splits): each part sums its splits (independent
       // loads), then a tree over the parts; the same order in every block.
-      const int chb = bx * K, parts = kThreads / chb;
+      const int parts = kThreads / chb;
       const int lc = tid % chb, part = tid / chb;
       const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
       S1 total;
@@ -430,9 +526,8 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       S1* sm = reinterpret_cast<S1*>(smem_raw);
       sm[tid] = total;
       reduce_parts(sm, chb, parts);
-      if (tid < chb && ch < t.C) {
-        const acc_t org = static_cast<acc_t>(x[kCL ? ch : ch * t.L]);  // row 0 of channel ch
-        finish(ch, org, sm[tid].p[0], sm[tid].q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
+      if (finisher) {
+        finish(fch, f_params, f_origin, sm[tid].p[0], sm[tid].q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
       }
     }
     __syncthreads();
@@ -453,7 +548,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
         a.save_mean[ch] = mean;
         a.save_invstd[ch] = invstd;
       }
-      a.affine(ch, mean, invstd, scale[u], shift[u]);
+      a.affine(a.channel_params(ch, false), mean, invstd, scale[u], shift[u]);
     }
   }
   auto normalise = [&](const VecT& v, int j) {
@@ -506,12 +601,14 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   using VecT = Vec<scalar_t, V>;
   __shared__ __align__(16) unsigned char smem_raw[kReduceBytes<S, S1, kBxMax<kCL, V>>];
   __shared__ acc_t s_mean_dy[kMaxChannelsPerBlock], s_mean_dyx[kMaxChannelsPerBlock];
+  __shared__ acc_t s_k[kMaxChannelsPerBlock];  // gamma * invstd per channel of the group (with the sums)
   const int bx = blockDim.x, tx = threadIdx.x;
   const int tid = threadIdx.y * bx + tx;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
   const bool active = col < t.cols;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
   const int64_t r1 = min(t.rows, r0 + t.chunk);
+  if (t.cluster) cluster_arrive_at_start();
   constexpr bool has_x = kHasX;
   const acc_t neg_slope = a.act == Act::relu ? acc_t(0) : a.act == Act::leaky_relu ? a.slope : acc_t(1);
   auto channel = [&](int k) { return kCL ? col * V + k : col; };
@@ -549,13 +646,13 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     else return static_cast<acc_t>(l.out.v[u]);
   };
 
-  // The staged rows (dynamic shared memory): [row][stream][thread] vectors, conflict-free; streams dy,
-  // out and (kHasX) x.
+  // Dynamic shared memory: the cluster path's exchange buffer, then the staged rows: [row][stream][thread]
+  // vectors, conflict-free; streams dy, out and (kHasX) x.
   extern __shared__ __align__(16) unsigned char staged_raw[];
   constexpr int kStreams = kHasX ? 3 : 2;
   const ThreadRows rows(r0, r1, active);
   const int staged = min(rows.count, t.staged_rows);  // the host stages only when both passes run
-  VecT* const stage = reinterpret_cast<VecT*>(staged_raw) + tid;
+  VecT* const stage = reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + tid;
   auto staged_at = [&](int j, int stream) { return stage + (j * kStreams + stream) * kThreads; };
   auto load_staged = [&](int j) {
     Loaded l;
@@ -601,6 +698,16 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     // The rows beyond the staged ones (while the staged copies are in flight), then the staged rows.
     for_rows<kUnroll>(staged, rows.count, load, add);
     for_staged_rows(staged, [&](int j) { add(load_staged(j)); });
+    // Split and cluster paths: thread tid < bx * K finishes channel tid of the group; its gamma and invstd,
+    // loaded now, arrive while the reductions and the barrier run.
+    const int chb = bx * K;
+    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + tid;
+    const bool finisher = t.splits > 1 && tid < chb && fch < t.C;
+    acc_t f_gamma = 1, f_invstd = 0;
+    if (finisher) {
+      f_gamma = a.weight ? a.weight[fch] : acc_t(1);
+      f_invstd = a.save_invstd[fch];
+    }
     S s;
     s.zero();
 #pragma unroll
@@ -609,19 +716,25 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       s.q[kCL ? u : 0] += sdyx[u];
     }
     s = reduce_columns(s, reinterpret_cast<S*>(smem_raw));
-    auto finalize = [&](int64_t ch, acc_t sum_dy, acc_t sum_dyx, acc_t gam, bool write, int idx) {
+    auto finalize = [&](int64_t ch, acc_t sum_dy, acc_t sum_dyx, acc_t gam, acc_t invstd, bool write, int idx) {
       if (write) {
         a.grad_bias[ch] = sum_dy;
         a.grad_weight[ch] = (gam == acc_t(0) && !has_x) ? std::numeric_limits<acc_t>::quiet_NaN() : sum_dyx;
       }
       s_mean_dy[idx] = sum_dy * a.inv_count;
       s_mean_dyx[idx] = sum_dyx * a.inv_count;
+      s_k[idx] = gam * invstd;
     };
     if (t.splits == 1) {
       if (tid < bx && active) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) finalize(channel(k), s.p[k], s.q[k], gamma[k], true, tx * K + k);
+        for (int k = 0; k < K; ++k) {
+          finalize(channel(k), s.p[k], s.q[k], gamma[k], a.save_invstd[channel(k)], true, tx * K + k);
+        }
       }
+    } else if (t.cluster) {
+      const S1 total = cluster_totals(s, reinterpret_cast<acc_t*>(staged_raw), t.splits);
+      if (finisher) finalize(fch, total.p[0], total.q[0], f_gamma, f_invstd, blockIdx.y == 0, tid);
     } else {
       if (tid < bx && active) {
 #pragma unroll
@@ -633,7 +746,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       wait_for_all_partials();
       const bool write = blockIdx.y == 0;
       if (!(mode & kGradInput) && !write) return;  // only the parameter gradients were asked for
-      const int chb = bx * K, parts = kThreads / chb;
+      const int parts = kThreads / chb;
       const int lc = tid % chb, part = tid / chb;
       const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
       S1 total;
@@ -648,9 +761,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       S1* sm = reinterpret_cast<S1*>(smem_raw);
       sm[tid] = total;
       reduce_parts(sm, chb, parts);
-      if (tid < chb && ch < t.C) {
-        finalize(ch, sm[tid].p[0], sm[tid].q[0], a.weight ? a.weight[ch] : acc_t(1), write, tid);
-      }
+      if (finisher) finalize(fch, sm[tid].p[0], sm[tid].q[0], f_gamma, f_invstd, write, tid);
     }
   }
   if (!(mode & kGradInput)) return;
@@ -661,7 +772,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   acc_t kk[K], cp[K], cn[kHasX ? 1 : K], c0[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    kk[k] = gamma[k] * a.save_invstd[channel(k)];
+    kk[k] = (mode & kSums) ? s_k[tx * K + k] : gamma[k] * a.save_invstd[channel(k)];
     const acc_t mean_dy = a.training ? s_mean_dy[tx * K + k] : acc_t(0);
     // NaN (gamma == 0, from the output) must not reach grad_input: xhat is 0 there and k is 0.
     acc_t mean_dyx = a.training ? s_mean_dyx[tx * K + k] : acc_t(0);
@@ -742,6 +853,8 @@ Plan plan_for(const Geometry& g, bool channels_last, int V, int blocks_per_sm) {
   t.chunk = ceil_div(t.rows, splits);
   t.splits = static_cast<int>(ceil_div(t.rows, t.chunk));
   t.staged_rows = 0;
+  t.cluster = 0;
+  t.exchange_bytes = 0;
   t.div_lv = at::cuda::detail::IntDivider<uint32_t>(
       static_cast<uint32_t>(channels_last ? 1 : std::max<int64_t>(g.l / V, 1)));
   Plan p;
@@ -790,9 +903,14 @@ int stageable_rows(Kernel kernel, int occupancy, int streams, int vec_bytes) {
 // launch"). Made before every launch that stages rows, always with the kernel's largest staging, so launches from
 // other threads see the same value.
 template <typename Kernel>
-void allow_staging(Kernel kernel, int stageable, int streams, int vec_bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      stageable * streams * kThreads * vec_bytes));
+void allow_staging(Kernel kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// The dynamic shared memory of a launch: the exchange buffer (cluster path) and the staged rows.
+size_t dynamic_smem(const Plan& plan, int streams, int vec_bytes) {
+  return static_cast<size_t>(plan.tile.exchange_bytes) +
+         static_cast<size_t>(plan.tile.staged_rows) * streams * kThreads * vec_bytes;
 }
 
 // Stages the rows of the split path's blocks (as many per thread as the kernel can, at most all a thread
@@ -800,7 +918,135 @@ void allow_staging(Kernel kernel, int stageable, int streams, int vec_bytes) {
 size_t stage_split_rows(Plan& plan, int stageable, int streams, int vec_bytes) {
   const int rows_per_thread = static_cast<int>(ceil_div(plan.tile.chunk, plan.block.y));
   plan.tile.staged_rows = std::min(stageable, rows_per_thread);
-  return static_cast<size_t>(plan.tile.staged_rows) * streams * kThreads * vec_bytes;
+  return dynamic_smem(plan, streams, vec_bytes);
+}
+
+// ---- Cluster path (see the file comment) ----
+// At most 8 CTAs per cluster, the portable size: a GPC holds such a cluster even at one CTA per SM.
+constexpr int kMaxCluster = 8;
+// Tensors up to 8 MiB (the batch-64 DCGAN layers are 1-8 MiB); larger ones keep the cooperative split path.
+constexpr int64_t kClusterMaxBytes = int64_t(8) << 20;
+// At most 512 rows per CTA. The cluster's barrier costs ~0.9 us less than the grid's, but a CTA of the
+// cluster path walks rows / 8 rows against the split path's ~256: on an H200 at 128 rows per CTA the cluster
+// path was 1.1-2.8 us faster per call, at 512 within -0.5..+1.9 us, at 2048 (float32 [64,64,16,16],
+// bfloat16 [1024,256,4,4]) 0.4-3.5 us slower (docs/batch_norm_act.md, session 8).
+constexpr int64_t kClusterMaxRows = 512;
+
+// HIERPAR_BN_CLUSTER=0 keeps the cooperative split path for every shape. Read at each call (a getenv beside
+// the op's ~10 us of host work) so that one process can time both paths.
+bool cluster_path_enabled() {
+  const char* v = std::getenv("HIERPAR_BN_CLUSTER");
+  return !(v && v[0] == '0');
+}
+
+size_t exchange_bytes(int cluster, int channels, size_t acc_bytes) {
+  return (static_cast<size_t>(cluster) * 2 * channels * acc_bytes + 15) / 16 * 16;
+}
+
+// What the cluster path's plan needs to know of a kernel, once per kernel.
+struct ClusterFacts {
+  int max_rows = 0;     // rows per thread a CTA stages with all the shared memory a block may have; 0: no cluster path
+  size_t max_smem = 0;  // dynamic shared memory at max_rows (the largest exchange buffer included)
+  // Clusters the device runs at once, [cluster size - 2][rows per thread], from the occupancy calculator (it
+  // knows how the SMs are grouped into GPCs, which a cluster may not span), with the largest exchange buffer.
+  std::vector<int> active;
+  int active_clusters(int cluster, int rows) const { return active[(cluster - 2) * (max_rows + 1) + rows]; }
+};
+
+// No cluster path before sm_90 or for 2-byte vectors (cp.async cannot stage them). Asked once per kernel (on
+// the first call's device), not at each call: a call may be inside a CUDA graph capture.
+template <typename Kernel>
+ClusterFacts cluster_facts(Kernel kernel, int streams, int vec_bytes, size_t acc_bytes) {
+  ClusterFacts f;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major < 9 || (vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16)) return f;
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t exchange = exchange_bytes(kMaxCluster, kMaxChannelsPerBlock, acc_bytes);
+  const int64_t row_bytes = static_cast<int64_t>(streams) * kThreads * vec_bytes;
+  const int64_t available = static_cast<int64_t>(prop->sharedMemPerBlockOptin) -
+                            static_cast<int64_t>(attr.sharedSizeBytes + exchange);
+  const int max_rows = static_cast<int>(std::max<int64_t>(available, 0) / row_bytes);
+  if (max_rows == 0) return f;
+  f.max_smem = exchange + static_cast<size_t>(max_rows) * row_bytes;
+  allow_staging(kernel, f.max_smem);
+  for (int cluster = 2; cluster <= kMaxCluster; ++cluster) {
+    for (int rows = 0; rows <= max_rows; ++rows) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(1, cluster);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = exchange_bytes(cluster, kMaxChannelsPerBlock, acc_bytes) + rows * row_bytes;
+      cudaLaunchAttribute cluster_dim;
+      cluster_dim.id = cudaLaunchAttributeClusterDimension;
+      cluster_dim.val.clusterDim.x = 1;
+      cluster_dim.val.clusterDim.y = cluster;
+      cluster_dim.val.clusterDim.z = 1;
+      config.attrs = &cluster_dim;
+      config.numAttrs = 1;
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+      f.active.push_back(n);
+    }
+  }
+  f.max_rows = max_rows;
+  return f;
+}
+
+// The cluster path's plan for a shape the split path would take, or none: a tensor of at most
+// kClusterMaxBytes whose rows all fit the staging (each element read from global memory once), at most
+// kClusterMaxRows rows and kMaxCluster CTAs per channel group, at most one CTA per SM, and every cluster
+// resident at once. Of the
+// channel-column widths (a warp reads row segments of bx vectors: 128 bytes down to 32, one sector) and
+// cluster sizes that fit, the one with the most CTAs (the rows spread over the most SMs: one CTA streams its
+// share at a fraction of the device's bandwidth), the widest columns and largest cluster among equals.
+std::optional<Plan> cluster_plan_for(const Geometry& g, bool channels_last, int V, int vec_bytes, size_t acc_bytes,
+                                     const ClusterFacts& f) {
+  if (f.max_rows == 0 || !cluster_path_enabled()) return std::nullopt;
+  const int64_t M = g.reduce();
+  if (g.c * M * (vec_bytes / V) > kClusterMaxBytes) return std::nullopt;
+  const int64_t cols = channels_last ? g.c / V : g.c;
+  const int64_t rows = channels_last ? M : M / V;
+  int bx_max = 1, bx_min = 1;
+  if (channels_last) {
+    const int limit = V == 1 ? 32 : kMaxCols;
+    while (bx_max < limit && bx_max < cols) bx_max *= 2;
+    bx_min = std::min(bx_max, std::max(1, 32 / vec_bytes));
+  }
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int K = channels_last ? V : 1;
+  std::optional<Plan> best;
+  int64_t best_ctas = 0;
+  for (int bx = bx_max; bx >= bx_min; bx /= 2) {
+    const int by = kThreads / bx;
+    const int64_t groups = ceil_div(cols, bx);
+    for (int cluster = kMaxCluster; cluster >= 2; --cluster) {
+      const int64_t chunk = ceil_div(rows, cluster);
+      const int64_t per_thread = ceil_div(chunk, by);
+      if (per_thread > f.max_rows || chunk > kClusterMaxRows) break;  // smaller clusters only add rows
+      const int64_t ctas = groups * cluster;
+      if (ctas > sms || ctas <= best_ctas) continue;
+      Tile t;
+      t.C = g.c;
+      t.L = g.l;
+      t.cols = cols;
+      t.rows = rows;
+      t.chunk = chunk;
+      t.splits = cluster;  // a CTA past the last row (rows < cluster^2) has no rows: zero sums
+      t.staged_rows = static_cast<int>(per_thread);
+      t.cluster = 1;
+      t.exchange_bytes = static_cast<int>(exchange_bytes(cluster, bx * K, acc_bytes));
+      t.div_lv = at::cuda::detail::IntDivider<uint32_t>(
+          static_cast<uint32_t>(channels_last ? 1 : std::max<int64_t>(g.l / V, 1)));
+      Plan p;
+      p.block = dim3(bx, by);
+      p.grid = dim3(static_cast<unsigned>(groups), static_cast<unsigned>(cluster));
+      p.tile = t;
+      if (f.active_clusters(cluster, t.staged_rows) < groups) continue;
+      best = p;
+      best_ctas = ctas;
+    }
+  }
+  return best;
 }
 
 // A [C] parameter as a contiguous tensor of the accumulation type: itself when it already is one.
@@ -834,12 +1080,27 @@ bool use_vectors(const Geometry& g, bool channels_last, std::initializer_list<co
 template <typename scalar_t>
 constexpr int kVec = 16 / sizeof(scalar_t);
 
-// Launches `kernel` with `args`: cooperatively when its grid synchronises (the split path), which
-// guarantees that all blocks are resident at once (the plan keeps the grid within one wave).
+// Launches `kernel` with `args`: as clusters of the plan's splits (cluster path); cooperatively when its grid
+// synchronises (the split path), which guarantees that all blocks are resident at once (the plan keeps the
+// grid within one wave).
 template <typename... KernelArgs, typename... Args>
 void launch(void (*kernel)(KernelArgs...), const Plan& plan, bool grid_sync, size_t smem, cudaStream_t stream,
             Args... args) {
-  if (grid_sync) {
+  if (plan.tile.cluster) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = plan.grid;
+    config.blockDim = plan.block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute cluster_dim;
+    cluster_dim.id = cudaLaunchAttributeClusterDimension;
+    cluster_dim.val.clusterDim.x = 1;
+    cluster_dim.val.clusterDim.y = plan.grid.y;
+    cluster_dim.val.clusterDim.z = 1;
+    config.attrs = &cluster_dim;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  } else if (grid_sync) {
     std::tuple<KernelArgs...> values{args...};
     void* pointers[sizeof...(KernelArgs)];
     std::apply([&](auto&... v) {
@@ -861,15 +1122,23 @@ void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out,
   constexpr int kVecBytes = sizeof(Vec<scalar_t, V>);
   static const int occupancy = blocks_per_sm(kernel);
   static const int stageable = stageable_rows(kernel, occupancy, 1, kVecBytes);
+  static const ClusterFacts cluster = cluster_facts(kernel, 1, kVecBytes, sizeof(acc_t));
+  static const size_t max_smem =
+      std::max<size_t>(static_cast<size_t>(stageable) * kThreads * kVecBytes, cluster.max_smem);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = training && plan.tile.splits > 1;
   at::Tensor partial;
   size_t smem = 0;
   if (split) {
-    partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    args.partial = partial.data_ptr<acc_t>();
-    smem = stage_split_rows(plan, stageable, 1, kVecBytes);
-    if (smem > 0) allow_staging(kernel, stageable, 1, kVecBytes);
+    if (auto clustered = cluster_plan_for(g, kCL, V, kVecBytes, sizeof(acc_t), cluster)) {
+      plan = *clustered;
+      smem = dynamic_smem(plan, 1, kVecBytes);
+    } else {
+      partial = at::empty({2, plan.tile.splits, g.c}, input.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      args.partial = partial.data_ptr<acc_t>();
+      smem = stage_split_rows(plan, stageable, 1, kVecBytes);
+    }
+    if (smem > 0) allow_staging(kernel, max_smem);
   }
   launch(kernel, plan, split, smem, stream, input.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
          plan.tile, args);
@@ -939,16 +1208,26 @@ void launch_backward(const Geometry& g, const at::Tensor& grad_output, const at:
   constexpr int kVecBytes = sizeof(Vec<scalar_t, V>), kStreams = kHasX ? 3 : 2;
   static const int occupancy = blocks_per_sm(kernel);
   static const int stageable = stageable_rows(kernel, occupancy, kStreams, kVecBytes);
+  static const ClusterFacts cluster = cluster_facts(kernel, kStreams, kVecBytes, sizeof(acc_t));
+  static const size_t max_smem =
+      std::max<size_t>(static_cast<size_t>(stageable) * kStreams * kThreads * kVecBytes, cluster.max_smem);
   Plan plan = plan_for(g, kCL, V, occupancy);
   const bool split = need_sums && plan.tile.splits > 1;
   at::Tensor partial;
   size_t smem = 0;
   if (split) {
-    partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    args.partial = partial.data_ptr<acc_t>();
-    // Staging pays only when the rows are read twice (sums, then grad_input).
-    if (apply) smem = stage_split_rows(plan, stageable, kStreams, kVecBytes);
-    if (smem > 0) allow_staging(kernel, stageable, kStreams, kVecBytes);
+    // Staging pays only when the rows are read twice (sums, then grad_input); the cluster path stages all.
+    std::optional<Plan> clustered;
+    if (apply) clustered = cluster_plan_for(g, kCL, V, kVecBytes, sizeof(acc_t), cluster);
+    if (clustered) {
+      plan = *clustered;
+      smem = dynamic_smem(plan, kStreams, kVecBytes);
+    } else {
+      partial = at::empty({2, plan.tile.splits, g.c}, output.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      args.partial = partial.data_ptr<acc_t>();
+      if (apply) smem = stage_split_rows(plan, stageable, kStreams, kVecBytes);
+    }
+    if (smem > 0) allow_staging(kernel, max_smem);
   }
   const int mode = (need_sums ? kSums : 0) | (apply ? kGradInput : 0);
   launch(kernel, plan, split, smem, stream, grad_output.const_data_ptr<scalar_t>(), output.const_data_ptr<scalar_t>(),
