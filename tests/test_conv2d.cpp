@@ -471,13 +471,20 @@ TEST(Conv2dCuda, SmallCinK4S2P1FastRouteEveryLayoutAndDtype) {
 TEST(Conv2dCuda, WideK4S2P1RouteMatchesAten) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1 with C_in >= 16: the dual of conv_transpose2d's implicit-GEMM fast path
-  // (the discriminator's later layers, which the DCGAN keeps on cuDNN; correct here all the same).
-  for (auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    for (auto layout : {Layout::contiguous, Layout::channels_last}) {
-      const Case c{rand_int(1, 5), 16 * rand_int(1, 4), 8 * rand_int(2, 8), 2 * rand_int(1, 8), 2 * rand_int(1, 8), 1,
-                   {4, 4}, {2, 2}, {1, 1}, {1, 1}, false, layout, coin(), false};
-      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
-      check_case(c, t, std::string("CUDA wide k4s2p1 ") + c10::toString(dtype) + " " + c.describe());
+  // (the discriminator's later layers). Every input layout (NCHW ones are converted by the tiled transpose of
+  // ops/cuda/permute_copy.h, strided views by ATen's copy) with both weight layouts (an fp32 grad_weight goes
+  // through a workspace and a transposing copy unless the weight is channels_last); channel counts that are
+  // multiples of 16 / 8 or odd (scalar loads and stores in the GEMMs).
+  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (auto layout : {Layout::contiguous, Layout::channels_last, Layout::strided}) {
+      for (const bool weight_channels_last : {false, true}) {
+        const bool odd = coin();
+        const Case c{rand_int(1, 5), odd ? rand_int(16, 70) : 16 * rand_int(1, 4),
+                     odd ? rand_int(16, 70) : 8 * rand_int(2, 8), 2 * rand_int(1, 8), 2 * rand_int(1, 8), 1, {4, 4},
+                     {2, 2}, {1, 1}, {1, 1}, false, layout, weight_channels_last, false};
+        const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+        check_case(c, t, std::string("CUDA wide k4s2p1 ") + c10::toString(dtype) + " " + c.describe());
+      }
     }
   }
 }

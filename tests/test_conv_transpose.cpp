@@ -427,6 +427,56 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
   }
 }
 
+TEST(ConvTransposeCuda, K4S2P1ChannelViewsAndEveryWeightLayout) {
+  HIERPAR_REQUIRE_CUDA();
+  // The layout copies of the k4s2p1 path (ops/cuda/permute_copy.h: a tiled transpose where a copy permutes the
+  // memory order, ATen's copy_ otherwise) and its grad_weight outputs: an fp32 grad_weight is accumulated in
+  // place when the weight is channels_last, else in a workspace copied over by the transpose. Inputs and
+  // grad_outputs as NCHW, channels_last, or every other channel of a twice-as-wide tensor in either layout
+  // (not dense: the NCHW one still has unit stride along W, so it takes the tiled kernel with a gap between
+  // channels, the channels_last one has no unit stride and takes ATen's copy); weights NCHW, channels_last or
+  // every other output channel of a wider NCHW weight (its grad_weight is then dense NCHW). Channel counts
+  // below, at and above the 32-element tile and odd (scalar loads and stores in the GEMMs), spatial sizes
+  // of fewer and more pixels than a tile; float64 runs the general path's copies (8-byte elements).
+  enum class View { nchw, channels_last, nchw_channel_slice, channels_last_channel_slice };
+  auto make = [](std::vector<int64_t> sizes, const torch::TensorOptions& options, View view) {
+    if (view == View::nchw) return random_tensor(sizes, options, Layout::contiguous);
+    if (view == View::channels_last) return random_tensor(sizes, options, Layout::channels_last);
+    sizes[1] *= 2;
+    const auto wide = random_tensor(sizes, options, view == View::nchw_channel_slice ? Layout::contiguous
+                                                                                     : Layout::channels_last);
+    return wide.slice(1, 0, sizes[1], 2);
+  };
+  const View views[] = {View::nchw, View::channels_last, View::nchw_channel_slice, View::channels_last_channel_slice};
+  for (auto [batch, cin, cout, h, w] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>{
+           {5, 256, 128, 4, 4}, {3, 48, 32, 7, 9}, {2, 37, 19, 5, 6}, {1, 16, 70, 12, 3}}) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      const auto options = torch::TensorOptions().dtype(dtype).device(torch::kCUDA);
+      for (int weight_view = 0; weight_view < 3; ++weight_view) {
+        const View act = views[rand_int(0, 3)];
+        Case c{batch, cin, cout, h, w, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false,
+               act == View::channels_last ? Layout::channels_last : Layout::contiguous, weight_view == 1, false};
+        Tensors t;
+        t.input = make({batch, cin, h, w}, options, act);
+        t.grad_output = make({batch, cout, 2 * h, 2 * w}, options, act);
+        t.weight = make({cin, cout, 4, 4}, options, weight_view == 0   ? View::nchw
+                                                    : weight_view == 1 ? View::channels_last
+                                                                       : View::nchw_channel_slice);
+        const std::string what = std::string("CUDA k4s2p1 views ") + c10::toString(dtype) + " " + c.describe() +
+                                 " activations view " + std::to_string(int(act)) + " weight view " +
+                                 std::to_string(weight_view);
+        const auto got = check_cuda_case(c, t, dtype, what);
+        const auto only_weight = backward_only(c, t, {false, true, false});
+        expect_close(std::get<1>(only_weight), got.grad_weight,
+                     scaled(conv_rel_tolerance(dtype, true), got.grad_weight), what + " grad_weight alone");
+        const auto only_input = backward_only(c, t, {true, false, false});
+        expect_close(std::get<0>(only_input), got.grad_input, scaled(conv_rel_tolerance(dtype, true), got.grad_input),
+                     what + " grad_input alone");
+      }
+    }
+  }
+}
+
 TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1, groups 1, C_out <= 4 (DCGAN's RGB / grayscale layer): the kernels of

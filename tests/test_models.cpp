@@ -1,10 +1,12 @@
 // The seed's DCGAN and CNN (models/): shapes, pinned parameter counts, DCGAN initialisation, and that the
 // stock and hierpar layer sets build the same network (same state-dict keys, same outputs and gradients
 // from the same weights).
+#include "conv_testing.h"
 #include "testing.h"
 
 #include "hierpar/models/cnn.h"
 #include "hierpar/models/dcgan.h"
+#include "hierpar/models/layer_factory.h"
 
 #include <map>
 
@@ -157,7 +159,8 @@ TEST(Models, StateDictKeysAreTheSameForBothLayerSets) {
 
 TEST(Models, HierparSetTakesHierparLayersWhereTheirKernelsWin) {
   // Generator: the projection layer and the RGB output layer are hierpar's, the middle k4s2p1 layers cuDNN's;
-  // discriminator: the RGB input layer is hierpar's, the wider convolutions cuDNN's; every BatchNorm is hierpar's.
+  // discriminator: the RGB input layer and the last layer (a window over the whole 4x4 map) are hierpar's, the wider
+  // convolutions between them cuDNN's; every BatchNorm is hierpar's.
   Generator g(options_with(64, 3, 1.0, LayerSet::hierpar));
   Discriminator d(options_with(64, 3, 1.0, LayerSet::hierpar));
   std::map<std::string, std::string> kinds;
@@ -168,8 +171,44 @@ TEST(Models, HierparSetTakesHierparLayersWhereTheirKernelsWin) {
       {"G.deconv3", "torch::nn::ConvTranspose2dImpl"},   {"G.deconv4", "torch::nn::ConvTranspose2dImpl"},
       {"G.deconv5", "hierpar::nn::ConvTranspose2dImpl"}, {"G.bn1", "hierpar::nn::BatchNormAct2dImpl"},
       {"D.conv1", "hierpar::nn::Conv2dImpl"},            {"D.conv2", "torch::nn::Conv2dImpl"},
-      {"D.conv5", "torch::nn::Conv2dImpl"},              {"D.bn2", "hierpar::nn::BatchNormAct2dImpl"}};
+      {"D.conv5", "hierpar::nn::Conv2dImpl"},              {"D.bn2", "hierpar::nn::BatchNormAct2dImpl"}};
   for (const auto& [name, kind] : expected) EXPECT_EQ(kinds[name], kind) << name;
+}
+
+// The hierpar set's full-window convolution (stride 1, no padding) computes at::conv2d's function on a window-sized
+// input (hierpar::conv2d) and on any other size (cuDNN's path through the same parameters), with and without bias and
+// LeakyReLU, forward and backward.
+TEST(Models, FullWindowConv2dLayerMatchesAtenOnEveryInputSize) {
+  std::vector<torch::Device> devices{torch::kCPU};
+  if (torch::cuda::is_available()) devices.emplace_back(torch::kCUDA);
+  for (const auto& device : devices) {
+    for (const bool bias : {false, true}) {
+      const int64_t cin = rand_int(1, 40), cout = rand_int(1, 3), k = rand_int(2, 4);
+      auto layer = hierpar::models::make_conv2d(LayerSet::hierpar, torch::nn::Conv2dOptions(cin, cout, k).bias(bias),
+                                                std::optional<double>(0.2));
+      EXPECT_EQ(layer.module->name(), "hierpar::nn::Conv2dImpl");
+      layer.module->to(device);
+      const auto weight = layer.module->named_parameters()["weight"];
+      const auto bias_value = bias ? layer.module->named_parameters()["bias"] : torch::Tensor();
+      for (const int64_t size : {k, k + rand_int(1, 3)}) {
+        SCOPED_TRACE(c10::str(device, " C_in ", cin, " C_out ", cout, " kernel ", k, " input ", size, " bias ", bias));
+        const auto opts = torch::TensorOptions(device).dtype(torch::kFloat);
+        const auto x = hierpar::testing::random_tensor({rand_int(1, 5), cin, size, size}, opts).requires_grad_(true);
+        const auto x_ref = x.detach().clone().requires_grad_(true);
+        const auto y = layer.forward(x);
+        const auto y_ref = torch::leaky_relu(at::conv2d(x_ref, weight, bias_value), 0.2);
+        // TF32 on CUDA (both paths follow the convolution TF32 flag), exact-order-independent fp32 on the CPU.
+        const double rel = hierpar::testing::conv_rel_tolerance(torch::kFloat, device.is_cuda());
+        using hierpar::testing::scaled;
+        hierpar::testing::expect_close(y, y_ref, scaled(rel, y_ref), "output");
+        const auto dy = hierpar::testing::random_tensor(y.sizes(), opts);
+        const auto grads = torch::autograd::grad({y}, {x, weight}, {dy});
+        const auto grads_ref = torch::autograd::grad({y_ref}, {x_ref, weight}, {dy});
+        hierpar::testing::expect_close(grads[0], grads_ref[0], scaled(rel, grads_ref[0]), "grad input");
+        hierpar::testing::expect_close(grads[1], grads_ref[1], scaled(rel, grads_ref[1]), "grad weight");
+      }
+    }
+  }
 }
 
 TEST(Models, DCGANInitialisation) {

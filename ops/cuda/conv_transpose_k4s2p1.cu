@@ -16,9 +16,11 @@
 // template (kWgrad picks the A form) covers the three.
 //
 // Layouts: the activations are read as NHWC. A channels_last input / grad_output is used in place; an NCHW
-// one is copied to channels_last first (one ATen copy; stock cuDNN converts too). Outputs are written
-// straight in the caller's layout by the epilogue (NCHW or NHWC), so there is no conversion on the way out.
-// Grids too small to fill the GPU split K and accumulate in an fp32 workspace (then one copy to the output).
+// one is copied to channels_last first (the tiled transpose of permute_copy.h; stock cuDNN converts too).
+// Outputs are written straight in the caller's layout by the epilogue (NCHW or NHWC), so there is no
+// conversion on the way out; grad_weight likewise when the weight is channels_last, through an fp32 workspace
+// and one transposing copy otherwise (see k4s2p1_backward). Grids too small to fill the GPU split K and
+// accumulate in an fp32 workspace (then one copy to the output).
 // A channels_last weight is read in place by the forward (its rows (tap, ci) are C_out-contiguous) and, in
 // fp32, by grad_input (K-major B); other weights are packed / copied first.
 //
@@ -48,6 +50,7 @@
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 #include "cuda/mma.cuh"
+#include "cuda/permute_copy.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -57,6 +60,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -1604,7 +1608,7 @@ void launch_wgmma_grad_input_patch(const ConvTranspose2dGeometry& g, const at::T
     using T = GradInputPatchTile;
     const int cin = int(g.in_channels);
     // [C_in][ky, kx, co]: K-major rows of 16 * 32 = 512 elements.
-    const at::Tensor wt = weight.permute({0, 2, 3, 1}).contiguous();
+    const at::Tensor wt = contiguous_as(weight.permute({0, 2, 3, 1}), at::MemoryFormat::Contiguous);
     GemmArgs a{};
     set_activation<scalar_t>(a, go);
     a.rows_H = int(g.in_h);
@@ -1675,7 +1679,7 @@ bool k4s2p1_fast_path_applies(const ConvTranspose2dGeometry& g, at::ScalarType d
 void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
                     const at::Tensor& out, bool out_channels_last) {
   c10::cuda::CUDAGuard device_guard(input4.device());
-  const at::Tensor x = input4.contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor x = contiguous_as(input4, at::MemoryFormat::ChannelsLast);
   const int cin = int(g.in_channels), cout = int(g.out_channels);
   dispatch_fast(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -1739,7 +1743,7 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
         launch_wgmma<scalar_t>(a, 4, !packed.defined());
       else
         launch<scalar_t, false>(a, 4);
-      if (ws.defined()) out.copy_(ws);
+      if (ws.defined()) permute_copy_(out, ws);
     }
   });
 }
@@ -1748,7 +1752,10 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
                      const at::Tensor& weight, const at::Tensor& grad_input, bool grad_input_channels_last,
                      const at::Tensor& grad_weight) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  const at::Tensor go = grad_output4.contiguous(at::MemoryFormat::ChannelsLast);
+  // grad_output, and the input where grad_weight needs it, channels_last: both by one launch.
+  const std::array<at::Tensor, 2> activations = contiguous_as(
+      grad_output4, grad_weight.defined() ? input4 : at::Tensor(), at::MemoryFormat::ChannelsLast);
+  const at::Tensor& go = activations[0];
   const int cin = int(g.in_channels), cout = int(g.out_channels);
   dispatch_fast(go.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -1797,8 +1804,9 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         const bool b_kmajor = std::is_same_v<scalar_t, float> && weight_in_place_enabled() && a.a_vec && a.b_vec &&
                               pick_bn(cin) >= 32 && weight.permute({0, 2, 3, 1}).is_contiguous() &&
                               aligned16(weight.const_data_ptr());
-        const at::Tensor wt =
-            weight.permute(wgmma || b_kmajor ? at::IntArrayRef{0, 2, 3, 1} : at::IntArrayRef{2, 3, 1, 0}).contiguous();
+        const at::Tensor wt = contiguous_as(
+            weight.permute(wgmma || b_kmajor ? at::IntArrayRef{0, 2, 3, 1} : at::IntArrayRef{2, 3, 1, 0}),
+            at::MemoryFormat::Contiguous);
         a.b = wt.const_data_ptr<scalar_t>();
         a.b_ld = wgmma || b_kmajor ? a.K : a.N;
         a.b_rows_per_tap = a.K;
@@ -1806,10 +1814,10 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
           launch_wgmma<scalar_t>(a, 1, false);
         else
           launch<scalar_t, false>(a, 1, b_kmajor);
-        if (ws.defined()) grad_input.copy_(ws);
+        if (ws.defined()) permute_copy_(grad_input, ws);
       }
       if (grad_weight.defined()) {
-        const at::Tensor x = input4.contiguous(at::MemoryFormat::ChannelsLast);
+        const at::Tensor& x = activations[1];
         GemmArgs a = common;
         a.M = 16 * cout;
         a.N = cin;
@@ -1821,12 +1829,16 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         a.b_vec = cin % VEC == 0 && aligned16(a.b);
         plan_splits<scalar_t>(a, 1, true);
         // gw^T[(ky, kx, co), ci], accumulated in fp32 over the K splits: straight into an fp32 grad_weight
-        // (row (ky, kx, co) at co*s1 + ky*s2 + kx*s3, column ci at stride s0); on wgmma in an fp32 workspace plus
-        // one counter per output tile (one memset) that the kernel itself writes to grad_weight from; else into
-        // an fp32 workspace copied over.
+        // whose output channels are innermost (channels_last: row (ky, kx, co) at co + ky*s2 + kx*s3, column
+        // ci at stride s0; the 16 rows a half-warp adds to are consecutive); on wgmma (16-bit) in an fp32
+        // workspace plus one counter per output tile (one memset) that the kernel itself writes to grad_weight
+        // from; else into the dense fp32 workspace [ky, kx, co, ci] (16-byte atomics along ci) and then one
+        // transposing copy into grad_weight. An NCHW weight written in place puts those 16 rows 16 elements
+        // apart, one sector per atomic: the 256->128 layer's grad_weight took 61 us against 17 us for the same
+        // GEMM with a channels_last weight (H200).
         const bool wgmma = wgmma_wgrad_applies<scalar_t>(a);
         at::Tensor ws;
-        if constexpr (std::is_same_v<scalar_t, float>) {
+        if (std::is_same_v<scalar_t, float> && grad_weight.stride(1) == 1) {
           zero_dense(grad_weight);
           set_output<scalar_t>(a, grad_weight.data_ptr(),
                                Strides{grad_weight.stride(1), grad_weight.stride(2), grad_weight.stride(3),
@@ -1853,7 +1865,7 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
           launch_wgmma_wgrad<scalar_t>(a);
         } else {
           launch<scalar_t, true>(a, 1);
-          if (ws.defined()) grad_weight.copy_(ws.permute({3, 2, 0, 1}));
+          if (ws.defined()) permute_copy_(grad_weight, ws.permute({3, 2, 0, 1}));
         }
       }
     }

@@ -28,7 +28,9 @@ struct Layer {
 // padding 1); torch::nn::ConvTranspose2d otherwise, and in the stock set.
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options);
 // hierpar::nn::Conv2d in the hierpar set only where hierpar's kernels beat cuDNN: C_in <= 4, kernel 4, stride 2,
-// padding 1 (a discriminator's first layer); torch::nn::Conv2d otherwise, and in the stock set. With
+// padding 1 (a discriminator's first layer), and a window covering the whole input (stride 1, no padding: a
+// discriminator's last layer; other input sizes take cuDNN per call); torch::nn::Conv2d otherwise, and in the
+// stock set. With
 // leaky_relu_slope the layer's forward includes leaky_relu (fused into hierpar's kernels, functional in stock's).
 Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options,
                   std::optional<double> leaky_relu_slope = std::nullopt);
