@@ -86,7 +86,7 @@ class Report {
 struct Options {
   bool quick = false;  // fewer repeats and shapes, for a smoke run
   std::string out_prefix;  // "<out>/<gpu>-<suite>": a suite may write files beside its JSON (e.g. <prefix>.png)
-  std::vector<int64_t> batches;  // --batches: suites timing a training step run only these batch sizes (empty: theirs)
+  std::vector<int64_t> batches;  // --batches: the step suites and conv_transpose run only these batch sizes (empty: theirs)
   std::vector<std::string> skip;  // --skip: the strategy suite leaves out rows whose label contains one of these
 
   // The batch sizes a step suite runs: its own list, narrowed to --batches when given.

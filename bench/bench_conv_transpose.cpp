@@ -13,6 +13,7 @@
 //    the median replay over `calls`, per call. The operands are the same tensors on every call (in L2 where
 //    they fit, as the eager rows).
 // extra.tflops: achieved TFLOP/s (forward, grad_weight and, when needed, grad_input as GEMMs).
+// --batches 64 / 1024 runs the batch-64 (fp32) or the batch-1024 (bf16) settings only.
 // HIERPAR_BENCH_PROFILE=<file>: each layer's forward + backward kernels by GPU time, stock and hierpar, appended
 // there (a kineto profile of 10 eager calls; kernel durations are GPU time, host gaps excluded).
 #include "bench.h"
@@ -96,6 +97,7 @@ void run_suite(Report& report, const Options& options) {
   };
   for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
                            Setting{1024, at::kBFloat16, true}}) {
+    if (options.pick_batches({s.batch}).empty()) continue;  // --batches
     std::vector<Operands> layers;
     for (size_t i = 0; i < kGenerator.size(); ++i)
       layers.push_back(make(kGenerator[i], s.batch, s.dtype, s.channels_last, i == 0));

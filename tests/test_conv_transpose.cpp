@@ -392,6 +392,18 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
                            false});
     }
   }
+  // Channels_last weights, read in place by the forward (C_out innermost, C_in a multiple of the K-tile: no
+  // pack kernel) and, in fp32, by grad_input (K-major B, no weight copy): bf16/fp16 forwards on wgmma with the
+  // weight as an N-major B, 128 wide (C_out 72: partial N; C_out 96) and 64 wide (C_out 48), grad_input 128 wide
+  // with a partial second N tile (C_in 160, K = 256), fp32 K-major B 128 / 64 wide (C_in 160, 128, 64), and the
+  // mma.sync forward reading the weight with split K (C_in 128 at batch 9: splits starting inside a tap).
+  for (auto [batch, cin, cout, hw] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {33, 64, 72, 16}, {33, 128, 48, 16}, {17, 160, 16, 32}, {20, 64, 96, 16}, {9, 128, 64, 16}}) {
+    for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+      cases.push_back(Case{batch, cin, cout, hw, hw, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout,
+                           /*weight_channels_last=*/true, false});
+    }
+  }
   // C_out == 32, C_in % 64 == 0, channels_last: bf16/fp16 grad_input on the staged-patch kernel (8 x 16 input
   // pixels per tile): full tiles (16 x 16), partial ones in both directions and more than one tile across
   // (9 x 21, 1 x 3, 13 x 17), two 64-channel blocks (C_in 128), odd batches and batch 1.

@@ -21,6 +21,8 @@
 // conversion on the way out; grad_weight likewise when the weight is channels_last, through an fp32 workspace
 // and one transposing copy otherwise (see k4s2p1_backward). Grids too small to fill the GPU split K and
 // accumulate in an fp32 workspace (then one copy to the output).
+// A channels_last weight is read in place by the forward (its rows (tap, ci) are C_out-contiguous) and, in
+// fp32, by grad_input (K-major B); other weights are packed / copied first.
 //
 // Tiles: 128 x BN x (64 16-bit | 32 fp32 elements: 128 bytes of K), BN in {128, 64, 32, 16} chosen from the
 // GEMM's N, 8 warps (warp tiles 64x32 at BN = 128). Mainloop: a 3-stage cp.async pipeline in dynamic shared
@@ -42,8 +44,9 @@
 // per CTA from 9 shifted input tiles) and wgmma_grad_input_patch_kernel (grad_input with C_out == 32,
 // C_in % 64 == 0: every K-tile read from one staged grad_output patch per 8 x 16 input pixels). A probe tells whether the driver loaded the sm_90a code; everything else
 // (fp32/TF32, odd channel counts, NCHW outputs of the convolutions, small split grids) keeps mma.sync.
-// HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off for
-// same-process timings.
+// HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off,
+// HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs / copies channels_last weights as other ones and
+// HIERPAR_K4S2P1_SPLIT_TARGET=n plans K splits for n CTAs per SM, for same-process timings.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 #include "cuda/mma.cuh"
@@ -70,7 +73,9 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kStages = 3;
 
-template <typename scalar_t, int BN_, bool kWgrad>
+// kBT: B is given K-major ([N][K], fp32 only), staged as [BN][BK + 4] (rows 144 bytes apart: the scalar
+// fragment loads by (n = lane / 4, k = lane % 4) hit 32 distinct banks).
+template <typename scalar_t, int BN_, bool kWgrad, bool kBT = false>
 struct Tile {
   static constexpr int ESZ = int(sizeof(scalar_t));
   static constexpr int BM = 128, BN = BN_;
@@ -88,11 +93,12 @@ struct Tile {
   // (ldmatrix.trans) and 8 words mod 32 for fp32 (scalar fragment loads by (k = lane % 4, n = lane / 4)).
   static constexpr int LDA = kWgrad ? BM + 8 : BK + VEC;
   static constexpr int A_ELEMS = kWgrad ? BK * LDA : BM * LDA;
-  static constexpr int LDB = BN + 8;
-  static constexpr int B_ELEMS = BK * LDB;
+  static constexpr int LDB = kBT ? BK + 4 : BN + 8;
+  static constexpr int B_ELEMS = kBT ? BN * LDB : BK * LDB;
   static constexpr int STAGE_BYTES = (A_ELEMS + B_ELEMS) * ESZ;
   static constexpr int SMEM_BYTES = kStages * STAGE_BYTES;  // <= 105 KB: two CTAs per SM
   static_assert(MI >= 1 && NI >= 2 && NI % 2 == 0 && WM * WARP_M == BM && WN * WARP_N == BN, "warp tiling");
+  static_assert(!kBT || (ESZ == 4 && !kWgrad), "K-major B: the fp32 convolutions only");
   static_assert((A_ELEMS * ESZ) % 16 == 0 && STAGE_BYTES % 16 == 0, "16-byte aligned stages");
 };
 
@@ -110,13 +116,25 @@ struct GemmArgs {
   int rows_H, rows_W;
   int taps_w, taps_shift, ntaps;  // taps per kernel row (a power of two: 2 or 4), its log2, taps in all
   int src_scale, src_off, src_dir;
-  const void* b;  // row-major [K, N] (per phase for the forward), leading dimension N
-  int64_t b_phase_stride;
+  // B, N-contiguous rows: row k = (tap t, r) with r = k - t * b_rows_per_tap at
+  //   b + phase * b_phase_stride + r * b_ld + ky * b_sky + kx * b_skx,
+  // ky = 1 - py + 2 (t >> 1), kx = 1 - px + 2 (t & 1) (the forward's kernel tap). A packed [K, N] matrix is
+  // b_ld = N, b_rows_per_tap = K, b_sky = b_skx = 0; the forward's weight read in place (C_out innermost, e.g.
+  // channels_last, C_in a multiple of the K-tile so that a K-tile lies in one tap) is b_ld = its C_in stride,
+  // b_rows_per_tap = C_in and b_sky / b_skx its kH / kW strides. K-major B (kernels that take it): [N][K] rows
+  // b_ld apart.
+  const void* b;
+  int64_t b_phase_stride, b_ld, b_sky, b_skx;
+  int b_rows_per_tap;
   void* c;  // scalar_t, or float when c_atomic
   // Convolutions: output pixel (n, y, x) at n*c_sN + y*c_sH + x*c_sW, channel stride c_sC.
   // grad_weight: row m = (ky, kx, co) at co*c_sN + ky*c_sH + kx*c_sW, column (ci) stride c_sC.
   int64_t c_sN, c_sH, c_sW, c_sC;
   int dst_scale;  // output pixel = dst_scale * row pixel + phase
+  // wgmma grad_weight: the K splits' fp32 sums go into the dense [M][N] workspace `ws`; the last CTA of each
+  // output tile to finish (counted in tile_done, zeroed with the workspace) writes the tile to c.
+  float* ws;
+  unsigned* tile_done;
 };
 
 template <typename scalar_t>
@@ -134,9 +152,10 @@ using mma::to_tf32;
 // the mainloop: fewer instructions, no branches, a smaller instruction footprint).
 // Two CTAs per SM (128 registers); three for BN <= 32 (70 KB of shared memory, <= 80 registers), which have
 // short K loops (64->32 forward: K = 256) and gain from a third CTA covering the pipeline fill and epilogue.
-template <typename scalar_t, int BN, bool kWgrad, bool kVec>
+// kBT: B K-major (Tile); with kVec only.
+template <typename scalar_t, int BN, bool kWgrad, bool kVec, bool kBT = false>
 __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kernel(const GemmArgs a) {
-  using T = Tile<scalar_t, BN, kWgrad>;
+  using T = Tile<scalar_t, BN, kWgrad, kBT>;
   using bits = bits_t<scalar_t>;
   constexpr int BM = T::BM, BK = T::BK, VEC = T::VEC, ESZ = T::ESZ;
   constexpr bool kF32 = ESZ == 4;
@@ -291,25 +310,44 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
     }
   };
 
-  // ---- B: a row-major [K, N] matrix (prepacked weight, or the dense NHWC input for grad_weight) ----------
-  // A thread copies the same column vector of rows b_kr, b_kr + B_ROWS_PER_PASS, ... of every K-tile.
-  constexpr int B_VPR = BN / VEC;
-  constexpr int B_VECS = BK * B_VPR;
+  // ---- B: N-contiguous rows (see GemmArgs: a packed [K, N] matrix, the weight in place for the forward, or
+  // the dense NHWC input for grad_weight), or K-major [N][K] rows (kBT) --------------------------------------
+  // A thread copies the same column vector of rows b_kr, b_kr + B_ROWS_PER_PASS, ... of every K-tile. The
+  // K-tile's first row is (tap b_tap, row b_row of the tap), stepped per K-tile like A's K position.
+  constexpr int B_VPR = kBT ? BK / VEC : BN / VEC;
+  constexpr int B_VECS = kBT ? BN * B_VPR : BK * B_VPR;
   constexpr int B_ITERS = (B_VECS + kThreads - 1) / kThreads;
   constexpr int B_ROWS_PER_PASS = kThreads / B_VPR;
   static_assert(kThreads % B_VPR == 0, "B tile mapping");
+  static_assert(!kBT || (kVec && B_VECS % kThreads == 0), "K-major B: 16-byte copies, whole passes");
   const int b_kr = tid / B_VPR, b_col = (tid % B_VPR) * VEC, b_n = n0 + b_col;
   const bool b_n_ok = b_n < a.N;
+  int b_tap = (kt_begin * BK) / a.b_rows_per_tap, b_row = kt_begin * BK - b_tap * a.b_rows_per_tap;
   auto load_b = [&](int s, int kt) {
     bits* Bs = b_stage(s);
-    const bits* tile = bmat + int64_t(kt) * BK * a.N;
+    if constexpr (kBT) {  // row n0 + b_kr + i * B_ROWS_PER_PASS of [N][K], K-elements from kt * BK + b_col
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i) {
+        const int nr = b_kr + i * B_ROWS_PER_PASS, n = n0 + nr, k = kt * BK + b_col;
+        const bool ok = n < a.N && k < a.K;  // K % VEC == 0: a vector is all in or all out
+        cp_async16(Bs + nr * T::LDB + b_col, ok ? bmat + int64_t(n) * a.b_ld + k : bmat, ok);
+      }
+      return;
+    }
+    const bits* tile = bmat + (1 - py + 2 * (b_tap >> 1)) * a.b_sky + (1 - px + 2 * (b_tap & 1)) * a.b_skx +
+                       int64_t(b_row) * a.b_ld;
+    b_row += BK;
+    if (b_row >= a.b_rows_per_tap) {
+      b_row -= a.b_rows_per_tap;
+      ++b_tap;
+    }
     const int rows_left = a.K - kt * BK;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
       const int kr = b_kr + i * B_ROWS_PER_PASS;
       if (B_VECS % kThreads != 0 && kr >= BK) continue;
       bits* dst = Bs + kr * T::LDB + b_col;
-      const bits* row = tile + kr * a.N;
+      const bits* row = tile + kr * a.b_ld;
       if (kVec || a.b_vec) {  // N % VEC == 0: a vector is all in or all out
         const bool ok = b_n_ok && kr < rows_left;
         cp_async16(dst, ok ? row + b_n : bmat, ok);
@@ -375,6 +413,13 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
           bf[2 * nj][1] = r[1];
           bf[2 * nj + 1][0] = r[2];
           bf[2 * nj + 1][1] = r[3];
+        } else if constexpr (kBT) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bits* p = Bs + (ncol + h * 8 + g) * T::LDB + kk + t4;
+            bf[2 * nj + h][0] = to_tf32(p[0]);
+            bf[2 * nj + h][1] = to_tf32(p[4]);
+          }
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -512,11 +557,16 @@ int pick_bn(int n) { return n > 64 ? 128 : n > 32 ? 64 : n > 16 ? 32 : 16; }
 // ---- sm_90a: the convolution GEMMs (forward, grad_input) on wgmma ---------------------------------------------
 // Same GEMMs and gather as implicit_gemm_kernel<scalar_t, BN, false, true>, for bf16 / fp16 with 16-byte
 // copies, no K split and a channels-innermost output whose channel count allows 16-byte stores. The operands go
-// into 128-byte-swizzled K-major tiles (a row = 64 elements of K) that the tensor cores read straight from
-// shared memory: two warpgroups, each m64 x BN, issue 4 wgmma (K = 16) per K-tile and no ldmatrix (Nsight
-// Compute on the mma.sync kernel: 4-6 issued instructions per MMA and <= 51% tensor-pipe utilisation). B is
-// K-major: [N][K] row-major (the forward weight prepacked per phase as [C_out][tap, C_in], grad_input's as
-// [C_in][ky, kx, C_out]). 3 stages of (16 + BN / 8) KB, two CTAs per SM.
+// into 128-byte-swizzled tiles that the tensor cores read straight from shared memory: two warpgroups, each
+// m64 x BN, issue 4 wgmma (K = 16) per K-tile and no ldmatrix (Nsight Compute on the mma.sync kernel: 4-6 issued
+// instructions per MMA and <= 51% tensor-pipe utilisation). A is K-major (a row = 64 elements of K). B is
+// K-major [N][K] row-major (the forward weight prepacked per phase as [C_out][tap, C_in], grad_input's as
+// [C_in][ky, kx, C_out]), or, with kDirectB (forward only), read in place from a weight whose C_out is
+// innermost (GemmArgs' b_ld / b_sky / b_skx, C_in % 64 == 0) into N-major tiles: per 64 columns, one 128-byte
+// row per K-element, as wgmma_wgrad_kernel's B; that spares the pack kernel (5 us of the 256->128 forward at
+// batch 1024 bf16, where it runs before the GEMM on the same stream). 3 stages of (16 + BN / 8) KB, two CTAs per
+// SM. (Tried in session 9 and measured slower: BM = 256 with one CTA of four warpgroups per SM, and a fourth
+// stage for 3 K-tiles in flight on the 64-wide tiles; see docs/conv_transpose.md.)
 template <int BN>
 struct WgmmaTile {
   static constexpr int BM = 128, BK = 64;  // BK: 64 16-bit elements = one 128-byte swizzle row
@@ -527,12 +577,13 @@ struct WgmmaTile {
   static_assert(BM * OUT_LD * 2 + BM * 8 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
 };
 
-template <typename scalar_t, int BN>
+template <typename scalar_t, int BN, bool kDirectB>
 __global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = WgmmaTile<BN>;
   constexpr int BM = T::BM, BK = T::BK, VEC = 8;
   constexpr bool kF16 = std::is_same_v<scalar_t, c10::Half>;
+  static_assert(!kDirectB || BN >= 64, "N-major B: whole 64-column blocks");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // Swizzle atoms (8 rows x 128 bytes) must start 1024-byte aligned in the shared window.
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -584,23 +635,45 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs 
       ++k_tap;
     }
   };
-  // B: thread copies chunk a_c (same mapping) of rows a_r + 32 j of the [N][K] matrix.
-  constexpr int B_ITERS = BN / 32;
-  const uint16_t* b_src[B_ITERS];
-  bool b_row_ok[B_ITERS];
-#pragma unroll
-  for (int j = 0; j < B_ITERS; ++j) {
-    const int n = n0 + a_r + 32 * j;
-    b_row_ok[j] = n < a.N;
-    b_src[j] = bmat + int64_t(b_row_ok[j] ? n : 0) * a.K + a_c * VEC;
-  }
-  auto load_b = [&](int s, int kt) {
-    unsigned char* dst = smem + s * T::STAGE_BYTES + T::A_BYTES + a_dst;
-    const bool k_ok = kt * BK + a_c * VEC < a.K;  // K % 8 == 0: a chunk is all in or all out
+  // B, K-major: thread copies chunk a_c (same mapping) of rows a_r + 32 j of the [N][K] matrix.
+  // B, N-major (kDirectB): chunk b_v of K-rows b_r + B_KROWS j, the K-tile lying in tap b_tap (C_in % 64 == 0).
+  constexpr int B_ITERS = kDirectB ? BK * BN / 8 / kThreads : BN / 32;
+  constexpr int B_VPR = BN / 8, B_KROWS = kThreads / B_VPR;
+  const int b_v = tid % B_VPR, b_r = tid / B_VPR;
+  const uint32_t b_dst =
+      kDirectB ? (b_v >> 3) * (BK * 128) + b_r * 128 + (((b_v & 7) ^ (b_r & 7)) << 4) : a_dst;  // B_KROWS % 8 == 0
+  const bool b_col_ok = n0 + b_v * VEC < a.N;
+  int b_tap = 0, b_ci = 0;
+  const uint16_t* b_src[kDirectB ? 1 : B_ITERS];
+  bool b_row_ok[kDirectB ? 1 : B_ITERS];
+  if constexpr (!kDirectB) {
 #pragma unroll
     for (int j = 0; j < B_ITERS; ++j) {
-      const bool ok = k_ok && b_row_ok[j];
-      cp_async16(dst + j * 32 * 128, ok ? b_src[j] + kt * BK : bmat, ok);
+      const int n = n0 + a_r + 32 * j;
+      b_row_ok[j] = n < a.N;
+      b_src[j] = bmat + int64_t(b_row_ok[j] ? n : 0) * a.K + a_c * VEC;
+    }
+  }
+  auto load_b = [&](int s, int kt) {
+    unsigned char* dst = smem + s * T::STAGE_BYTES + T::A_BYTES + b_dst;
+    if constexpr (kDirectB) {
+      const uint16_t* src = bmat + (1 - py + 2 * (b_tap >> 1)) * a.b_sky + (1 - px + 2 * (b_tap & 1)) * a.b_skx +
+                            int64_t(b_ci + b_r) * a.b_ld + n0 + b_v * VEC;
+#pragma unroll
+      for (int j = 0; j < B_ITERS; ++j)
+        cp_async16(dst + j * B_KROWS * 128, b_col_ok ? src + int64_t(j) * B_KROWS * a.b_ld : bmat, b_col_ok);
+      b_ci += BK;
+      if (b_ci == a.b_rows_per_tap) {
+        b_ci = 0;
+        ++b_tap;
+      }
+    } else {
+      const bool k_ok = kt * BK + a_c * VEC < a.K;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+      for (int j = 0; j < B_ITERS; ++j) {
+        const bool ok = k_ok && b_row_ok[j];
+        cp_async16(dst + j * 32 * 128, ok ? b_src[j] + kt * BK : bmat, ok);
+      }
     }
   };
 
@@ -627,11 +700,14 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs 
     mma::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint64_t da = mma::wgmma_desc_k_sw128(a_tile + kk * 32), db = mma::wgmma_desc_k_sw128(b_tile + kk * 32);
+      const uint64_t da = mma::wgmma_desc_k_sw128(a_tile + kk * 32);
+      // N-major B: 16 K-rows are two 8-row groups, 2 KB; the 64-column blocks are BK * 128 bytes apart.
+      const uint64_t db = kDirectB ? mma::wgmma_desc_mn_sw128(b_tile + kk * 2048, BK * 128)
+                                   : mma::wgmma_desc_k_sw128(b_tile + kk * 32);
       if constexpr (BN == 128)
-        mma::wgmma_m64n128k16<kF16>(acc, da, db);
+        mma::wgmma_m64n128k16<kF16, kDirectB>(acc, da, db);
       else if constexpr (BN == 64)
-        mma::wgmma_m64n64k16<kF16>(acc, da, db);
+        mma::wgmma_m64n64k16<kF16, kDirectB>(acc, da, db);
       else
         mma::wgmma_m64n32k16<kF16>(acc, da, db);
     }
@@ -689,7 +765,8 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs 
 // wgmma): a K-tile of 64 pixels is, per 64-channel block, 64 rows (one per pixel) of 128 bytes, chunk c of row k
 // at c ^ (k % 8); blocks 8 KB apart (the descriptor's leading-byte offset), 8-row groups 1 KB apart (its
 // stride-byte offset). Split over K (pixels) as planned by plan_splits; each CTA adds its fp32 tile into the
-// dense [M][N] workspace with 16-byte atomics. Tile 128 x BN x 64, BN in {128, 64}, 3 stages, two CTAs per SM.
+// dense [M][N] workspace with 16-byte atomics, and the last one of each tile writes it to grad_weight (a.c,
+// scalar_t, through its strides). Tile 128 x BN x 64, BN in {128, 64}, 3 stages, two CTAs per SM.
 template <int BN>
 struct WgmmaWgradTile {
   static constexpr int BM = 128, BK = 64;
@@ -698,14 +775,6 @@ struct WgmmaWgradTile {
   static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024;
   static_assert(BM * OUT_LD * 4 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
 };
-
-// Descriptor of an M-/N-major operand (see above): blocks of 64 channels `block_bytes` apart.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ inline uint64_t wgmma_desc_mn_sw128(uint32_t smem_byte_addr, uint32_t block_bytes) {
-  return uint64_t((smem_byte_addr & 0x3FFFF) >> 4) | (uint64_t(block_bytes >> 4) << 16) |
-         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-#endif
 
 template <typename scalar_t, int BN>
 __global__ void __launch_bounds__(kThreads, 2) wgmma_wgrad_kernel(const GemmArgs a) {
@@ -804,8 +873,8 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_wgrad_kernel(const GemmArgs
     mma::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // 16 pixels = two 8-row groups = 2 KB further
-      const uint64_t da = wgmma_desc_mn_sw128(a_tile + kk * 2048, BK * 128);
-      const uint64_t db = wgmma_desc_mn_sw128(b_tile + kk * 2048, BK * 128);
+      const uint64_t da = mma::wgmma_desc_mn_sw128(a_tile + kk * 2048, BK * 128);
+      const uint64_t db = mma::wgmma_desc_mn_sw128(b_tile + kk * 2048, BK * 128);
       if constexpr (BN == 128)
         mma::wgmma_m64n128k16_tt<kF16>(acc, da, db);
       else
@@ -823,7 +892,10 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_wgrad_kernel(const GemmArgs
   cp_async_wait<0>();
   __syncthreads();
 
-  // Epilogue: the fp32 tile in shared memory, then 16-byte atomic adds along N into the dense [M][N] workspace.
+  // Epilogue: the fp32 tile in shared memory; with K split, 16-byte atomic adds along N into the dense [M][N]
+  // workspace, and the tile's last CTA to finish reads the sums back into shared memory. Then the tile goes to
+  // grad_weight, converted, through its strides (row m = (ky, kx, co), column ci): no ATen copy of the workspace
+  // into grad_weight follows (one kernel fewer per backward; measured time-neutral, docs/conv_transpose.md).
   float* tile = reinterpret_cast<float*>(smem);
   {
     const int g = lane >> 2, t4 = lane & 3, r = wg * 64 + (warp & 3) * 16 + g;
@@ -835,15 +907,45 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_wgrad_kernel(const GemmArgs
     }
   }
   __syncthreads();
-  float* c_acc = static_cast<float*>(a.c);
   constexpr int VPR = BN / 4;
+  if (gridDim.z > 1) {
 #pragma unroll 4
-  for (int v = tid; v < BM * VPR; v += kThreads) {
-    const int r = v / VPR, cv = v % VPR, row = m0 + r, n = n0 + cv * 4;
-    if (row < a.M && n < a.N) {
-      const float* t = tile + r * T::OUT_LD + cv * 4;
-      atomicAdd(reinterpret_cast<float4*>(c_acc + int64_t(row) * a.N + n), make_float4(t[0], t[1], t[2], t[3]));
+    for (int v = tid; v < BM * VPR; v += kThreads) {
+      const int r = v / VPR, cv = v % VPR, row = m0 + r, n = n0 + cv * 4;
+      if (row < a.M && n < a.N) {
+        const float* t = tile + r * T::OUT_LD + cv * 4;
+        atomicAdd(reinterpret_cast<float4*>(a.ws + int64_t(row) * a.N + n), make_float4(t[0], t[1], t[2], t[3]));
+      }
     }
+    // Release this CTA's adds before counting it (and acquire the others' after): the threadFenceReduction
+    // pattern of the CUDA samples.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(a.tile_done + blockIdx.y * gridDim.x + blockIdx.x, 1u) == gridDim.z - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+#pragma unroll 4
+    for (int v = tid; v < BM * VPR; v += kThreads) {
+      const int r = v / VPR, cv = v % VPR, row = m0 + r, n = n0 + cv * 4;
+      if (row < a.M && n < a.N)
+        *reinterpret_cast<float4*>(tile + r * T::OUT_LD + cv * 4) =
+            __ldcg(reinterpret_cast<const float4*>(a.ws + int64_t(row) * a.N + n));
+    }
+    __syncthreads();
+  }
+  // A thread owns row r (consecutive lanes: consecutive co, i.e. consecutive addresses of a channels_last
+  // weight) and every (kThreads / BM)-th column.
+  static_assert(kThreads % BM == 0, "row ownership");
+  const int r = tid % BM, row = m0 + r;
+  if (row < a.M) {
+    const int tap = row / a.act_C, co = row - tap * a.act_C;
+    const int64_t rbase = co * a.c_sN + (tap >> a.taps_shift) * a.c_sH + (tap & (a.taps_w - 1)) * a.c_sW;
+    scalar_t* out = static_cast<scalar_t*>(a.c);
+#pragma unroll 4
+    for (int c = tid / BM; c < BN; c += kThreads / BM)
+      if (n0 + c < a.N) out[rbase + (n0 + c) * a.c_sC] = static_cast<scalar_t>(tile[r * T::OUT_LD + c]);
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
@@ -1236,49 +1338,65 @@ bool wgmma_available() {
 
 // The wgmma kernel's preconditions beyond GemmArgs' own (a_vec, b_vec: 16-byte copies; c_vec: 16-byte
 // channels-innermost stores; no split): a 16-bit dtype and a tile width of 32..128. B is a fresh ATen
-// allocation (16-byte aligned) in the K-major layout, packed by the caller once this says yes.
+// allocation (16-byte aligned) in the K-major layout, packed by the caller once this says yes, or the forward's
+// weight in place (forward_weight_in_place).
 template <typename scalar_t>
 bool wgmma_applies(const GemmArgs& a) {
   return !std::is_same_v<scalar_t, float> && a.a_vec && a.b_vec && a.c_vec && a.c_sC == 1 && !a.c_atomic &&
          a.splits == 1 && a.K % 8 == 0 && a.N > 16 && wgmma_available();
 }
 
-template <typename scalar_t, int BN>
+template <typename scalar_t, int BN, bool kDirectB>
 void launch_wgmma_tile(const GemmArgs& a, int phases, cudaStream_t stream) {
   constexpr int smem = WgmmaTile<BN>::SMEM_BYTES;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(wgmma_conv_kernel<scalar_t, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      smem));
+  auto kernel = wgmma_conv_kernel<scalar_t, BN, kDirectB>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid((a.M + 127) / 128, (a.N + BN - 1) / BN, phases);
-  wgmma_conv_kernel<scalar_t, BN><<<grid, kThreads, smem, stream>>>(a);
+  kernel<<<grid, kThreads, smem, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// direct_b: B is the forward's weight in place (N-major, tiles of 64 or 128 columns), else packed K-major.
 template <typename scalar_t>
-void launch_wgmma(const GemmArgs& a, int phases) {
+void launch_wgmma(const GemmArgs& a, int phases, bool direct_b) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     TORCH_INTERNAL_ASSERT(false, "conv_transpose2d: the wgmma kernel has no fp32 variant");
   } else {
     auto stream = at::cuda::getCurrentCUDAStream();
     switch (pick_bn(a.N)) {
-      case 128: launch_wgmma_tile<scalar_t, 128>(a, phases, stream); break;
-      case 64: launch_wgmma_tile<scalar_t, 64>(a, phases, stream); break;
-      default: launch_wgmma_tile<scalar_t, 32>(a, phases, stream); break;
+      case 128:
+        direct_b ? launch_wgmma_tile<scalar_t, 128, true>(a, phases, stream)
+                 : launch_wgmma_tile<scalar_t, 128, false>(a, phases, stream);
+        break;
+      case 64:
+        direct_b ? launch_wgmma_tile<scalar_t, 64, true>(a, phases, stream)
+                 : launch_wgmma_tile<scalar_t, 64, false>(a, phases, stream);
+        break;
+      default:
+        TORCH_INTERNAL_ASSERT(!direct_b, "conv_transpose2d: 32-wide wgmma tiles take a packed B");
+        launch_wgmma_tile<scalar_t, 32, false>(a, phases, stream);
+        break;
     }
   }
 }
-
 
 // Splits K when the output tiles alone cannot fill the GPU (two CTAs per SM), into as many splits as still fit
 // in one wave (a wave and a few CTAs would cost two waves: 256->128 grad_weight had 9 x 32 CTAs on 264 slots),
 // keeping >= 4 K-tiles (256 16-bit / 128 fp32 elements of K) per split (each split adds one fp32 atomic per
 // output element). Grids of half a wave or more are not split (a split costs a zeroed workspace and atomics).
+// fp32 plans for one CTA per SM: half the splits, so half the fp32 atomics and zeroed bytes of the split passes
+// (batch 64 channels_last, forward + backward in a CUDA graph: 256->128 54.6 -> 46.3 us, 128->64 55.3 -> 48.2;
+// NCHW 116.9 -> 84.9, 121.5 -> 92.2); 16-bit keeps two (bf16 batch 1024's grad_weight with half the CTAs: 256->128
+// 127 -> 164 us). HIERPAR_K4S2P1_SPLIT_TARGET=n plans for n CTAs per SM instead (same-process timings).
 // Sets a.splits / a.ktiles_per_split and returns whether the result must be accumulated atomically.
 template <typename scalar_t>
 bool plan_splits(GemmArgs& a, int phases, bool always_split) {
   constexpr int BK = 128 / int(sizeof(scalar_t));
   const int64_t tiles = int64_t((a.M + 127) / 128) * ((a.N + pick_bn(a.N) - 1) / pick_bn(a.N)) * phases;
   const int ktiles = (a.K + BK - 1) / BK;
-  const int64_t target = 2 * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const char* env = std::getenv("HIERPAR_K4S2P1_SPLIT_TARGET");
+  const int per_sm = env && env[0] >= '1' && env[0] <= '4' ? env[0] - '0' : std::is_same_v<scalar_t, float> ? 1 : 2;
+  const int64_t target = per_sm * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   int splits = 1;
   if (2 * tiles <= target || always_split)
     splits = int(std::max<int64_t>(1, std::min<int64_t>(target / tiles, std::max(1, ktiles / 4))));
@@ -1288,34 +1406,52 @@ bool plan_splits(GemmArgs& a, int phases, bool always_split) {
   return always_split || a.splits > 1;
 }
 
+// b_kmajor: B is K-major [N][K] (fp32 convolutions with 16-byte copies and tiles of >= 32 columns only).
 template <typename scalar_t, int BN, bool kWgrad>
-void launch_tile(const GemmArgs& a, const dim3& grid, cudaStream_t stream) {
+void launch_tile(const GemmArgs& a, const dim3& grid, cudaStream_t stream, bool b_kmajor) {
+  auto go = [&](auto kernel, int smem) {
+    // Above the 48 KB default: opt in (per device, so on every call; it is a cheap attribute write).
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if constexpr (std::is_same_v<scalar_t, float> && !kWgrad && BN >= 32) {
+    if (b_kmajor) {
+      TORCH_INTERNAL_ASSERT(a.a_vec && a.b_vec, "conv_transpose2d: K-major B needs 16-byte copies");
+      go(implicit_gemm_kernel<float, BN, false, true, true>, Tile<float, BN, false, true>::SMEM_BYTES);
+      return;
+    }
+  }
+  TORCH_INTERNAL_ASSERT(!b_kmajor, "conv_transpose2d: no K-major-B kernel for this GEMM");
   constexpr int smem = Tile<scalar_t, BN, kWgrad>::SMEM_BYTES;
-  auto kernel = a.a_vec && a.b_vec ? implicit_gemm_kernel<scalar_t, BN, kWgrad, true>
-                                   : implicit_gemm_kernel<scalar_t, BN, kWgrad, false>;
-  // Above the 48 KB default: opt in (per device, so on every call; it is a cheap attribute write).
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  go(a.a_vec && a.b_vec ? implicit_gemm_kernel<scalar_t, BN, kWgrad, true>
+                        : implicit_gemm_kernel<scalar_t, BN, kWgrad, false>,
+     smem);
 }
 
 template <typename scalar_t, bool kWgrad>
-void launch(const GemmArgs& a, int phases) {
+void launch(const GemmArgs& a, int phases, bool b_kmajor = false) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid((a.M + 127) / 128, (a.N + pick_bn(a.N) - 1) / pick_bn(a.N), phases * a.splits);
   switch (pick_bn(a.N)) {
-    case 128: launch_tile<scalar_t, 128, kWgrad>(a, grid, stream); break;
-    case 64: launch_tile<scalar_t, 64, kWgrad>(a, grid, stream); break;
-    case 32: launch_tile<scalar_t, 32, kWgrad>(a, grid, stream); break;
-    default: launch_tile<scalar_t, 16, kWgrad>(a, grid, stream); break;
+    case 128: launch_tile<scalar_t, 128, kWgrad>(a, grid, stream, b_kmajor); break;
+    case 64: launch_tile<scalar_t, 64, kWgrad>(a, grid, stream, b_kmajor); break;
+    case 32: launch_tile<scalar_t, 32, kWgrad>(a, grid, stream, b_kmajor); break;
+    default: launch_tile<scalar_t, 16, kWgrad>(a, grid, stream, b_kmajor); break;
   }
 }
 
 // grad_weight on wgmma: 16-bit operands with 16-byte copies (C_out % 8, C_in % 8) and C_in > 32 (one tile
-// of 64 or 128 channels); the result goes into the dense fp32 [16 C_out][C_in] workspace.
+// of 64 or 128 channels); the K splits are summed in a dense fp32 [16 C_out][C_in] workspace (with one counter
+// per output tile after it) and written to grad_weight by each tile's last CTA.
 template <typename scalar_t>
 bool wgmma_wgrad_applies(const GemmArgs& a) {
   return !std::is_same_v<scalar_t, float> && a.a_vec && a.b_vec && a.N > 32 && wgmma_available();
+}
+
+int wgmma_wgrad_bn(const GemmArgs& a) { return a.N > 64 ? 128 : 64; }
+int64_t wgmma_wgrad_tiles(const GemmArgs& a) {
+  return int64_t((a.M + 127) / 128) * ((a.N + wgmma_wgrad_bn(a) - 1) / wgmma_wgrad_bn(a));
 }
 
 template <typename scalar_t>
@@ -1333,7 +1469,7 @@ void launch_wgmma_wgrad(const GemmArgs& a) {
       wgmma_wgrad_kernel<scalar_t, BN><<<grid, kThreads, smem, stream>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (a.N > 64)
+    if (wgmma_wgrad_bn(a) == 128)
       go(std::integral_constant<int, 128>{});
     else
       go(std::integral_constant<int, 64>{});
@@ -1495,6 +1631,24 @@ void launch_wgmma_grad_input_patch(const ConvTranspose2dGeometry& g, const at::T
   }
 }
 
+// Whether the forward reads B straight from the weight (GemmArgs' b_ld / b_sky / b_skx) instead of a packed copy:
+// C_out innermost (a channels_last weight) with 16-byte-aligned rows, and K-tiles that lie in one tap (C_in a
+// multiple of the K-tile); on wgmma also whole 64-column blocks (C_out > 32). The pack kernel this spares runs
+// before the GEMM on the same stream (256->128: 5 us at batch 1024 bf16, 3.9 us at batch 64 fp32).
+// HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs as before (same-process timings; also fp32 grad_input's weight copy).
+bool weight_in_place_enabled() {
+  const char* env = std::getenv("HIERPAR_K4S2P1_WEIGHT_IN_PLACE");
+  return !(env && env[0] == '0');
+}
+
+template <typename scalar_t>
+bool forward_weight_in_place(const at::Tensor& weight, int cin, int cout, bool wgmma) {
+  constexpr int VEC = 16 / int(sizeof(scalar_t)), BK = 128 / int(sizeof(scalar_t));
+  return weight_in_place_enabled() && weight.stride(1) == 1 && cout % VEC == 0 && cin % BK == 0 &&
+         weight.stride(0) % VEC == 0 && weight.stride(2) % VEC == 0 && weight.stride(3) % VEC == 0 &&
+         aligned16(weight.const_data_ptr()) && (!wgmma || pick_bn(cout) >= 64);
+}
+
 // Calls f(scalar_t{}) for the fast path's dtypes.
 template <typename F>
 void dispatch_fast(at::ScalarType dtype, F&& f) {
@@ -1534,7 +1688,6 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
     } else {
       constexpr int VEC = 16 / int(sizeof(scalar_t));
       auto stream = at::cuda::getCurrentCUDAStream();
-      at::Tensor packed = at::empty({4, 4 * cin, cout}, weight.options());
 
       GemmArgs a{};
       a.M = int(g.in_pixels());
@@ -1549,8 +1702,6 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
       a.src_scale = 1;
       a.src_off = 0;  // + phase
       a.src_dir = -1;
-      a.b = packed.const_data_ptr<scalar_t>();
-      a.b_phase_stride = int64_t(4) * cin * cout;
       a.b_vec = cout % VEC == 0;
       a.dst_scale = 2;
       const bool split = plan_splits<scalar_t>(a, 4, false);
@@ -1568,13 +1719,28 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
                              dense_strides(cout, g.out_h, g.out_w, out_channels_last), false);
       }
       const bool wgmma = wgmma_applies<scalar_t>(a);
-      const int total = 16 * cin * cout;
-      pack_forward_weight_kernel<scalar_t><<<std::min((total + 255) / 256, 1024), 256, 0, stream>>>(
-          weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
-          cin, cout, wgmma, packed.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      at::Tensor packed;
+      if (forward_weight_in_place<scalar_t>(weight, cin, cout, wgmma)) {
+        a.b = weight.const_data_ptr<scalar_t>();
+        a.b_phase_stride = 0;
+        a.b_ld = weight.stride(0);
+        a.b_sky = weight.stride(2);
+        a.b_skx = weight.stride(3);
+        a.b_rows_per_tap = cin;
+      } else {
+        packed = at::empty({4, 4 * cin, cout}, weight.options());
+        a.b = packed.const_data_ptr<scalar_t>();
+        a.b_phase_stride = int64_t(4) * cin * cout;
+        a.b_ld = cout;
+        a.b_rows_per_tap = 4 * cin;
+        const int total = 16 * cin * cout;
+        pack_forward_weight_kernel<scalar_t><<<std::min((total + 255) / 256, 1024), 256, 0, stream>>>(
+            weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
+            cin, cout, wgmma, packed.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
       if (wgmma)
-        launch_wgmma<scalar_t>(a, 4);
+        launch_wgmma<scalar_t>(a, 4, !packed.defined());
       else
         launch<scalar_t, false>(a, 4);
       if (ws.defined()) permute_copy_(out, ws);
@@ -1631,16 +1797,23 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
           set_output<scalar_t>(a, grad_input.mutable_data_ptr<scalar_t>(),
                                dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), false);
         }
-        // B[(ky, kx, co), ci] = w[ci, co, ky, kx] ([K, N]), or its transpose [ci][(ky, kx, co)] for wgmma.
+        // B[(ky, kx, co), ci] = w[ci, co, ky, kx] ([K, N]), or its transpose [ci][(ky, kx, co)] for wgmma and,
+        // where that is the weight's own memory (channels_last), for fp32: no copy of the weight (4.9 us before
+        // the 256->128 grad_input at batch 64 fp32).
         const bool wgmma = wgmma_applies<scalar_t>(a);
+        const bool b_kmajor = std::is_same_v<scalar_t, float> && weight_in_place_enabled() && a.a_vec && a.b_vec &&
+                              pick_bn(cin) >= 32 && weight.permute({0, 2, 3, 1}).is_contiguous() &&
+                              aligned16(weight.const_data_ptr());
         const at::Tensor wt = contiguous_as(
-            weight.permute(wgmma ? at::IntArrayRef{0, 2, 3, 1} : at::IntArrayRef{2, 3, 1, 0}),
+            weight.permute(wgmma || b_kmajor ? at::IntArrayRef{0, 2, 3, 1} : at::IntArrayRef{2, 3, 1, 0}),
             at::MemoryFormat::Contiguous);
         a.b = wt.const_data_ptr<scalar_t>();
+        a.b_ld = wgmma || b_kmajor ? a.K : a.N;
+        a.b_rows_per_tap = a.K;
         if (wgmma)
-          launch_wgmma<scalar_t>(a, 1);
+          launch_wgmma<scalar_t>(a, 1, false);
         else
-          launch<scalar_t, false>(a, 1);
+          launch<scalar_t, false>(a, 1, b_kmajor);
         if (ws.defined()) permute_copy_(grad_input, ws);
       }
       if (grad_weight.defined()) {
@@ -1651,14 +1824,19 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         a.K = int(g.in_pixels());
         a.b = x.const_data_ptr<scalar_t>();
         a.b_phase_stride = 0;
+        a.b_ld = cin;
+        a.b_rows_per_tap = a.K;
         a.b_vec = cin % VEC == 0 && aligned16(a.b);
         plan_splits<scalar_t>(a, 1, true);
         // gw^T[(ky, kx, co), ci], accumulated in fp32 over the K splits: straight into an fp32 grad_weight
         // whose output channels are innermost (channels_last: row (ky, kx, co) at co + ky*s2 + kx*s3, column
-        // ci at stride s0; the 16 rows a half-warp adds to are consecutive), else into the dense fp32 workspace
-        // [ky, kx, co, ci] (16-byte atomics along ci) and then one transposing copy into grad_weight. An NCHW
-        // weight written in place puts those 16 rows 16 elements apart, one sector per atomic: the 256->128
-        // layer's grad_weight took 61 us against 17 us for the same GEMM with a channels_last weight (H200).
+        // ci at stride s0; the 16 rows a half-warp adds to are consecutive); on wgmma (16-bit) in an fp32
+        // workspace plus one counter per output tile (one memset) that the kernel itself writes to grad_weight
+        // from; else into the dense fp32 workspace [ky, kx, co, ci] (16-byte atomics along ci) and then one
+        // transposing copy into grad_weight. An NCHW weight written in place puts those 16 rows 16 elements
+        // apart, one sector per atomic: the 256->128 layer's grad_weight took 61 us against 17 us for the same
+        // GEMM with a channels_last weight (H200).
+        const bool wgmma = wgmma_wgrad_applies<scalar_t>(a);
         at::Tensor ws;
         if (std::is_same_v<scalar_t, float> && grad_weight.stride(1) == 1) {
           zero_dense(grad_weight);
@@ -1666,17 +1844,29 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
                                Strides{grad_weight.stride(1), grad_weight.stride(2), grad_weight.stride(3),
                                        grad_weight.stride(0)},
                                true);
+        } else if (wgmma) {
+          set_output<scalar_t>(a, grad_weight.data_ptr(),
+                               Strides{grad_weight.stride(1), grad_weight.stride(2), grad_weight.stride(3),
+                                       grad_weight.stride(0)},
+                               false);
+          if (a.splits > 1) {
+            ws = at::empty({int64_t(a.M) * a.N + wgmma_wgrad_tiles(a)}, go.options().dtype(at::kFloat));
+            zero_dense(ws);
+            a.ws = ws.data_ptr<float>();
+            a.tile_done = reinterpret_cast<unsigned*>(a.ws + int64_t(a.M) * a.N);
+          }
         } else {
           ws = at::empty({4, 4, g.out_channels, g.in_channels}, go.options().dtype(at::kFloat));
           zero_dense(ws);
           set_output<scalar_t>(a, ws.data_ptr<float>(), Strides{cin, int64_t(4) * cout * cin, int64_t(cout) * cin, 1},
                                true);
         }
-        if (!std::is_same_v<scalar_t, float> && wgmma_wgrad_applies<scalar_t>(a))
+        if (wgmma) {
           launch_wgmma_wgrad<scalar_t>(a);
-        else
+        } else {
           launch<scalar_t, true>(a, 1);
-        if (ws.defined()) permute_copy_(grad_weight, ws.permute({3, 2, 0, 1}));
+          if (ws.defined()) permute_copy_(grad_weight, ws.permute({3, 2, 0, 1}));
+        }
       }
     }
   });
