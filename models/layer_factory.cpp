@@ -26,8 +26,10 @@ bool is(const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
   // hierpar's kernels win on a generator's projection layer (kernel 4, stride 1, padding 0 from the noise) and on
   // its small-C_out output layer (kernel 4, stride 2, padding 1, C_out <= 4): at batch 1024 bf16 on an H200,
-  // forward + backward 2.5x and 4.2x faster than cuDNN. The middle k4s2p1 layers run at 0.5-0.6x of cuDNN's there
-  // (docs/conv_transpose.md), so they stay torch::nn::ConvTranspose2d, as the wide convolutions of make_conv2d do.
+  // forward + backward 4.4x and 5.0x faster than cuDNN. The middle k4s2p1 layers run at 0.81-0.86x of cuDNN's there
+  // and gain nothing in the batch-64 TF32 step where they are faster alone (docs/conv_transpose.md and
+  // docs/training_step.md, session 8), so they stay torch::nn::ConvTranspose2d, as the wide convolutions of
+  // make_conv2d do.
   const bool plain = is(options.dilation(), 1) && options.groups() == 1 && is(options.output_padding(), 0) &&
                      std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
   const bool projection = is(options.kernel_size(), 4) && is(options.stride(), 1) && is(options.padding(), 0);
@@ -51,8 +53,11 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
     nn::Conv2d conv(options);
     return {conv.ptr(), [conv, leaky_relu_slope](const torch::Tensor& x) mutable {
               // A float32 pass on the GPU stays on cuDNN (TF32): hierpar's fp32 kernels for this layer run on the
-              // CUDA cores and measured slower (the batch-1024 TF32 training step took 12.30 ms with them, 11.57
-              // without, on an H200). bf16/fp16, autocast included, take hierpar's tensor-core kernels.
+              // CUDA cores. Alone at batch 64 they win (fwd+bwd 65.5 vs 98.4 us, session 8), but in the training
+              // step they measured slower where the arithmetic grows: with this layer and the middle k4s2p1 layers
+              // on hierpar in fp32, the batch-1024 TF32 step took 10.73 ms against 7.92, and batch 64 gained
+              // nothing (1.146 vs 1.152 ms; H200, session 8, docs/training_step.md). bf16/fp16, autocast included,
+              // take hierpar's tensor-core kernels.
               const bool fp32_on_gpu = x.is_cuda() && x.scalar_type() == at::kFloat &&
                                        !at::autocast::is_autocast_enabled(at::kCUDA);
               if (fp32_on_gpu) {
