@@ -12,6 +12,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <ctime>
 #include <fstream>
@@ -184,6 +185,17 @@ bool register_suite(const std::string& name, Suite suite) {
 }
 
 const std::vector<std::pair<std::string, Suite>>& suites() { return registry(); }
+
+const std::vector<ConvSetting>& conv_settings() {
+  static const std::vector<ConvSetting> settings{
+      {64, at::kFloat, false}, {64, at::kFloat, true}, {1024, at::kBFloat16, true}};
+  return settings;
+}
+
+std::unique_ptr<std::ofstream> profile_file() {
+  const char* path = std::getenv("HIERPAR_BENCH_PROFILE");
+  return path ? std::make_unique<std::ofstream>(path, std::ios::app) : nullptr;
+}
 
 Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats) {
   c10::cuda::device_synchronize();

@@ -3,7 +3,11 @@
 // HIERPAR_BENCH_SUITE registers it under a name that `hierpar-bench <name>` runs.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
+#include <fstream>
+#include <memory>
 #include <functional>
 #include <iosfwd>
 #include <map>
@@ -101,6 +105,17 @@ struct Options {
     return picked;
   }
 };
+
+// The convolution suites' settings: batch 64 fp32 in NCHW and channels_last, batch 1024 bf16 channels_last.
+struct ConvSetting {
+  int64_t batch;
+  at::ScalarType dtype;
+  bool channels_last;
+};
+const std::vector<ConvSetting>& conv_settings();
+
+// The file HIERPAR_BENCH_PROFILE names, opened for appending (suites add their kernel profiles to it); null when unset.
+std::unique_ptr<std::ofstream> profile_file();
 
 using Suite = std::function<void(Report&, const Options&)>;
 bool register_suite(const std::string& name, Suite suite);

@@ -23,7 +23,6 @@
 #include <ATen/ops/rand.h>
 
 #include <array>
-#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <memory>
@@ -38,13 +37,7 @@ void run_first_layer(Report& report, const Options& options) {
   at::globalContext().setBenchmarkCuDNN(true);
   at::globalContext().setAllowTF32CuDNN(true);
   const int warmup = options.quick ? 3 : 20, repeats = options.quick ? 10 : 100;
-  struct Setting {
-    int64_t batch;
-    at::ScalarType dtype;
-    bool channels_last;
-  };
-  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
-                           Setting{1024, at::kBFloat16, true}}) {
+  for (const ConvSetting& s : conv_settings()) {
     const auto fmt = s.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
     const auto opts = at::TensorOptions().dtype(s.dtype).device(at::kCUDA);
     const at::Tensor x = (at::rand({s.batch, kCin, kSize, kSize}, opts) * 2 - 1).contiguous(fmt);
@@ -109,15 +102,8 @@ void run_discriminator_layers(Report& report, const Options& options) {
   };
   static constexpr Layer kDiscriminator[] = {{3, 32, 64, 2, 1}, {32, 64, 32, 2, 1}, {64, 128, 16, 2, 1},
                                              {128, 256, 8, 2, 1}, {256, 1, 4, 1, 0}};
-  std::unique_ptr<std::ofstream> profile_out;
-  if (const char* path = std::getenv("HIERPAR_BENCH_PROFILE")) profile_out = std::make_unique<std::ofstream>(path, std::ios::app);
-  struct Setting {
-    int64_t batch;
-    at::ScalarType dtype;
-    bool channels_last;
-  };
-  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
-                           Setting{1024, at::kBFloat16, true}}) {
+  const std::unique_ptr<std::ofstream> profile_out = profile_file();
+  for (const ConvSetting& s : conv_settings()) {
     const auto fmt = s.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
     const auto opts = at::TensorOptions().dtype(s.dtype).device(at::kCUDA);
     const int calls = s.batch <= 64 ? 10 : 4, repeats = options.quick ? 10 : 50;

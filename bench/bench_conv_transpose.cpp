@@ -27,7 +27,6 @@
 #include <ATen/TensorOperators.h>
 
 #include <array>
-#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <memory>
@@ -88,15 +87,8 @@ void run_suite(Report& report, const Options& options) {
   at::globalContext().setBenchmarkCuDNN(true);
   at::globalContext().setAllowTF32CuDNN(true);
   const int warmup = options.quick ? 3 : 20, repeats = options.quick ? 10 : 100;
-  std::unique_ptr<std::ofstream> profile_out;
-  if (const char* path = std::getenv("HIERPAR_BENCH_PROFILE")) profile_out = std::make_unique<std::ofstream>(path, std::ios::app);
-  struct Setting {
-    int64_t batch;
-    at::ScalarType dtype;
-    bool channels_last;
-  };
-  for (const Setting& s : {Setting{64, at::kFloat, false}, Setting{64, at::kFloat, true},
-                           Setting{1024, at::kBFloat16, true}}) {
+  const std::unique_ptr<std::ofstream> profile_out = profile_file();
+  for (const ConvSetting& s : conv_settings()) {
     if (options.pick_batches({s.batch}).empty()) continue;  // --batches
     std::vector<Operands> layers;
     for (size_t i = 0; i < kGenerator.size(); ++i)

@@ -727,6 +727,17 @@ void check_direct_backward(const Case& c, const Inputs& in, const Result& got, c
   expect_scaled(db2, ref.db, rtol, "grad_bias (sums only), " + ctx, ref.db_terms);
 }
 
+// hierpar's forward + backward on `in` against the reference: values, the activation's branches, the output's
+// layout, and the backward op called directly.
+void expect_matches_reference(const Case& c, const Inputs& in, const std::string& where) {
+  Result got = run_hierpar(c, in);
+  Result ref = run_reference(c, in, got.out);
+  compare(got, ref, c, scaled_rtol(c.dtype), where);
+  check_branches(got, ref, c, where);
+  expect_layout_kept(in.x, got.out, c.describe());
+  check_direct_backward(c, in, got, ref, where);
+}
+
 // Runs body(path) on each of the two paths that shapes beyond the one-kernel path take: the cluster path
 // (the default, for tensors up to 8 MiB whose rows fit the staging) and the cooperative split path
 // (HIERPAR_BN_CLUSTER=0, which the op reads at each call). The variable's prior value is restored.
@@ -799,14 +810,8 @@ TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
               in.x = misaligned_copy(in.x);
               in.dy = misaligned_copy(in.dy);
             }
-            Result got = run_hierpar(c, in);
-            Result ref = run_reference(c, in, got.out);
-            const std::string where = std::string("cuda path vec_mode=") + std::to_string(vec_mode) +
-                                      (split ? " split (" + path + ")" : " one-kernel");
-            compare(got, ref, c, scaled_rtol(c.dtype), where);
-            check_branches(got, ref, c, where);
-            expect_layout_kept(in.x, got.out, c.describe());
-            check_direct_backward(c, in, got, ref, where);
+            expect_matches_reference(c, in, std::string("cuda path vec_mode=") + std::to_string(vec_mode) +
+                                                (split ? " split (" + path + ")" : " one-kernel"));
           }
         }
       }
@@ -864,13 +869,7 @@ TEST(BatchNormActCuda, ClusterPathShapesAndBoundaries) {
       c.affine = rand_int(0, 3) != 0;
       c.running = coin();
       Inputs in = random_inputs(c, torch::kCUDA);
-      Result got = run_hierpar(c, in);
-      Result ref = run_reference(c, in, got.out);
-      const std::string where = "cuda " + path;
-      compare(got, ref, c, scaled_rtol(c.dtype), where);
-      check_branches(got, ref, c, where);
-      expect_layout_kept(in.x, got.out, c.describe());
-      check_direct_backward(c, in, got, ref, where);
+      expect_matches_reference(c, in, "cuda " + path);
     }
   });
 }
