@@ -13,6 +13,8 @@ bool poison_outputs() {
   return on;
 }
 
+bool switched_on(const char* name) { return c10::utils::check_env(name) != false; }
+
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c10::MemoryFormat memory_format) {
   at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
   if (poison_outputs() && out.numel() > 0) {

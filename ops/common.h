@@ -17,6 +17,10 @@ bool poison_outputs();
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
                       c10::MemoryFormat memory_format = c10::MemoryFormat::Contiguous);
 
+// False when environment variable `name` is 0: the same-process A/B switches that turn a fast path off
+// (HIERPAR_SIDE_STREAM=0, HIERPAR_BN_CLUSTER=0, ...). Read at each call, so a benchmark may flip one between rows.
+bool switched_on(const char* name);
+
 // The memory format a 4-d input is laid out in (ChannelsLast or Contiguous); outputs follow it.
 c10::MemoryFormat layout_of(const at::Tensor& t);
 

@@ -1551,8 +1551,7 @@ bool wgmma_all_phases_applies(const ConvTranspose2dGeometry& g, const at::Tensor
   if (std::is_same_v<scalar_t, float> || g.in_channels % 64 != 0 || g.out_channels % 8 != 0 ||
       g.out_channels > 32 || !out_channels_last || !aligned16(out.data_ptr()) || !aligned16(x.data_ptr()))
     return false;
-  const char* env = std::getenv("HIERPAR_WGMMA_ALL_PHASES");
-  return !(env && env[0] == '0') && wgmma_available();
+  return switched_on("HIERPAR_WGMMA_ALL_PHASES") && wgmma_available();
 }
 
 template <typename scalar_t>
@@ -1595,8 +1594,7 @@ bool wgmma_grad_input_patch_applies(const ConvTranspose2dGeometry& g, const at::
   if (std::is_same_v<scalar_t, float> || g.out_channels != 32 || g.in_channels % 64 != 0 ||
       !grad_input_channels_last || !aligned16(grad_input.data_ptr()) || !aligned16(go.data_ptr()))
     return false;
-  const char* env = std::getenv("HIERPAR_WGMMA_GRAD_INPUT_PATCH");
-  return !(env && env[0] == '0') && wgmma_available();
+  return switched_on("HIERPAR_WGMMA_GRAD_INPUT_PATCH") && wgmma_available();
 }
 
 template <typename scalar_t>
@@ -1636,10 +1634,7 @@ void launch_wgmma_grad_input_patch(const ConvTranspose2dGeometry& g, const at::T
 // multiple of the K-tile); on wgmma also whole 64-column blocks (C_out > 32). The pack kernel this spares runs
 // before the GEMM on the same stream (256->128: 5 us at batch 1024 bf16, 3.9 us at batch 64 fp32).
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs as before (same-process timings; also fp32 grad_input's weight copy).
-bool weight_in_place_enabled() {
-  const char* env = std::getenv("HIERPAR_K4S2P1_WEIGHT_IN_PLACE");
-  return !(env && env[0] == '0');
-}
+bool weight_in_place_enabled() { return switched_on("HIERPAR_K4S2P1_WEIGHT_IN_PLACE"); }
 
 template <typename scalar_t>
 bool forward_weight_in_place(const at::Tensor& weight, int cin, int cout, bool wgmma) {

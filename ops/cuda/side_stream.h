@@ -23,13 +23,14 @@
 //  - Both parts must be independent: neither may read what the other writes.
 #pragma once
 
+#include "common.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -72,10 +73,7 @@ inline ForkJoinEvents& fork_join_events(c10::DeviceIndex device) {
 
 // HIERPAR_SIDE_STREAM=0 runs both parts on the current stream, one after the other (same-process A/B timings).
 inline bool side_stream_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("HIERPAR_SIDE_STREAM");
-    return !(env && env[0] == '0');
-  }();
+  static const bool enabled = switched_on("HIERPAR_SIDE_STREAM");
   return enabled;
 }
 
