@@ -213,7 +213,7 @@ Timing time_graph_per_call(const std::function<void()>& capture, int calls, int 
   return t;
 }
 
-Profile profile(const std::function<void()>& fn, int calls) {
+Profile profile(const std::function<void()>& fn, int calls, const std::string& trace_path) {
   using namespace torch::autograd::profiler;
   namespace impl = torch::profiler::impl;
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
@@ -224,6 +224,7 @@ Profile profile(const std::function<void()>& fn, int calls) {
   for (int i = 0; i < calls; ++i) fn();
   at::cuda::getCurrentCUDAStream().synchronize();
   auto result = disableProfiler();
+  if (!trace_path.empty()) result->save(trace_path);
   Profile p;
   p.calls = calls;
   std::map<std::string, std::pair<int64_t, double>> by_name;

@@ -52,7 +52,8 @@ Timing time_cuda(const std::function<void()>& fn, int warmup = 20, int repeats =
 // gaps, as a captured training step runs it. Warm up first what must not be captured (cuDNN's benchmark search).
 Timing time_graph_per_call(const std::function<void()>& capture, int calls, int repeats);
 
-// What the profiler (kineto/CUPTI) saw over `calls` calls of fn (run after a device sync; synced after).
+// What the profiler (kineto/CUPTI) saw over `calls` calls of fn (run after a device sync; synced after). With a
+// `trace_path`, the profile is also saved there as a Chrome trace (per-stream kernel timelines, eager operators).
 struct Profile {
   int calls = 0;
   double kernels = 0, busy_us = 0, conversions = 0;  // per call; conversions: cuDNN's NCHW<->NHWC kernels
@@ -62,7 +63,7 @@ struct Profile {
   std::map<std::string, int64_t> copies_by_caller;
   bool available = false;
 };
-Profile profile(const std::function<void()>& fn, int calls);
+Profile profile(const std::function<void()>& fn, int calls, const std::string& trace_path = {});
 // The kernels by GPU time, one line each: us and launches per call, name.
 void write_kernels(std::ostream& os, const Profile& p);
 

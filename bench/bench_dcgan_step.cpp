@@ -22,7 +22,8 @@
 // peak_mem_mb (caching allocator's peak allocated bytes over the timed steps, less what was allocated before
 // the row's models were built; the peak is reset after warm-up so cuDNN's benchmark search is not counted; a
 // graph's private pool is allocated memory and counts).
-// HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there; HIERPAR_BENCH_OVERLAP=0 runs hierpar's
+// HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there, HIERPAR_STEP_TRACE=<dir> each row's
+// profiled steps as a Chrome trace; HIERPAR_BENCH_OVERLAP=0 runs hierpar's
 // step on one stream (options.overlap_passes off). A chart of ms/step (stock vs
 // hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
 // examples (their PNG writer) are built.
@@ -277,7 +278,15 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
   const double peak = std::max(allocated_mb(true), capture_peak) - allocated_before_mb;
   t.median_us /= steps_per_sample;
   t.min_us /= steps_per_sample;
-  const Profile prof = profile(one_step, 3);
+  // HIERPAR_STEP_TRACE=DIR: each row's 3 profiled steps as a Chrome trace in DIR (where the step's time goes on
+  // each stream: the critical path of a captured step, the operators behind an eager step's kernels).
+  std::string trace_path;
+  if (const char* dir = std::getenv("HIERPAR_STEP_TRACE")) {
+    trace_path = std::string(dir) + "/" + bench + "-" + name_of(layers) + "-b" + std::to_string(batch) + "-" +
+                 (bf16 ? "bf16" : "tf32") + "-" + (channels_last ? "cl" : "nchw") + "-graphs-" + (graphs ? "on" : "off") +
+                 ".json";
+  }
+  const Profile prof = profile(one_step, 3, trace_path);
 
   Row row{bench, name_of(layers), bf16 ? "bf16" : "tf32", channels_last ? "channels_last" : "nchw", graphs ? "on" : "off",
           batch, t.median_us / 1e3, batch * 1e6 / t.median_us, prof.kernels, prof.busy_us, prof.conversions, peak,
