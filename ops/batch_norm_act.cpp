@@ -9,11 +9,13 @@ namespace hierpar::ops {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope) {
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hierpar::batch_norm_act", "")
                        .typed<decltype(batch_norm_act)>();
-  return op.call(input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope);
+  return op.call(input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
+                 num_batches_tracked);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward(
@@ -34,7 +36,8 @@ TORCH_LIBRARY_FRAGMENT(hierpar, m) {
   m.def(
       "batch_norm_act(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
       "Tensor(b!)? running_var, bool training, float momentum, float eps, str activation='identity', "
-      "float slope=0.01) -> (Tensor output, Tensor save_mean, Tensor save_invstd)");
+      "float slope=0.01, Tensor(c!)? num_batches_tracked=None) -> (Tensor output, Tensor save_mean, "
+      "Tensor save_invstd)");
   m.def(
       "batch_norm_act_backward(Tensor grad_output, Tensor output, Tensor? input, Tensor? weight, Tensor? bias, "
       "Tensor save_mean, Tensor save_invstd, bool training, float eps, str activation, float slope, "

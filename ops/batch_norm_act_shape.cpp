@@ -59,7 +59,7 @@ void check_channel_param(const std::optional<at::Tensor>& p, const char* name, c
 Geometry check_forward(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
                        const std::optional<at::Tensor>& running_var, bool training, double momentum,
-                       double eps, Act act, double slope) {
+                       double eps, Act act, double slope, const std::optional<at::Tensor>& num_batches_tracked) {
   const char* op = "hierpar::batch_norm_act";
   Geometry g = check_input(input, op);
   check_channel_param(weight, "weight", input, g.c, op);
@@ -72,6 +72,12 @@ Geometry check_forward(const at::Tensor& input, const std::optional<at::Tensor>&
   TORCH_CHECK(training || present(running_mean), op,
               ": running_mean: expected running statistics in eval mode (training=false), got none");
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps: expected a non-negative finite number, got ", eps);
+  if (present(num_batches_tracked)) {
+    const at::Tensor& t = *num_batches_tracked;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == 1 && t.device() == input.device(), op,
+                ": num_batches_tracked: expected one int64 element on ", input.device(), " (the input's device), got ",
+                t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
+  }
   if (training) {
     TORCH_CHECK(g.n > 0, op, ": input: expected a non-empty batch in training mode, got shape ", input.sizes());
     TORCH_CHECK(g.reduce() > 1, op, ": input: expected more than 1 value per channel when training, got input size ",

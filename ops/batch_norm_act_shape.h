@@ -44,7 +44,7 @@ inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() &
 Geometry check_forward(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
                        const std::optional<at::Tensor>& running_var, bool training, double momentum,
-                       double eps, Act act, double slope);
+                       double eps, Act act, double slope, const std::optional<at::Tensor>& num_batches_tracked);
 
 Geometry check_backward(const at::Tensor& grad_output, const at::Tensor& output,
                         const std::optional<at::Tensor>& input, const std::optional<at::Tensor>& weight,

@@ -389,6 +389,26 @@ TEST(BatchNormActCpu, NoGradForwardSkipsTheFunction) {
   EXPECT_FALSE(frozen.requires_grad());
 }
 
+// num_batches_tracked, when given, counts the training calls (through autograd and without it), not eval ones.
+TEST(BatchNormActCpu, NumBatchesTrackedCountsTrainingCalls) {
+  auto x = random_tensor({3, 5, 2, 3}, torch::kFloat).requires_grad_();
+  auto rm = torch::zeros({5}), rv = torch::ones({5});
+  auto counter = torch::full({}, 7, torch::kLong);
+  const auto version = counter._version();
+  auto call = [&](bool training) {
+    hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, rm, rv, training, 0.1, 1e-5, "relu", 0.01, counter);
+  };
+  call(true);
+  call(true);
+  {
+    torch::NoGradGuard no_grad;
+    call(true);
+  }
+  call(false);
+  EXPECT_EQ(counter.item<int64_t>(), 10);
+  EXPECT_EQ(counter._version(), version + 3) << "each training call bumps the counter's version (in-place update)";
+}
+
 TEST(BatchNormActMeta, ShapesDtypesAndLayout) {
   auto opts = torch::TensorOptions().device(torch::kMeta);
   auto x = torch::empty({5, 7, 3, 4}, opts.dtype(torch::kBFloat16)).contiguous(torch::MemoryFormat::ChannelsLast);
@@ -458,6 +478,15 @@ TEST(BatchNormActErrors, EachBadInputNamesTheArgument) {
   HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                                                         true, 0.1, -1.0),
                            "eps: expected a non-negative finite number, got -1");
+  auto counted = [&](const torch::Tensor& counter) {
+    return hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, p(64), p(64), true, 0.1, 1e-5, "identity",
+                                        0.01, counter);
+  };
+  HIERPAR_EXPECT_THROW_MSG(counted(torch::zeros({}, torch::kInt)),
+                           "num_batches_tracked: expected one int64 element on cpu (the input's device), got Int");
+  HIERPAR_EXPECT_THROW_MSG(counted(torch::zeros({2}, torch::kLong)),
+                           "num_batches_tracked: expected one int64 element on cpu (the input's device), got Long of "
+                           "shape [2]");
 
   auto [out, sm, si] = fwd(x, std::nullopt, std::nullopt, std::nullopt, true, "relu");
   auto bwd = [&](const torch::Tensor& dy, std::optional<torch::Tensor> in, const torch::Tensor& mean,
@@ -1014,6 +1043,43 @@ TEST(BatchNormActCuda, SplitPathReplaysFromACudaGraph) {
   });
 }
 
+// The kernel that writes channel 0's statistics adds 1 to num_batches_tracked: exactly once per training call on
+// every path (one kernel, cluster, cooperative split), never in eval, and once per replay of a captured call.
+TEST(BatchNormActCuda, NumBatchesTrackedCountsEachTrainingCallOnce) {
+  HIERPAR_REQUIRE_CUDA();
+  const std::vector<std::vector<int64_t>> shapes{{2, 4, 3, 3}, {64, 72, 8, 8}, {256, 72, 8, 8}};
+  on_both_split_paths([&](const std::string& path) {
+    for (const auto& shape : shapes) {
+      const std::string what = path + " " + c10::str(c10::IntArrayRef(shape));
+      const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+      auto x = random_tensor(shape, opts, Layout::channels_last);
+      auto rm = torch::zeros({shape[1]}, opts), rv = torch::ones({shape[1]}, opts);
+      auto counter = torch::full({}, 5, opts.dtype(torch::kLong));
+      auto call = [&](bool training) {
+        hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, rm, rv, training, 0.1, 1e-5, "identity", 0.01,
+                                     counter);
+      };
+      for (int i = 0; i < 3; ++i) call(true);
+      call(false);
+      EXPECT_EQ(counter.item<int64_t>(), 8) << what;
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+      torch::cuda::synchronize();
+      at::cuda::CUDAGraph graph;
+      {
+        c10::cuda::CUDAStreamGuard guard(side);
+        graph.capture_begin();
+        call(true);
+        graph.capture_end();
+      }
+      torch::cuda::synchronize();
+      graph.replay();
+      graph.replay();
+      torch::cuda::synchronize();
+      EXPECT_EQ(counter.item<int64_t>(), 10) << what << ": two replays";
+    }
+  });
+}
+
 TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {
   HIERPAR_REQUIRE_CUDA();
   auto x = random_tensor({2, 4, 3, 3}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
@@ -1023,6 +1089,10 @@ TEST(BatchNormActCuda, DeviceMismatchNamesTheArgument) {
   auto rm = torch::zeros({4}, torch::kCUDA), rv = torch::ones({4});
   HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, rm, rv, true, 0.1, 1e-5),
                            "running_var: expected a tensor on cuda:0 (the input's device), got one on cpu");
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::batch_norm_act(x, std::nullopt, std::nullopt, rm, rv.cuda(), true, 0.1, 1e-5,
+                                                        "identity", 0.01, torch::zeros({}, torch::kLong)),
+                           "num_batches_tracked: expected one int64 element on cuda:0 (the input's device), got Long of "
+                           "shape [] on cpu");
 }
 
 }  // namespace

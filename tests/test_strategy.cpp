@@ -372,6 +372,27 @@ constexpr int kWorkerStoppedByPeer = 3;  // a worker's exit code when its step f
 
 // ---- placements ------------------------------------------------------------------------------------
 
+// The trainer's default loss gives binary_cross_entropy_with_logits' values and gradients against all-ones and
+// all-zeros targets, for logits around 0 and far out in both tails (softplus switches to x beyond 20).
+TEST(StrategyLoss, BceWithLogitsMatchesAten) {
+  for (auto dtype : {torch::kFloat, torch::kDouble}) {
+    const double tol = dtype == torch::kFloat ? 1e-6 : 1e-12;
+    auto logits = hierpar::testing::random_tensor({37, 1}, dtype).mul_(3);
+    logits.index_put_({torch::indexing::Slice(0, 4)}, torch::tensor({-40.0, -19.5, 25.0, 90.0}, dtype).view({4, 1}));
+    for (bool real : {true, false}) {
+      auto ours_in = logits.clone().requires_grad_(), aten_in = logits.clone().requires_grad_();
+      auto ours = hs::bce_with_logits_loss(ours_in, real);
+      auto aten = torch::binary_cross_entropy_with_logits(aten_in, torch::full_like(logits, real ? 1.0 : 0.0));
+      ours.backward();
+      aten.backward();
+      const std::string what = std::string(real ? "real" : "fake") + " target, " + c10::toString(dtype);
+      EXPECT_TRUE(torch::allclose(ours, aten, tol, tol)) << what << ": " << ours.item<double>() << " vs " << aten.item<double>();
+      EXPECT_TRUE(torch::allclose(ours_in.grad(), aten_in.grad(), tol, tol))
+          << what << ": largest gradient difference " << (ours_in.grad() - aten_in.grad()).abs().max().item<double>();
+    }
+  }
+}
+
 TEST(StrategyPlacement, PrintsEachScheme) {
   const auto cpu = c10::DeviceType::CPU;
   EXPECT_EQ(hs::Placement::from_flags("single", 1, "host", cpu, {}).to_string(),

@@ -101,12 +101,15 @@ def batch_norm_act(
     eps: float = 1e-5,
     activation: str = "identity",
     negative_slope: float = 0.01,
+    num_batches_tracked: Optional[Tensor] = None,
 ) -> Tensor:
     """torch.nn.functional.batch_norm followed by an activation ("identity", "relu" or "leaky_relu" with
     negative_slope > 0), fused in one hierpar::batch_norm_act. In training mode the running statistics, when
-    given, are updated in place with `momentum`, as torch's are."""
+    given, are updated in place with `momentum`, as torch's are, and num_batches_tracked (an int64 scalar), when
+    given, gets 1 added by the same kernel."""
     return torch.ops.hierpar.batch_norm_act(
-        input, weight, bias, running_mean, running_var, training, momentum, eps, activation, negative_slope
+        input, weight, bias, running_mean, running_var, training, momentum, eps, activation, negative_slope,
+        num_batches_tracked
     )[0]
 
 

@@ -46,11 +46,19 @@ class _BatchNormActForward(_BatchNorm):
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         average_factor = 0.0 if self.momentum is None else self.momentum
+        # The op's kernel counts the batch, unless the count is needed here first (cumulative average) or the
+        # buffer is not an int64 scalar on the input's device.
+        counter: Optional[Tensor] = None
         if self.training and self.track_running_stats:
             if self.num_batches_tracked is not None:
-                self.num_batches_tracked.add_(1)
-                if self.momentum is None:
-                    average_factor = 1.0 / float(self.num_batches_tracked)
+                tracked = self.num_batches_tracked
+                counted = tracked.dtype == torch.int64 and tracked.device == input.device
+                if self.momentum is None or not counted:
+                    self.num_batches_tracked.add_(1)
+                    if self.momentum is None:
+                        average_factor = 1.0 / float(self.num_batches_tracked)
+                else:
+                    counter = self.num_batches_tracked
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         # Training without tracking passes no running statistics (none are updated), like torch.
         pass_running_stats = not self.training or self.track_running_stats
@@ -65,6 +73,7 @@ class _BatchNormActForward(_BatchNorm):
             self.eps,
             self.activation,
             self.negative_slope,
+            counter,
         )
 
 

@@ -104,13 +104,21 @@ torch::Tensor BatchNormActImplBase<Derived>::forward(const torch::Tensor& input)
   TORCH_CHECK(input.dim() == 4, name(), ": input: expected a 4-d tensor (N, C, H, W), got ", input.dim(), "-d ",
               input.sizes());
   double momentum = options.momentum().value_or(0.0);
-  if (this->is_training() && options.track_running_stats()) {
+  BatchNormSync* sync = this->is_training() ? batch_norm_sync() : nullptr;
+  const bool counting = this->is_training() && options.track_running_stats();
+  // The op's kernel counts the batch (no launch of its own) unless the count is needed here first (for the
+  // cumulative moving average's momentum, and before synchronized statistics) or the buffer is not the op's int64
+  // scalar on the input's device (Module::to(dtype) converts integer buffers too).
+  const bool op_counts = counting && options.momentum().has_value() && sync == nullptr &&
+                         num_batches_tracked.scalar_type() == torch::kLong &&
+                         num_batches_tracked.device() == input.device();
+  if (counting && !op_counts) {
     num_batches_tracked.add_(1);
     if (!options.momentum().has_value()) {  // cumulative moving average, like torch::nn
       momentum = 1.0 / num_batches_tracked.template item<double>();
     }
   }
-  if (BatchNormSync* sync = batch_norm_sync(); sync != nullptr && this->is_training()) {
+  if (sync != nullptr) {
     // Synchronized statistics (not the default): the activation is applied after, unfused.
     torch::Tensor y = sync->forward(input, weight, bias, running_mean, running_var, momentum, options.eps());
     switch (activation) {
@@ -129,7 +137,8 @@ torch::Tensor BatchNormActImplBase<Derived>::forward(const torch::Tensor& input)
   }
   auto opt = [](const torch::Tensor& t) { return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt; };
   return std::get<0>(hierpar::ops::batch_norm_act(input, opt(weight), opt(bias), rm, rv, use_batch_stats, momentum,
-                                                  options.eps(), to_string(activation), negative_slope));
+                                                  options.eps(), to_string(activation), negative_slope,
+                                                  op_counts ? opt(num_batches_tracked) : std::nullopt));
 }
 
 template class BatchNormActImplBase<BatchNormAct2dImpl>;

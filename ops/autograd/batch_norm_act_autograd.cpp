@@ -4,7 +4,8 @@
 // What is saved: the OUTPUT (plus weight, bias and the fp32 statistics) for identity and leaky_relu, whose
 // backward recovers the pre-activation by inverting the activation; for relu the INPUT as well, because
 // the negative half of the pre-activation is lost and grad_input needs xhat at every element (see
-// docs/batch_norm_act.md). The running statistics are updated in place and are not differentiable.
+// docs/batch_norm_act.md). The running statistics and num_batches_tracked are updated in place and are not
+// differentiable.
 #include "hierpar/ops.h"
 
 #include <ATen/core/Tensor.h>
@@ -22,22 +23,30 @@ using torch::autograd::variable_list;
 
 bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// The buffers a training forward updates in place: new versions, seen by anyone holding a saved copy.
+void bump_buffers(bool training, const std::optional<at::Tensor>& running_mean,
+                  const std::optional<at::Tensor>& running_var, const std::optional<at::Tensor>& num_batches_tracked) {
+  if (!training) return;
+  for (const auto* buffer : {&running_mean, &running_var, &num_batches_tracked}) {
+    if (present(*buffer)) torch::autograd::impl::bump_version(**buffer);
+  }
+}
+
 class BatchNormActFunction : public torch::autograd::Function<BatchNormActFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
                                const std::optional<at::Tensor>& running_var, bool training, double momentum,
-                               double eps, c10::string_view activation, double slope) {
+                               double eps, c10::string_view activation, double slope,
+                               const std::optional<at::Tensor>& num_batches_tracked) {
     at::Tensor output, save_mean, save_invstd;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
-          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope);
+          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
+          num_batches_tracked);
     }
-    if (training && present(running_mean)) {  // in-place updates, seen by anyone holding a saved copy
-      torch::autograd::impl::bump_version(*running_mean);
-      torch::autograd::impl::bump_version(*running_var);
-    }
+    bump_buffers(training, running_mean, running_var, num_batches_tracked);
     const bool relu = activation == "relu";
     ctx->save_for_backward({relu ? input : at::Tensor(), output, present(weight) ? *weight : at::Tensor(),
                             present(bias) ? *bias : at::Tensor(), save_mean, save_invstd});
@@ -56,7 +65,7 @@ class BatchNormActFunction : public torch::autograd::Function<BatchNormActFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(10);  // one per forward argument
+    variable_list result(11);  // one per forward argument
     const at::Tensor& grad_output = grads[0];
     if (!grad_output.defined()) return result;
     auto saved = ctx->get_saved_variables();
@@ -80,7 +89,8 @@ class BatchNormActFunction : public torch::autograd::Function<BatchNormActFuncti
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope) {
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
   auto requires = [](const std::optional<at::Tensor>& t) { return present(t) && t->requires_grad(); };
   if (!at::GradMode::is_enabled() || !(input.requires_grad() || requires(weight) || requires(bias))) {
     // Nothing to differentiate (inference, or frozen inputs and parameters): no Function node, no saved
@@ -89,16 +99,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
-          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope);
+          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
+          num_batches_tracked);
     }
-    if (training && present(running_mean)) {
-      torch::autograd::impl::bump_version(*running_mean);
-      torch::autograd::impl::bump_version(*running_var);
-    }
+    bump_buffers(training, running_mean, running_var, num_batches_tracked);
     return {output, save_mean, save_invstd};
   }
   auto r = BatchNormActFunction::apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                       activation, slope);
+                                       activation, slope, num_batches_tracked);
   return {r[0], r[1], r[2]};
 }
 

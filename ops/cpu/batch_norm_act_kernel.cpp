@@ -37,9 +37,11 @@ at::Tensor param_or(const std::optional<at::Tensor>& p, int64_t c, double fill, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
     const at::Tensor& input_, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope) {
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
   Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope);
+  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
+                             num_batches_tracked);
   auto layout = layout_of(input_);
   at::Tensor input = input_.contiguous(layout);
   Strides s = strides_of(g, layout);
@@ -99,6 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
     });
   });
 
+  if (training && present(num_batches_tracked)) num_batches_tracked->add_(1);
   if (training && present(running_mean)) {
     // PyTorch's update: the running variance takes the unbiased batch variance.
     const double n = static_cast<double>(g.reduce());

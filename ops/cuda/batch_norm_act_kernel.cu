@@ -361,6 +361,7 @@ struct ForwardArgs {
   acc_t momentum, eps, slope;
   Act act;
   bool training;
+  int64_t* num_batches_tracked;  // nullable: incremented with channel 0's running statistics
 
   // What finalize reads of channel ch (the running statistics only `with_running`).
   struct Channel {
@@ -390,6 +391,9 @@ struct ForwardArgs {
         running_mean[ch] = (acc_t(1) - momentum) * c.running_mean + momentum * mean;
         running_var[ch] = (acc_t(1) - momentum) * c.running_var + momentum * unbiased;
       }
+      // Here rather than by an add kernel of the layer's: in a DCGAN step those were 14 launches, most of them
+      // on the critical path of the captured step.
+      if (num_batches_tracked != nullptr && ch == 0) *num_batches_tracked += 1;
     }
     affine(c, mean, invstd, scale, shift);
   }
@@ -1144,9 +1148,11 @@ void launch_forward(const Geometry& g, const at::Tensor& input, at::Tensor& out,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
     const at::Tensor& input_, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope) {
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
   Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope);
+  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
+                             num_batches_tracked);
   c10::cuda::CUDAGuard guard(input_.device());
   auto layout = layout_of(input_);
   // With H*W == 1 both layouts are the row-major [N, C] matrix: address it as channels_last (coalesced).
@@ -1179,7 +1185,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
                             static_cast<acc_t>(eps),
                             static_cast<acc_t>(slope),
                             act,
-                            training};
+                            training,
+                            training && present(num_batches_tracked) ? num_batches_tracked->data_ptr<int64_t>()
+                                                                     : nullptr};
     const bool vec = use_vectors<scalar_t>(g, cl, {&input, &out});
     if (cl) {
       if (vec) launch_forward<scalar_t, acc_t, true, kVec<scalar_t>>(g, input, out, args, training, stream);

@@ -13,9 +13,11 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope) {
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
   Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input, weight, bias, running_mean, running_var, training, momentum, eps, act, slope);
+  Geometry g = check_forward(input, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
+                             num_batches_tracked);
   auto stats = input.options().dtype(stats_dtype(input.scalar_type()));
   return {at::empty(input.sizes(), input.options().memory_format(layout_of(input))), at::empty({g.c}, stats),
           at::empty({g.c}, stats)};

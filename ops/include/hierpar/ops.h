@@ -25,12 +25,14 @@ at::Tensor max_pool2d_backward(const at::Tensor& grad_output, const at::Tensor& 
 
 // BatchNorm2d fused with an activation: "identity", "relu" or "leaky_relu" (negative slope `slope`).
 // Training mode normalises with the batch statistics and updates running_mean/running_var in place
-// (when given) with `momentum`; eval mode uses the running statistics.
+// (when given) with `momentum`, and adds 1 to num_batches_tracked (when given: an int64 scalar on the input's
+// device) in the same kernel; eval mode uses the running statistics.
 // Returns (output, save_mean, save_invstd); the statistics used, in fp32, for the backward.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation = "identity", double slope = 0.01);
+    double momentum, double eps, c10::string_view activation = "identity", double slope = 0.01,
+    const std::optional<at::Tensor>& num_batches_tracked = std::nullopt);
 
 // Backward of batch_norm_act from its saved output (the pre-activation is recovered by inverting the
 // activation); `input` is needed only for "relu", which loses the negative half. Returns

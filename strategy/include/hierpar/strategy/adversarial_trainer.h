@@ -58,7 +58,8 @@ namespace hierpar::strategy {
 
 // A loss on D's logits against an all-real (true) or all-fake (false) target.
 using AdversarialLoss = std::function<torch::Tensor(const torch::Tensor& logits, bool real_target)>;
-// Binary cross-entropy with logits, mean over the batch (DCGAN's loss with the sigmoid folded in).
+// Binary cross-entropy with logits, mean over the batch (DCGAN's loss with the sigmoid folded in): the values and
+// gradients of torch::binary_cross_entropy_with_logits against a target of all ones (real) or all zeros.
 torch::Tensor bce_with_logits_loss(const torch::Tensor& logits, bool real_target);
 
 struct AdamSettings {
