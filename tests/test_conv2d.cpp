@@ -492,6 +492,9 @@ TEST(Conv2dCuda, SmallCinK4S2P1Tf32TensorCoreKernels) {
     const std::string what = "CUDA TF32 small C_in " + c.describe();
     check_case(c, t, what);
     // The tensor-core kernels did compute it: TF32's rounding makes every result differ from the true-fp32 one.
+    // With one input channel the input's layout is ambiguous and the output may be NCHW (as ATen's: with an NCHW
+    // weight); the gradients then come from an NCHW grad_output, through the CUDA-core kernel and the general
+    // path, so only the forward is checked there.
     const auto got = run(c, t, /*aten=*/false);
     Results exact;
     {
@@ -499,8 +502,10 @@ TEST(Conv2dCuda, SmallCinK4S2P1Tf32TensorCoreKernels) {
       exact = run(c, t, /*aten=*/false);
     }
     EXPECT_FALSE(torch::equal(got.output, exact.output)) << what << ": forward not on the TF32 kernel";
-    EXPECT_FALSE(torch::equal(got.grad_input, exact.grad_input)) << what << ": grad_input not on the TF32 kernel";
-    EXPECT_FALSE(torch::equal(got.grad_weight, exact.grad_weight)) << what << ": grad_weight not on the TF32 kernel";
+    if (c.cin > 1) {
+      EXPECT_FALSE(torch::equal(got.grad_input, exact.grad_input)) << what << ": grad_input not on the TF32 kernel";
+      EXPECT_FALSE(torch::equal(got.grad_weight, exact.grad_weight)) << what << ": grad_weight not on the TF32 kernel";
+    }
   }
 }
 

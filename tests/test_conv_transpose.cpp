@@ -533,8 +533,9 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutTf32TensorCoreKernels) {
   HIERPAR_REQUIRE_CUDA();
   // fp32 with TF32 on for convolutions (stock's default) and C_in % 16 == 0 takes the small-C_out tensor-core
   // kernels as TF32 (m16n8k8): the forward and grad_weight with a channels_last input, grad_input with a
-  // channels-innermost grad_output (16-byte row copies when its rows are whole 16-byte units, i.e. 2 W C_out % 4 == 0,
-  // strided loads otherwise); an NCHW grad_output leaves grad_input to the true-fp32 CUDA-core kernel. C_out 1..4, C_in across the
+  // channels-innermost (or single-channel) grad_output (16-byte row copies when its rows are whole 16-byte units,
+  // i.e. 2 W C_out % 4 == 0, strided loads otherwise); an NCHW grad_output with C_out > 1 leaves grad_input to the
+  // true-fp32 CUDA-core kernel (the C_out = 2 case below). C_out 1..4, C_in across the
   // forward's 16-channel chunks and the grad kernels' 32-channel ones (16..96), odd sizes across the 32 x 8 position
   // tile, batch 1, bias or not; batches large enough that the persistent blocks loop over several images (300 one-
   // tile images) and grad_weight's blocks over many tiles. Against ATen in float64 at the TF32 tolerance.

@@ -8,7 +8,7 @@
 //    row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel reads its inputs about once (the tiles'
 //    halos aside). The forward and grad_weight need channels innermost (channels_last) input for their 16-byte
 //    copies; grad_input copies a dense channels_last grad_output's rows 16 bytes at a time too, and reads any other
-//    grad_output through its strides (in fp32 only one whose channels are innermost). The forward and grad_input blocks are persistent (one per resident slot,
+//    grad_output through its strides (in fp32 only one whose channels are innermost, or a single channel). The forward and grad_input blocks are persistent (one per resident slot,
 //    looping over the images) and copy the next image while multiplying this one; both stage their output tile in
 //    shared memory and write it as 16-byte vectors where the output's layout allows.
 //  - otherwise (fp32 with TF32 off for convolutions, which keeps true fp32 arithmetic here, odd channel counts, an
@@ -972,10 +972,10 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
   a.os = strides_of(grad_input);
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dtype = grad_output4.scalar_type();
-  // fp32 (TF32) takes the tensor-core kernel where grad_output's channels are innermost: reading an NCHW one element
-  // by element (a pixel's channels in C_out planes), it measured 39.7 us against the CUDA-core kernel's 18.6
-  // (batch 64, 32 -> 3, H200).
-  if (mma_applies(g, dtype) && (dtype != at::kFloat || a.gos.c == 1)) {
+  // fp32 (TF32) takes the tensor-core kernel where grad_output's channels are innermost (one channel always is):
+  // reading an NCHW one element by element (a pixel's channels in C_out planes), it measured 39.7 us against the
+  // CUDA-core kernel's 18.6 (batch 64, 32 -> 3, H200).
+  if (mma_applies(g, dtype) && (dtype != at::kFloat || a.gos.c == 1 || a.cout == 1)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
     const int chunks = (a.cin + kCiChunk - 1) / kCiChunk;
     const int64_t vec = vec_of(grad_input);
