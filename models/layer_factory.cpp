@@ -56,8 +56,9 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
     return {conv.ptr(), [conv, leaky_relu_slope, tf32_tiles](const torch::Tensor& x) mutable {
               // float32 on the GPU takes hierpar's kernels where all three passes run as TF32 on the tensor cores:
               // TF32 allowed for convolutions (as cuDNN would use it), a channels_last input, C_out % 16 == 0. There
-              // the layer's forward + backward at batch 64 takes 33.2 us against cuDNN's 99.0, and the batch-64 TF32
-              // channels_last step 1.017 ms against 1.152 before (H200, session 10, docs/conv_transpose.md).
+              // the layer's forward + backward at batch 64 takes 33.1 us against cuDNN's 98.0, and with it (and the
+              // generator's output layer on the same kernels) the TF32 channels_last step takes 1.000 ms at batch 64
+              // and 6.38 at 1024, against 1.152 and 7.92 before (graphs, H200, session 10, docs/conv_transpose.md).
               // Otherwise it stays on cuDNN: hierpar's true-fp32 kernels run on the CUDA cores, and in the session 8
               // step they measured slower where the arithmetic grows (batch-1024 TF32 step 10.73 ms against 7.92 with
               // them and the middle k4s2p1 layers on hierpar; docs/training_step.md). bf16/fp16, autocast included,
