@@ -8,9 +8,10 @@
 //    row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel reads its inputs about once (the tiles'
 //    halos aside). The forward and grad_weight need channels innermost (channels_last) input for their 16-byte
 //    copies; grad_input copies a dense channels_last grad_output's rows 16 bytes at a time too, and reads any other
-//    grad_output through its strides (in fp32 only one whose channels are innermost, or a single channel). The forward and grad_input blocks are persistent (one per resident slot,
-//    looping over the images) and copy the next image while multiplying this one; both stage their output tile in
-//    shared memory and write it as 16-byte vectors where the output's layout allows.
+//    grad_output through its strides (in fp32 only one whose channels are innermost, or a single channel). The
+//    forward and grad_input blocks are persistent (one per resident slot, looping over the images) and copy the next
+//    image while multiplying this one; both stage their output tile in shared memory and write it as 16-byte vectors
+//    where the output's layout allows.
 //  - otherwise (fp32 with TF32 off for convolutions, which keeps true fp32 arithmetic here, odd channel counts, an
 //    NCHW input to the forward, an NCHW fp32 grad_output to grad_input): CUDA-core kernels reading every tensor
 //    through its strides.
@@ -250,8 +251,8 @@ __global__ void __launch_bounds__(kThreads) small_cout_grad_input_kernel(const S
 //  - grad_input: K = (ky, kx, co) = 64, N = ci; A is the 4 x 4 x 4 grad_output patch of the position, read from the
 //    staged grad_output tile as 32-bit channel pairs.
 //  - grad_weight: M = ci, N = (ky, kx, co) = 64, K = input positions; A = x^T from the input tile (16-bit:
-//    ldmatrix.trans), B gathered from the grad_output tile. Blocks loop over tiles and keep their sums in registers; the
-//    blocks' partial sums are added in a fixed order by a second kernel (deterministic, no atomics).
+//    ldmatrix.trans), B gathered from the grad_output tile. Blocks loop over tiles and keep their sums in
+//    registers; the blocks' partial sums are added in a fixed order by a second kernel (deterministic, no atomics).
 constexpr int kMmaRows = 8, kMmaCols = 32;
 constexpr int kGoRows = 2 * kMmaRows + 2, kGoCols = 2 * kMmaCols + 2;  // grad_output pixels a tile's taps reach
 constexpr int kCiChunk = 32;                                           // input channels per grad block
