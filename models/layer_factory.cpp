@@ -4,6 +4,7 @@
 #include "hierpar/nn/conv_transpose.h"
 #include "hierpar/nn/max_pool.h"
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/conv2d.h>
 #include <torch/nn/functional/activation.h>
@@ -51,16 +52,22 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
                                 std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
   if (layers == LayerSet::hierpar && small_cin_k4s2p1) {
     nn::Conv2d conv(options);
-    return {conv.ptr(), [conv, leaky_relu_slope](const torch::Tensor& x) mutable {
-              // A float32 pass on the GPU stays on cuDNN (TF32): hierpar's fp32 kernels for this layer run on the
-              // CUDA cores. Alone at batch 64 they win (fwd+bwd 65.5 vs 98.4 us, session 8), but in the training
-              // step they measured slower where the arithmetic grows: with this layer and the middle k4s2p1 layers
-              // on hierpar in fp32, the batch-1024 TF32 step took 10.73 ms against 7.92, and batch 64 gained
-              // nothing (1.146 vs 1.152 ms; H200, session 8, docs/training_step.md). bf16/fp16, autocast included,
+    const bool tf32_tiles = options.out_channels() % 16 == 0;
+    return {conv.ptr(), [conv, leaky_relu_slope, tf32_tiles](const torch::Tensor& x) mutable {
+              // float32 on the GPU takes hierpar's kernels where all three passes run as TF32 on the tensor cores:
+              // TF32 allowed for convolutions (as cuDNN would use it), a channels_last input, C_out % 16 == 0. There
+              // the layer's forward + backward at batch 64 takes 33.1 us against cuDNN's 98.0, and with it (and the
+              // generator's output layer on the same kernels) the TF32 channels_last step takes 1.000 ms at batch 64
+              // and 6.38 at 1024, against 1.152 and 7.92 before (graphs, H200, session 10, docs/conv_transpose.md).
+              // Otherwise it stays on cuDNN: hierpar's true-fp32 kernels run on the CUDA cores, and in the session 8
+              // step they measured slower where the arithmetic grows (batch-1024 TF32 step 10.73 ms against 7.92 with
+              // them and the middle k4s2p1 layers on hierpar; docs/training_step.md). bf16/fp16, autocast included,
               // take hierpar's tensor-core kernels.
               const bool fp32_on_gpu = x.is_cuda() && x.scalar_type() == at::kFloat &&
                                        !at::autocast::is_autocast_enabled(at::kCUDA);
-              if (fp32_on_gpu) {
+              const bool tf32_kernels = tf32_tiles && at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) &&
+                                        x.is_contiguous(at::MemoryFormat::ChannelsLast);
+              if (fp32_on_gpu && !tf32_kernels) {
                 const auto y = at::conv2d(x, conv->weight, conv->bias, /*stride=*/{2, 2}, /*padding=*/{1, 1});
                 return leaky_relu_slope ? torch::leaky_relu(y, *leaky_relu_slope) : y;
               }

@@ -35,6 +35,21 @@ inline double conv_rel_tolerance(c10::ScalarType dtype, bool cuda) {
   }
 }
 
+// Sets whether fp32 convolutions may use TF32 (at::globalContext().allowTF32CuDNN, which hierpar's CUDA kernels follow
+// as stock's convolutions do) for the guard's lifetime, restoring the previous setting after, failures included.
+class Tf32ForConvolutions {
+ public:
+  explicit Tf32ForConvolutions(bool allow) : before_(at::globalContext().allowTF32CuDNN()) {
+    at::globalContext().setAllowTF32CuDNN(allow);
+  }
+  ~Tf32ForConvolutions() { at::globalContext().setAllowTF32CuDNN(before_); }
+  Tf32ForConvolutions(const Tf32ForConvolutions&) = delete;
+  Tf32ForConvolutions& operator=(const Tf32ForConvolutions&) = delete;
+
+ private:
+  bool before_;
+};
+
 // A forward + backward's results; grad_bias is undefined without a bias.
 struct ConvResults {
   torch::Tensor output, grad_input, grad_weight, grad_bias;

@@ -443,9 +443,9 @@ TEST(Conv2dCuda, OutputLayoutFollowsAten) {
 TEST(Conv2dCuda, SmallCinK4S2P1FastRouteEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1, C_in <= 4: the dual of conv_transpose2d's small-C_out kernels. Forward =
-  // k4s2p1_small_cout_grad_input (tensor cores for bf16/fp16 since C_out % 16 == 0, any input layout), grad_input =
-  // k4s2p1_small_cout_forward (tensor cores for a channels_last grad_output), grad_weight =
-  // k4s2p1_small_cout_grad_weight (bf16/fp16 with a channels_last grad_output; else the general path). C_out 16,
+  // k4s2p1_small_cout_grad_input (tensor cores for bf16/fp16 and fp32 as TF32 since C_out % 16 == 0, any input
+  // layout), grad_input = k4s2p1_small_cout_forward (tensor cores for a channels_last grad_output), grad_weight =
+  // k4s2p1_small_cout_grad_weight (tensor cores with a channels_last grad_output; else the general path). C_out 16,
   // 48 and 64 (the tensor-core kernels' 16- and 32-channel chunks), random sizes 2..40 (odd ones leave a remainder
   // and take the general route), batch 1, every layout, bias or not; plus the DCGAN layer at a small batch.
   std::vector<Case> cases;
@@ -465,6 +465,61 @@ TEST(Conv2dCuda, SmallCinK4S2P1FastRouteEveryLayoutAndDtype) {
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
       check_case(c, t, std::string("CUDA small C_in ") + c10::toString(dtype) + " " + c.describe());
     }
+  }
+}
+
+TEST(Conv2dCuda, SmallCinK4S2P1Tf32TensorCoreKernels) {
+  HIERPAR_REQUIRE_CUDA();
+  // fp32 with TF32 on for convolutions (stock's default), channels_last, C_out % 16 == 0: the dual small-C_out
+  // kernels as TF32 tensor-core kernels, every pass (forward = the dual grad_input, copying the image's rows 16
+  // bytes at a time when a row holds a multiple of 4 floats (W C_in % 4 == 0) and reading its strides otherwise;
+  // grad_input = the dual forward; grad_weight = the dual grad_weight). C_in 1..4, C_out 16..64, even sizes (odd ones
+  // take the general route) whose halves are odd or even, across the 32 x 8 position tile, batch 1, bias and the
+  // fused leaky_relu or not; the DCGAN layer; a batch large enough that the persistent blocks loop over images.
+  const hierpar::testing::Tf32ForConvolutions tf32(true);
+  std::vector<Case> cases;
+  for (int64_t cin = 1; cin <= 4; ++cin) {
+    cases.push_back(Case{cin == 1 ? 1 : rand_int(1, 4), cin, 16 * rand_int(1, 4), 2 * rand_int(1, 40),
+                         2 * rand_int(1, 40), 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, coin(), Layout::channels_last,
+                         coin(), false, random_slope()});
+  }
+  cases.push_back(Case{9, 3, 32, 64, 64, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, false, Layout::channels_last, false,
+                       false, 0.2});
+  cases.push_back(Case{200, 3, 48, 10, 14, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, true, Layout::channels_last, false,
+                       false});
+  for (const Case& c : cases) {
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+    const std::string what = "CUDA TF32 small C_in " + c.describe();
+    check_case(c, t, what);
+    // The tensor-core kernels did compute it: TF32's rounding makes every result differ from the true-fp32 one.
+    // With one input channel the input's layout is ambiguous and the output may be NCHW (as ATen's: with an NCHW
+    // weight); the gradients then come from an NCHW grad_output, through the CUDA-core kernel and the general
+    // path, so only the forward is checked there.
+    const auto got = run(c, t, /*aten=*/false);
+    Results exact;
+    {
+      const hierpar::testing::Tf32ForConvolutions fp32(false);
+      exact = run(c, t, /*aten=*/false);
+    }
+    EXPECT_FALSE(torch::equal(got.output, exact.output)) << what << ": forward not on the TF32 kernel";
+    if (c.cin > 1) {
+      EXPECT_FALSE(torch::equal(got.grad_input, exact.grad_input)) << what << ": grad_input not on the TF32 kernel";
+      EXPECT_FALSE(torch::equal(got.grad_weight, exact.grad_weight)) << what << ": grad_weight not on the TF32 kernel";
+    }
+  }
+}
+
+TEST(Conv2dCuda, SmallCinFp32WithoutTf32IsTrueFp32) {
+  HIERPAR_REQUIRE_CUDA();
+  // With TF32 off for convolutions, the layer above keeps true fp32 arithmetic (the CUDA-core kernels and the general
+  // path's grad_weight): the CPU's tolerance holds.
+  const hierpar::testing::Tf32ForConvolutions fp32(false);
+  for (const Case& c : {Case{3, 3, 32, 20, 18, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, true, Layout::channels_last, false,
+                             false},
+                        Case{1, 1, 16, 14, 36, 1, {4, 4}, {2, 2}, {1, 1}, {1, 1}, false, Layout::channels_last, true,
+                             false}}) {
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+    compare(run(c, t, false), run(c, t, true, torch::kDouble), 1e-5, "CUDA fp32 without TF32 " + c.describe());
   }
 }
 

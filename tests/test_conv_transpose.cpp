@@ -486,7 +486,9 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   //    sizes across the 32 x 8 position tile (odd, 1..40, non-square); batches large enough that the persistent
   //    blocks loop over several images or tiles (140 images of 4 tiles; 700 one-tile images in three 16-channel
   //    forward chunks, against at most 4 blocks per SM).
-  //  - fp32 and the other channel counts take the CUDA-core kernels (C_in 1..150 across their 16-channel forward and
+  //  - fp32 (TF32 on, the default) with C_in % 16 == 0 takes the same kernels as TF32 (more in
+  //    K4S2P1SmallCoutTf32TensorCoreKernels).
+  //  - the other channel counts take the CUDA-core kernels (C_in 1..150 across their 16-channel forward and
   //    64-channel grad_input chunks), every input layout (strided views are read in place); their grad_weight goes
   //    the general path (column buffer + GEMM).
   // Batch 1 and odd, both weight layouts, unbatched inputs.
@@ -527,15 +529,72 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   }
 }
 
+TEST(ConvTransposeCuda, K4S2P1SmallCoutTf32TensorCoreKernels) {
+  HIERPAR_REQUIRE_CUDA();
+  // fp32 with TF32 on for convolutions (stock's default) and C_in % 16 == 0 takes the small-C_out tensor-core
+  // kernels as TF32 (m16n8k8): the forward and grad_weight with a channels_last input, grad_input with a
+  // channels-innermost (or single-channel) grad_output (16-byte row copies when its rows are whole 16-byte units,
+  // i.e. 2 W C_out % 4 == 0, strided loads otherwise); an NCHW grad_output with C_out > 1 leaves grad_input to the
+  // true-fp32 CUDA-core kernel (the C_out = 2 case below). C_out 1..4, C_in across the
+  // forward's 16-channel chunks and the grad kernels' 32-channel ones (16..96), odd sizes across the 32 x 8 position
+  // tile, batch 1, bias or not; batches large enough that the persistent blocks loop over several images (300 one-
+  // tile images) and grad_weight's blocks over many tiles. Against ATen in float64 at the TF32 tolerance.
+  const hierpar::testing::Tf32ForConvolutions tf32(true);
+  struct Tf32Case {
+    Case c;
+    bool grad_output_nchw;  // grad_input then takes the CUDA-core kernel
+  };
+  std::vector<Tf32Case> cases;
+  for (int64_t cout = 1; cout <= 4; ++cout) {
+    cases.push_back({Case{cout == 1 ? 1 : rand_int(1, 4), 16 * rand_int(1, 6), cout, 2 * rand_int(0, 20) + 1,
+                          2 * rand_int(0, 20) + 1, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, coin(),
+                          Layout::channels_last, coin(), false},
+                     cout == 2});
+  }
+  cases.push_back({Case{9, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
+                        false, false},
+                   false});
+  cases.push_back({Case{300, 48, 3, 5, 7, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
+                        false, false},
+                   false});
+  cases.push_back({Case{1, 96, 4, 17, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
+                        true, false},
+                   true});
+  for (const auto& [c, grad_output_nchw] : cases) {
+    auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+    if (grad_output_nchw) t.grad_output = t.grad_output.contiguous();
+    const std::string what = std::string("CUDA TF32 small C_out ") + c.describe() +
+                             (grad_output_nchw ? " grad_output NCHW" : "");
+    const auto got = check_cuda_case(c, t, torch::kFloat, what);
+    // Deterministic (no atomics): each gradient alone equals the joint call bit for bit.
+    EXPECT_TRUE(torch::equal(std::get<1>(backward_only(c, t, {false, true, false})), got.grad_weight)) << what;
+    EXPECT_TRUE(torch::equal(std::get<0>(backward_only(c, t, {true, false, false})), got.grad_input)) << what;
+    // The tensor-core kernels did compute it: TF32's rounding makes every result differ from the true-fp32 one
+    // (grad_input from an NCHW grad_output is the true-fp32 kernel's, bit for bit).
+    Results exact;
+    {
+      const hierpar::testing::Tf32ForConvolutions fp32(false);
+      exact = run(c, t, /*aten=*/false);
+    }
+    EXPECT_FALSE(torch::equal(got.output, exact.output)) << what << ": forward not on the TF32 kernel";
+    EXPECT_EQ(torch::equal(got.grad_input, exact.grad_input), grad_output_nchw) << what << ": grad_input's kernel";
+    EXPECT_FALSE(torch::equal(got.grad_weight, exact.grad_weight)) << what << ": grad_weight not on the TF32 kernel";
+  }
+}
+
 TEST(ConvTransposeCuda, Fp32FollowsTheConvolutionTf32Flag) {
   HIERPAR_REQUIRE_CUDA();
-  // With TF32 off for convolutions, fp32 is full fp32: the CPU's tolerance holds.
-  const bool before = at::globalContext().allowTF32CuDNN();
-  at::globalContext().setAllowTF32CuDNN(false);
-  Case c{4, 64, 32, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last, false, false};
-  const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
-  compare(run(c, t, false), run(c, t, true, torch::kDouble), 1e-5, "CUDA fp32 without TF32 " + c.describe());
-  at::globalContext().setAllowTF32CuDNN(before);
+  // With TF32 off for convolutions, fp32 is full fp32: the CPU's tolerance holds, on the k4s2p1 implicit GEMMs and
+  // on the small-C_out route (its CUDA-core kernels and the general path's grad_weight, not the TF32 kernels that
+  // the same channels_last shapes take with TF32 on).
+  const hierpar::testing::Tf32ForConvolutions fp32(false);
+  for (const Case& c :
+       {Case{4, 64, 32, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last, false, false},
+        Case{3, 32, 3, 9, 11, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last, false, false},
+        Case{1, 48, 1, 13, 6, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last, true, false}}) {
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+    compare(run(c, t, false), run(c, t, true, torch::kDouble), 1e-5, "CUDA fp32 without TF32 " + c.describe());
+  }
 }
 
 TEST(ConvTransposeCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBackward) {
@@ -549,7 +608,7 @@ TEST(ConvTransposeCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBac
   // (a + b == b + a). So the shapes keep every atomic sum at <= 2 parts: batch 2 at 8x8 (K = 128 pixels for
   // grad_weight: one split), C_out = 16 in fp32 (grad_input K = 256: two splits), C_out = 32 only in bf16
   // (grad_input K = 512 of 64-wide tiles: two splits; channels_last takes the staged-patch kernel, no atomics).
-  // The small-C_out kernels use no atomics; their fp32 grad_weight is the general path's cuBLAS GEMM.
+  // The small-C_out kernels use no atomics; their grad_weight with an NCHW input is the general path's cuBLAS GEMM.
   struct Route {
     Case c;
     std::vector<torch::Dtype> dtypes;
@@ -560,8 +619,8 @@ TEST(ConvTransposeCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBac
                       {torch::kFloat, torch::kBFloat16}});
     routes.push_back({Case{2, 64, 32, 8, 8, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, false, false},
                       {torch::kBFloat16}});
-    // Small C_out: CUDA-core grad_input + general-path grad_weight (fp32), tensor-core kernels for both (bf16 with
-    // a channels_last input).
+    // Small C_out: tensor-core kernels for both gradients with a channels_last input (TF32 for fp32); with an NCHW
+    // one, tensor-core grad_input and the general path's grad_weight.
     routes.push_back({Case{2, 32, 3, 16, 16, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, layout, false, false},
                       {torch::kFloat, torch::kBFloat16}});
   }

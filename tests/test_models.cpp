@@ -7,6 +7,7 @@
 #include "hierpar/models/cnn.h"
 #include "hierpar/models/dcgan.h"
 #include "hierpar/models/layer_factory.h"
+#include "hierpar/ops.h"
 
 #include <map>
 
@@ -207,6 +208,32 @@ TEST(Models, FullWindowConv2dLayerMatchesAtenOnEveryInputSize) {
         hierpar::testing::expect_close(grads[0], grads_ref[0], scaled(rel, grads_ref[0]), "grad input");
         hierpar::testing::expect_close(grads[1], grads_ref[1], scaled(rel, grads_ref[1]), "grad weight");
       }
+    }
+  }
+}
+
+TEST(Models, SmallCinConv2dLayerTakesHierparInFp32WhereItsTf32KernelsApply) {
+  HIERPAR_REQUIRE_CUDA();
+  // The hierpar set's RGB input layer (3 -> 32, kernel 4, stride 2, padding 1, fused LeakyReLU) in fp32 on the GPU:
+  // hierpar::conv2d where its TF32 tensor-core kernels apply (TF32 on for convolutions, channels_last input),
+  // cuDNN's at::conv2d otherwise. Told apart bit for bit against each op called directly.
+  auto layer = hierpar::models::make_conv2d(
+      LayerSet::hierpar, torch::nn::Conv2dOptions(3, 32, 4).stride(2).padding(1).bias(false), std::optional<double>(0.2));
+  layer.module->to(torch::kCUDA);
+  const auto weight = layer.module->named_parameters()["weight"].detach();
+  const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kFloat);
+  for (const bool tf32 : {true, false}) {
+    const hierpar::testing::Tf32ForConvolutions flag(tf32);
+    for (const auto layout : {hierpar::testing::Layout::channels_last, hierpar::testing::Layout::contiguous}) {
+      const bool hierpar_kernels = tf32 && layout == hierpar::testing::Layout::channels_last;
+      SCOPED_TRACE(c10::str("TF32 ", tf32, ", ", hierpar::testing::to_string(layout)));
+      const auto x = hierpar::testing::random_tensor({2, 3, 16, 20}, opts, layout);
+      torch::NoGradGuard no_grad;
+      const auto y = layer.forward(x);
+      const auto expected = hierpar_kernels
+                                ? hierpar::ops::conv2d(x, weight, std::nullopt, {2, 2}, {1, 1}, {1, 1}, 1, 0.2)
+                                : torch::leaky_relu(at::conv2d(x, weight, {}, {2, 2}, {1, 1}), 0.2);
+      EXPECT_TRUE(torch::equal(y, expected)) << (hierpar_kernels ? "not hierpar::conv2d" : "not at::conv2d");
     }
   }
 }

@@ -2,7 +2,8 @@
 // layers). Private to hierpar_ops; conv_transpose_kernel.cu calls them when they apply.
 //  - conv_transpose_k4s2p1.cu: phase-decomposed implicit GEMMs on the tensor cores (C_out >= 16): mma.sync,
 //    and wgmma on Hopper for bf16/fp16;
-//  - conv_transpose_small_cout.cu: CUDA-core kernels for C_out <= kSmallCoutMax (the RGB / grayscale layer).
+//  - conv_transpose_small_cout.cu: kernels for C_out <= kSmallCoutMax (the RGB / grayscale layer): mma.sync for
+//    bf16/fp16 and TF32 (fp32 with TF32 on for convolutions) with C_in % 16 == 0, CUDA cores otherwise.
 #pragma once
 
 #include "conv_transpose_shape.h"
@@ -32,7 +33,8 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
 constexpr int64_t kSmallCoutMax = 4;
 
 // True when the small-C_out kernels compute this call: the k4s2p1 shape as above, C_out <= kSmallCoutMax,
-// C_in * C_out <= 1024, fp32 (true fp32 arithmetic, whatever the TF32 flag) / bf16 / fp16. Any layout, any bias.
+// C_in * C_out <= 1024, fp32 / bf16 / fp16. Any layout, any bias. fp32 follows the TF32 flag of convolutions
+// (allowTF32CuDNN(CONV)): TF32 tensor cores where it is on and the tensor-core kernels apply, true fp32 otherwise.
 bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype);
 
 // Every tensor is read / written through its strides (out and grad_input are allocated by the caller).
@@ -43,8 +45,8 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
 void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
                                   const at::Tensor& weight, const at::Tensor& grad_input,
                                   std::optional<double> leaky_relu_slope = std::nullopt);
-// grad_weight has a kernel here for bf16 / fp16 with C_in % 16 == 0 and an input whose channels are innermost
-// (channels_last); the other cases take the general path (column buffer + cuBLAS).
+// grad_weight has a kernel here for bf16 / fp16 / fp32-as-TF32 with C_in % 16 == 0 and an input whose channels are
+// innermost (channels_last); the other cases take the general path (column buffer + cuBLAS).
 bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, const at::Tensor& input4);
 void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
                                    const at::Tensor& input4, const at::Tensor& grad_weight);

@@ -2,26 +2,31 @@
 // 32 -> 3 channels). The layer is memory-bound (batch 1024 bf16: input 64 MB, output 25 MB, so each pass has a
 // ~25 us floor on an H200), but its arithmetic is not small either (3.2 GFLOP a pass), too much for the CUDA cores
 // to stay near that floor. So:
-//  - bf16 / fp16 with C_in % 16 == 0 (the DCGAN case): tensor-core kernels (mma.sync, fp32 accumulation) that
-//    treat each input position as a tiny GEMM row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel
-//    reads its inputs about once (the tiles' halos aside). The forward and grad_weight need channels innermost
-//    (channels_last) input for their 16-byte copies; grad_input copies a dense channels_last grad_output's rows
-//    16 bytes at a time too, and reads any other grad_output through its strides. The forward and grad_input blocks
-//    are persistent (one per resident slot, looping over the images) and copy the next image while multiplying
-//    this one; both stage their output tile in shared memory and write it as 16-byte vectors where the output's
-//    layout allows.
-//  - otherwise (fp32, which keeps true fp32 arithmetic here, or odd channel counts, or NCHW input): CUDA-core
-//    kernels reading every tensor through its strides. Forward: a block is a 32 x 8 tile of input positions (one
-//    thread each); per 16-channel chunk it stages the tile plus a one-pixel halo (fp32, channel-major so the
-//    threads' reads are conflict-free) and the chunk's weights, and each thread accumulates the 4 output pixels
-//    (2qy + py, 2qx + px) x C_out it owns from the 3 x 3 input neighbourhood. grad_input: a thread per input
-//    pixel keeps the 4 x 4 x C_out grad_output patch its taps read in registers and produces 8 input channels at
-//    a time against weights staged in shared memory. grad_weight takes the general path (im2col + cuBLAS): a
-//    CUDA-core reduction measured 1225 us at batch 1024 bf16 against stock's 227.
+//  - bf16 / fp16 with C_in % 16 == 0 (the DCGAN case), and fp32 with C_in % 16 == 0 where stock's convolutions use
+//    TF32 (allowTF32CuDNN(CONV), the default): tensor-core kernels (mma.sync, fp32 accumulation; fp32 operands
+//    staged as floats and rounded to TF32 as the fragments are read) that treat each input position as a tiny GEMM
+//    row, with C_out <= 4 zero-padded inside the MMA tiles; each kernel reads its inputs about once (the tiles'
+//    halos aside). The forward and grad_weight need channels innermost (channels_last) input for their 16-byte
+//    copies; grad_input copies a dense channels_last grad_output's rows 16 bytes at a time too, and reads any other
+//    grad_output through its strides (in fp32 only one whose channels are innermost, or a single channel). The
+//    forward and grad_input blocks are persistent (one per resident slot, looping over the images) and copy the next
+//    image while multiplying this one; both stage their output tile in shared memory and write it as 16-byte vectors
+//    where the output's layout allows.
+//  - otherwise (fp32 with TF32 off for convolutions, which keeps true fp32 arithmetic here, odd channel counts, an
+//    NCHW input to the forward, an NCHW fp32 grad_output to grad_input): CUDA-core kernels reading every tensor
+//    through its strides.
+//    Forward: a block is a 32 x 8 tile of input positions (one thread each); per 16-channel chunk it stages the
+//    tile plus a one-pixel halo (fp32, channel-major so the threads' reads are conflict-free) and the chunk's
+//    weights, and each thread accumulates the 4 output pixels (2qy + py, 2qx + px) x C_out it owns from the 3 x 3
+//    input neighbourhood. grad_input: a thread per input pixel keeps the 4 x 4 x C_out grad_output patch its taps
+//    read in registers and produces 8 input channels at a time against weights staged in shared memory.
+//    grad_weight takes the general path (im2col + cuBLAS): a CUDA-core reduction measured 1225 us at batch 1024
+//    bf16 against stock's 227.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
 #include "cuda/mma.cuh"
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -30,6 +35,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace hierpar::detail {
@@ -235,18 +241,18 @@ __global__ void __launch_bounds__(kThreads) small_cout_grad_input_kernel(const S
   }
 }
 
-// ---- tensor-core kernels (bf16 / fp16, C_in % 16 == 0) --------------------------------------------------------
+// ---- tensor-core kernels (bf16 / fp16, and fp32 as TF32; C_in % 16 == 0) ----------------------------------------
 // A block owns 8 rows x 32 columns of input positions, one row per warp (two 16-row MMA tiles of 16 positions).
 // The three passes as small GEMMs per position, with the zero-padded C_out (<= 4) spread along N or K:
 //  - forward: N = (py, px, co) = 16, K = (neighbour d of the 3 x 3 neighbourhood, ci): out[2q + p] gets
 //    x[q + d] * w[p + 1 - 2d]; phase row py = 0 never uses dy = +1 and py = 1 never dy = -1, so 12 of the 18
-//    (neighbour, 8-column half) MMAs remain. A comes straight from the staged input tile with ldmatrix (a pixel's
-//    16 channels are one 32-byte row), B (the weights of one 16-channel chunk) from shared memory.
+//    (neighbour, 8-column half) MMAs remain. A comes straight from the staged input tile (16-bit: ldmatrix, a
+//    pixel's 16 channels being one 32-byte row), B (the weights of one channel chunk) from shared memory.
 //  - grad_input: K = (ky, kx, co) = 64, N = ci; A is the 4 x 4 x 4 grad_output patch of the position, read from the
 //    staged grad_output tile as 32-bit channel pairs.
-//  - grad_weight: M = ci, N = (ky, kx, co) = 64, K = input positions; A = x^T by ldmatrix.trans from the input
-//    tile, B gathered from the grad_output tile. Blocks loop over tiles and keep their sums in registers; the
-//    blocks' partial sums are added in a fixed order by a second kernel (deterministic, no atomics).
+//  - grad_weight: M = ci, N = (ky, kx, co) = 64, K = input positions; A = x^T from the input tile (16-bit:
+//    ldmatrix.trans), B gathered from the grad_output tile. Blocks loop over tiles and keep their sums in
+//    registers; the blocks' partial sums are added in a fixed order by a second kernel (deterministic, no atomics).
 constexpr int kMmaRows = 8, kMmaCols = 32;
 constexpr int kGoRows = 2 * kMmaRows + 2, kGoCols = 2 * kMmaCols + 2;  // grad_output pixels a tile's taps reach
 constexpr int kCiChunk = 32;                                           // input channels per grad block
@@ -256,7 +262,60 @@ using mma::ldmatrix_x4;
 using mma::ldmatrix_x4_trans;
 using mma::smem_addr;
 
-__device__ inline uint32_t ld32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// A kernel's operand format. bf16 / fp16 (m16n8k16): elements staged as their 16 bits, two per fragment register.
+// fp32 (m16n8k8 TF32, used where stock would use TF32: see mma_applies): elements staged as floats, one per
+// register, rounded to TF32 (cvt.rna) as the fragments are read, so the staging copies stay plain 16-byte copies.
+// In 32-bit registers both fragment layouts are the same (mma.cuh): A rows g and g + 8, B column g, at the K
+// offsets kPack * t4 and kPack * t4 + kK / 2.
+template <typename scalar_t>
+struct Tc {
+  static constexpr bool kTf32 = std::is_same_v<scalar_t, float>;
+  using E = std::conditional_t<kTf32, float, uint16_t>;  // as staged in shared memory
+  static constexpr int kK = kTf32 ? 8 : 16;              // an MMA's K
+  static constexpr int kPack = kTf32 ? 1 : 2;            // elements per fragment register
+  static constexpr int kVec = 16 / int(sizeof(E));       // elements per 16-byte copy
+
+  // The fragment register holding p[0] (and p[1] for 16-bit).
+  __device__ static uint32_t word(const E* p) {
+    if constexpr (kTf32)
+      return mma::to_tf32(__float_as_uint(*p));
+    else
+      return *reinterpret_cast<const uint32_t*>(p);
+  }
+  // A fragment whose rows g and g + 8 start at r0 and r8 at the K step's first element.
+  __device__ static void load_a(uint32_t (&a)[4], const E* r0, const E* r8, int t4) {
+    const int k = kPack * t4;
+    a[0] = word(r0 + k);
+    a[1] = word(r8 + k);
+    a[2] = word(r0 + k + kK / 2);
+    a[3] = word(r8 + k + kK / 2);
+  }
+  // B fragment whose column g's K values start at col.
+  __device__ static void load_b(uint32_t (&b)[2], const E* col, int t4) {
+    b[0] = word(col + kPack * t4);
+    b[1] = word(col + kPack * t4 + kK / 2);
+  }
+  // v rounded to scalar_t, as staged.
+  __device__ static E bits(float v) {
+    if constexpr (kTf32)
+      return v;
+    else
+      return static_cast<scalar_t>(v).x;
+  }
+  // v0, v1 rounded to scalar_t at p, p + 1 (one 32- or 64-bit store).
+  __device__ static void store_pair(E* p, float v0, float v1) {
+    if constexpr (kTf32)
+      *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+    else
+      *reinterpret_cast<uint32_t*>(p) = uint32_t(bits(v0)) | uint32_t(bits(v1)) << 16;
+  }
+};
+
+// Four elements of one grad_output tile pixel (C_out padded to 4), stored by one 8- or 16-byte access.
+template <typename E>
+struct alignas(4 * sizeof(E)) Quad {
+  E v[4];
+};
 
 // Staging from global memory in two halves: every load of a thread is issued before the first store to shared
 // memory, so a block waits for one memory latency rather than one per loop trip (which, measured, made these
@@ -266,9 +325,9 @@ constexpr int kGoLoads = (kGoElems + kThreads - 1) / kThreads;
 
 // The grad_output pixels [2 iy0 - 1, 2 iy0 + 2 kMmaRows] x [2 ix0 - 1, 2 ix0 + 2 kMmaCols] of image n as
 // [row][column][co padded to 4] (zero outside the image and for co >= C_out).
-template <int CO>
-__device__ inline void load_grad_output(const SmallArgs& a, int n, int iy0, int ix0, uint16_t (&v)[kGoLoads]) {
-  const uint16_t* go = static_cast<const uint16_t*>(a.go) + n * a.gos.n;
+template <int CO, typename E>
+__device__ inline void load_grad_output(const SmallArgs& a, int n, int iy0, int ix0, E (&v)[kGoLoads]) {
+  const E* go = static_cast<const E*>(a.go) + n * a.gos.n;
 #pragma unroll
   for (int i = 0; i < kGoLoads; ++i) {
     const int e = threadIdx.x + i * kThreads, co = e & 3, p = e >> 2, r = p / kGoCols, c = p - r * kGoCols;
@@ -278,7 +337,8 @@ __device__ inline void load_grad_output(const SmallArgs& a, int n, int iy0, int 
       v[i] = go[co * a.gos.c + gy * a.gos.y + gx * a.gos.x];
   }
 }
-__device__ inline void store_grad_output(uint16_t* gs, const uint16_t (&v)[kGoLoads]) {
+template <typename E>
+__device__ inline void store_grad_output(E* gs, const E (&v)[kGoLoads]) {
 #pragma unroll
   for (int i = 0; i < kGoLoads; ++i) {
     const int e = threadIdx.x + i * kThreads;
@@ -290,86 +350,97 @@ __device__ inline void store_grad_output(uint16_t* gs, const uint16_t (&v)[kGoLo
 // byte span of at most kGoCols pixels of <= 4 channels, copied by cp.async as whole, aligned 16-byte units (one unit
 // of slack at either end), then spread into the [row][column][co padded to 4] tile. The element-wise loads of
 // load_grad_output cost ~1100 instructions per warp and tile in Nsight Compute, most of them address arithmetic.
-constexpr int kRawRowBytes = (kGoCols * 4 * 2 / 16 + 2) * 16;
-constexpr int kRawBytes = kGoRows * kRawRowBytes;
+// Sizes per element size ES (2 or 4 bytes).
+template <int ES>
+constexpr int kRawRowBytes = (kGoCols * 4 * ES / 16 + 2) * 16;
+template <int ES>
+constexpr int kRawBytes = kGoRows * kRawRowBytes<ES>;
 
 // The byte span of the tile's rows: pixels [2 ix0 - 1, 2 ix0 + kGoCols - 1) clipped to the image, widened to 16 bytes.
-template <int CO>
+template <int CO, int ES>
 __device__ inline int2 raw_row_span(const SmallArgs& a, int ix0) {
-  return make_int2((max(0, 2 * ix0 - 1) * CO * 2) & ~15, (min(2 * a.W, 2 * ix0 + kGoCols - 1) * CO * 2 + 15) & ~15);
+  return make_int2((max(0, 2 * ix0 - 1) * CO * ES) & ~15, (min(2 * a.W, 2 * ix0 + kGoCols - 1) * CO * ES + 15) & ~15);
 }
 
 // Issues (does not commit) the copies of image n's tile rows into raw.
-template <int CO>
+template <int CO, typename E>
 __device__ inline void issue_raw_rows(const SmallArgs& a, int n, int iy0, int ix0, char* raw) {
-  constexpr int kUnits = kRawRowBytes / 16;
-  const int2 span = raw_row_span<CO>(a, ix0);
-  const char* go = static_cast<const char*>(a.go) + int64_t(n) * a.gos.n * 2;
+  constexpr int ES = sizeof(E), kRowBytes = kRawRowBytes<ES>, kUnits = kRowBytes / 16;
+  const int2 span = raw_row_span<CO, ES>(a, ix0);
+  const char* go = static_cast<const char*>(a.go) + int64_t(n) * a.gos.n * ES;
   for (int v = threadIdx.x; v < kGoRows * kUnits; v += kThreads) {
     const int r = v / kUnits, off = span.x + (v - r * kUnits) * 16, gy = 2 * iy0 - 1 + r;
     if (gy >= 0 && gy < 2 * a.H && off < span.y)
-      cp_async16(raw + r * kRawRowBytes + off - span.x, go + int64_t(gy) * a.gos.y * 2 + off, true);
+      cp_async16(raw + r * kRowBytes + off - span.x, go + int64_t(gy) * a.gos.y * ES + off, true);
   }
 }
 
-template <int CO>
-__device__ inline void spread_raw_rows(const SmallArgs& a, int iy0, int ix0, const char* raw, uint16_t* gs) {
-  const int span_begin = raw_row_span<CO>(a, ix0).x;
+template <int CO, typename E>
+__device__ inline void spread_raw_rows(const SmallArgs& a, int iy0, int ix0, const char* raw, E* gs) {
+  constexpr int ES = sizeof(E);
+  const int span_begin = raw_row_span<CO, ES>(a, ix0).x;
   for (int p = threadIdx.x; p < kGoRows * kGoCols; p += kThreads) {
     const int r = p / kGoCols, c = p - r * kGoCols, gy = 2 * iy0 - 1 + r, gx = 2 * ix0 - 1 + c;
-    uint32_t v[4] = {0, 0, 0, 0};
+    Quad<E> q{};
     if (gy >= 0 && gy < 2 * a.H && gx >= 0 && gx < 2 * a.W) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(raw + r * kRawRowBytes + gx * CO * 2 - span_begin);
+      const E* src = reinterpret_cast<const E*>(raw + r * kRawRowBytes<ES> + gx * CO * ES - span_begin);
 #pragma unroll
-      for (int co = 0; co < CO; ++co) v[co] = src[co];
+      for (int co = 0; co < CO; ++co) q.v[co] = src[co];
     }
-    *reinterpret_cast<uint2*>(gs + p * 4) = make_uint2(v[0] | v[1] << 16, v[2] | v[3] << 16);
+    *reinterpret_cast<Quad<E>*>(gs + p * 4) = q;
   }
 }
 
-// CH: input channels staged at a time (16 or 32; the DCGAN's 32 are one chunk). Blocks are persistent: each walks
-// the images n = blockIdx.z, + gridDim.z, ... (one (image, chunk) step at a time) with two input-tile buffers, so the
-// next step's tile is copied while this one multiplies and stores, and the weights are staged once per block when
-// C_in is one chunk (per step otherwise).
-template <int CH>
+// CH: input channels staged at a time (16 or 32 for 16-bit, whose DCGAN 32 are one chunk; 16 for fp32, whose
+// 32-channel tiles would need 135 KB of shared memory, one block per SM, against 82 KB and two). Blocks are
+// persistent: each walks the images n = blockIdx.z, + gridDim.z, ... (one (image, chunk) step at a time) with two
+// input-tile buffers, so the next step's tile is copied while this one multiplies and stores, and the weights are
+// staged once per block when C_in is one chunk (per step otherwise).
+template <typename scalar_t, int CH>
 struct ForwardTile {
+  using E = typename Tc<scalar_t>::E;
   static constexpr int HY = kMmaRows + 2, HX = kMmaCols + 2;
-  static constexpr int LD = CH + 8;  // 48- or 80-byte rows: an ldmatrix's 8 rows (8 pixels) hit 8 distinct bank groups
+  // Rows padded by 16 bytes: an ldmatrix's 8 rows (8 pixels) hit 8 distinct bank groups (16-bit); the TF32
+  // fragments' 32-bit reads of rows g = 0..7 at t4 = 0..3 hit 32 distinct banks (row stride 20 or 36 words).
+  static constexpr int LD = CH + Tc<scalar_t>::kVec;
   static constexpr int kTileElems = HY * HX * LD;  // the chunk's channels of the tile plus a 1-pixel halo
   static constexpr int kWeightElems = 9 * 16 * LD;  // [neighbour][n = py*8 + px*4 + co][ci]
   // The output tile staged per warp (its two output rows of 2 * kMmaCols pixels x C_out <= 4), so that a dense
   // channels_last output is written in whole 16-byte vectors.
   static constexpr int kOutRowElems = 2 * kMmaCols * 4;
   static constexpr int kOutElems = kMmaRows * 2 * kOutRowElems;
-  static constexpr int kSmemBytes = (2 * kTileElems + kWeightElems + kOutElems) * 2;
+  static constexpr int kSmemBytes = (2 * kTileElems + kWeightElems + kOutElems) * int(sizeof(E));
 };
 
 template <typename scalar_t, int CO, int CH>
 __global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(const SmallArgs a, bool vec_store) {
-  using T = ForwardTile<CH>;
-  constexpr int HX = T::HX, LD = T::LD;
+  using T = ForwardTile<scalar_t, CH>;
+  using F = Tc<scalar_t>;
+  using E = typename F::E;
+  constexpr int HX = T::HX, LD = T::LD, VEC = F::kVec;
   constexpr int kWeightLoads = 9 * 16 * CH / kThreads;
   extern __shared__ __align__(16) uint16_t smem16[];
-  uint16_t* const wsm = smem16 + 2 * T::kTileElems;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  E* const smem = reinterpret_cast<E*>(smem16);
+  E* const wsm = smem + 2 * T::kTileElems;
+  const E* x = static_cast<const E*>(a.x);
+  const E* w = static_cast<const E*>(a.w);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int qx0 = blockIdx.x * kMmaCols, qy0 = blockIdx.y * kMmaRows, qy = qy0 + warp;
   const bool one_chunk = a.cin == CH;
-  uint16_t* const out_rows = wsm + T::kWeightElems + warp * 2 * T::kOutRowElems;  // this warp's two output rows
+  E* const out_rows = wsm + T::kWeightElems + warp * 2 * T::kOutRowElems;  // this warp's two output rows
 
-  auto issue_tile = [&](int n, int c0, uint16_t* xs) {
-    for (int v = threadIdx.x; v < T::HY * HX * (CH / 8); v += kThreads) {
-      const int p = v / (CH / 8), cv = v % (CH / 8), hy = p / HX, hx = p - hy * HX, y = qy0 - 1 + hy,
+  auto issue_tile = [&](int n, int c0, E* xs) {
+    for (int v = threadIdx.x; v < T::HY * HX * (CH / VEC); v += kThreads) {
+      const int p = v / (CH / VEC), cv = v % (CH / VEC), hy = p / HX, hx = p - hy * HX, y = qy0 - 1 + hy,
                 xx = qx0 - 1 + hx;
       const bool in = y >= 0 && y < a.H && xx >= 0 && xx < a.W;
-      cp_async16(xs + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c0 + cv * 8 : x, in);
+      cp_async16(xs + p * LD + cv * VEC, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c0 + cv * VEC : x, in);
     }
     mma::cp_async_commit();
   };
   // All loads before the first store (one memory latency, not kWeightLoads of them).
   auto stage_weights = [&](int c0) {
-    uint16_t wv[kWeightLoads];
+    E wv[kWeightLoads];
 #pragma unroll
     for (int i = 0; i < kWeightLoads; ++i) {
       const int e = threadIdx.x + i * kThreads, ci = e % CH, nn = (e / CH) & 15, d = e / (16 * CH);
@@ -387,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(con
   };
 
   int n = blockIdx.z, c0 = 0, buf = 0;
-  if (n < a.batch) issue_tile(n, 0, smem16);
+  if (n < a.batch) issue_tile(n, 0, smem);
   if (one_chunk) stage_weights(0);  // read only after the loop's second barrier
   float acc[2][2][4] = {};          // [16-position tile][py][fragment]
   while (n < a.batch) {
@@ -396,30 +467,29 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(con
     __syncthreads();  // the previous step's reads of the other buffer (and of the weights) are done
     if (!one_chunk) stage_weights(c0);
     if (next_n < a.batch) {
-      issue_tile(next_n, next_c0, smem16 + (buf ^ 1) * T::kTileElems);
+      issue_tile(next_n, next_c0, smem + (buf ^ 1) * T::kTileElems);
       mma::cp_async_wait<1>();  // this step's tile has landed; the next one stays in flight
     } else {
       mma::cp_async_wait<0>();
     }
     __syncthreads();
-    const uint16_t* xs = smem16 + buf * T::kTileElems;
+    const E* xs = smem + buf * T::kTileElems;
 #pragma unroll
     for (int d = 0; d < 9; ++d) {
       const int dy = d / 3 - 1, dx = d % 3 - 1;
 #pragma unroll
-      for (int kk = 0; kk < CH; kk += 16) {
+      for (int kk = 0; kk < CH; kk += F::kK) {
         uint32_t bf[2][2];
 #pragma unroll
-        for (int py = 0; py < 2; ++py) {
-          const uint16_t* wp = wsm + (d * 16 + py * 8 + g) * LD + kk + 2 * t4;
-          bf[py][0] = ld32(wp);
-          bf[py][1] = ld32(wp + 8);
-        }
+        for (int py = 0; py < 2; ++py) F::load_b(bf[py], wsm + (d * 16 + py * 8 + g) * LD + kk, t4);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           uint32_t af[4];
-          const int pix = (warp + 1 + dy) * HX + mt * 16 + (lane & 15) + 1 + dx;
-          ldmatrix_x4(af, smem_addr(xs + pix * LD + kk) + (lane >> 4) * 16);
+          const int pix = (warp + 1 + dy) * HX + mt * 16 + 1 + dx;  // the tile's first position
+          if constexpr (F::kTf32)
+            F::load_a(af, xs + (pix + g) * LD + kk, xs + (pix + g + 8) * LD + kk, t4);
+          else
+            ldmatrix_x4(af, smem_addr(xs + (pix + (lane & 15)) * LD + kk) + (lane >> 4) * 16);
           if (dy <= 0) mma::mma<scalar_t>(acc[mt][0], af, bf[0]);
           if (dy >= 0) mma::mma<scalar_t>(acc[mt][1], af, bf[1]);
         }
@@ -443,21 +513,21 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(con
               const int co = co0 + e;
               if (co >= CO) continue;
               const float b = bias != nullptr ? static_cast<float>(bias[co]) : 0.f;
-              const scalar_t v = static_cast<scalar_t>(acc[mt][py][2 * h + e] + b);
+              const float v = acc[mt][py][2 * h + e] + b;
               if (vec_store)  // staged as the output rows' bytes: pixel (2 col + px) x CO channels
-                out_rows[py * T::kOutRowElems + (2 * col + px) * CO + co] = v.x;
+                out_rows[py * T::kOutRowElems + (2 * col + px) * CO + co] = F::bits(v);
               else if (qy < a.H && qx < a.W)
-                out[co * a.os.c + (2 * qy + py) * a.os.y + (2 * qx + px) * a.os.x] = v;
+                out[co * a.os.c + (2 * qy + py) * a.os.y + (2 * qx + px) * a.os.x] = static_cast<scalar_t>(v);
             }
         }
       if (vec_store && qy < a.H) {
         __syncwarp();
         // Output row 2 qy + py, pixels [2 qx0, min(2 W, 2 qx0 + 2 kMmaCols)): contiguous, 16-byte aligned.
-        const int units = (min(2 * a.W, 2 * qx0 + 2 * kMmaCols) - 2 * qx0) * CO / 8;
+        const int units = (min(2 * a.W, 2 * qx0 + 2 * kMmaCols) - 2 * qx0) * CO / VEC;
         for (int v = lane; v < 2 * units; v += 32) {
           const int py = v / units, u = v - py * units;
-          *reinterpret_cast<uint4*>(out + (2 * qy + py) * a.os.y + 2 * qx0 * CO + u * 8) =
-              *reinterpret_cast<const uint4*>(out_rows + py * T::kOutRowElems + u * 8);
+          *reinterpret_cast<uint4*>(out + (2 * qy + py) * a.os.y + 2 * qx0 * CO + u * VEC) =
+              *reinterpret_cast<const uint4*>(out_rows + py * T::kOutRowElems + u * VEC);
         }
       }
 #pragma unroll
@@ -474,12 +544,19 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_forward_mma_kernel(con
 }
 
 // grad_input's shared memory: the grad_output tile, the weights, the output tile (staged so the block writes whole
-// 16-byte vectors), and two raw buffers for the kRawRows staging below.
-constexpr int kGiWeightLd = 64 + 8;  // [ci][k = (ky*4 + kx)*4 + co]: 144-byte rows, conflict-free B fragment reads
-constexpr int kGiOutLd = kCiChunk + 8;  // [position][ci]: 80-byte rows, conflict-free fragment stores
-constexpr int kGiSmemBytes =
-    (kGoElems + kCiChunk * kGiWeightLd + kMmaRows * kMmaCols * kGiOutLd) * 2 + 2 * kRawBytes;
-static_assert((kGoElems + kCiChunk * kGiWeightLd) * 2 % 16 == 0 && kRawBytes % 16 == 0, "16-byte aligned regions");
+// 16-byte vectors), and two raw buffers for the kRawRows staging below. Rows padded by 16 bytes: conflict-free B
+// fragment reads of the weights (144- or 272-byte rows) and fragment stores of the output tile (80 or 144 bytes).
+template <typename scalar_t>
+struct GradInputTile {
+  using E = typename Tc<scalar_t>::E;
+  static constexpr int kWeightLd = 64 + Tc<scalar_t>::kVec;  // [ci][k = (ky*4 + kx)*4 + co]
+  static constexpr int kOutLd = kCiChunk + Tc<scalar_t>::kVec;  // [position][ci]
+  static constexpr int kSmemBytes = (kGoElems + kCiChunk * kWeightLd + kMmaRows * kMmaCols * kOutLd) * int(sizeof(E)) +
+                                    2 * kRawBytes<sizeof(E)>;
+  static_assert((kGoElems + kCiChunk * kWeightLd) * sizeof(E) % 16 == 0 &&
+                    (kMmaRows * kMmaCols * kOutLd) * sizeof(E) % 16 == 0 && kRawBytes<sizeof(E)> % 16 == 0,
+                "16-byte aligned regions");
+};
 
 // Persistent blocks walk the images n = blockIdx.z, + gridDim.z, ... With kRawRows the next image's grad_output rows
 // are copied while this one multiplies and stores; otherwise (any strides) every element is loaded through the
@@ -487,23 +564,27 @@ static_assert((kGoElems + kCiChunk * kGiWeightLd) * 2 % 16 == 0 && kRawBytes % 1
 template <typename scalar_t, int CO, bool kRawRows>
 __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(const SmallArgs a, int tiles_x,
                                                                              bool vec_store) {
-  constexpr int LD = kGiWeightLd, kWeightLoads = kCiChunk * 64 / kThreads;
+  using T = GradInputTile<scalar_t>;
+  using F = Tc<scalar_t>;
+  using E = typename F::E;
+  constexpr int LD = T::kWeightLd, OUT_LD = T::kOutLd, VEC = F::kVec, kWeightLoads = kCiChunk * 64 / kThreads;
+  constexpr int kRaw = kRawBytes<sizeof(E)>;
   extern __shared__ __align__(16) uint16_t smem16[];
-  uint16_t* const gs = smem16;
-  uint16_t* const wsm = gs + kGoElems;
-  uint16_t* const outs = wsm + kCiChunk * LD;
-  char* const raw = reinterpret_cast<char*>(outs + kMmaRows * kMmaCols * kGiOutLd);
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  E* const gs = reinterpret_cast<E*>(smem16);
+  E* const wsm = gs + kGoElems;
+  E* const outs = wsm + kCiChunk * LD;
+  char* const raw = reinterpret_cast<char*>(outs + kMmaRows * kMmaCols * OUT_LD);
+  const E* w = static_cast<const E*>(a.w);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int ix0 = (blockIdx.x % tiles_x) * kMmaCols, iy0 = (blockIdx.x / tiles_x) * kMmaRows, iy = iy0 + warp;
   const int c0 = blockIdx.y * kCiChunk, channels = min(kCiChunk, a.cin - c0);
 
   if constexpr (kRawRows) {
-    if (blockIdx.z < a.batch) issue_raw_rows<CO>(a, blockIdx.z, iy0, ix0, raw);  // in flight with the weights'
+    if (blockIdx.z < a.batch) issue_raw_rows<CO, E>(a, blockIdx.z, iy0, ix0, raw);  // in flight with the weights'
     mma::cp_async_commit();
   }
   {
-    uint16_t wv[kWeightLoads];
+    E wv[kWeightLoads];
 #pragma unroll
     for (int i = 0; i < kWeightLoads; ++i) {
       const int e = threadIdx.x + i * kThreads, k = e & 63, ci = e >> 6, co = k & 3, tap = k >> 2;
@@ -522,71 +603,68 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(
     if constexpr (kRawRows) {
       __syncthreads();  // the other raw buffer was spread, and the tile read, in the previous trip
       if (n + int(gridDim.z) < a.batch) {
-        issue_raw_rows<CO>(a, n + gridDim.z, iy0, ix0, raw + (buf ^ 1) * kRawBytes);
+        issue_raw_rows<CO, E>(a, n + gridDim.z, iy0, ix0, raw + (buf ^ 1) * kRaw);
         mma::cp_async_commit();
         mma::cp_async_wait<1>();
       } else {
         mma::cp_async_wait<0>();
       }
       __syncthreads();  // every thread's copies of image n have landed
-      spread_raw_rows<CO>(a, iy0, ix0, raw + buf * kRawBytes, gs);
+      spread_raw_rows<CO>(a, iy0, ix0, raw + buf * kRaw, gs);
     } else {
-      uint16_t gv[kGoLoads];
+      E gv[kGoLoads];
       load_grad_output<CO>(a, n, iy0, ix0, gv);
       __syncthreads();  // the previous image's reads of the tile are done
       store_grad_output(gs, gv);
     }
     __syncthreads();
-    // A fragments of both 16-position tiles, K step s = ky: pixel (iy, ix) reads grad_output row 2*warp + ky of
-    // the tile, column 2*(ix - ix0) + kx with kx = t4 / 2 (+2), channels 2 * (t4 % 2) (+1).
-    uint32_t af[2][4][4];
+    // A fragments of both 16-position tiles, K step s covering k = (ky*4 + kx)*4 + co in [s kK, (s + 1) kK):
+    // position (iy, ix) reads grad_output row 2*warp + ky of the tile, column 2*(ix - ix0) + kx. Rows g + 8 are 8
+    // positions = 16 grad_output columns further.
+    constexpr int kSteps = 64 / F::kK;
+    uint32_t af[2][kSteps][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint16_t* p = gs + ((2 * warp + s) * kGoCols + 2 * (mt * 16 + g) + (t4 >> 1)) * 4 + (t4 & 1) * 2;
-        af[mt][s][0] = ld32(p);
-        af[mt][s][1] = ld32(p + 64);  // position + 8 = 16 grad_output columns further
-        af[mt][s][2] = ld32(p + 8);   // kx + 2
-        af[mt][s][3] = ld32(p + 72);
+      for (int s = 0; s < kSteps; ++s) {
+        const int ky = s * F::kK / 16, kx = s * F::kK % 16 / 4;
+        const E* p = gs + ((2 * warp + ky) * kGoCols + 2 * (mt * 16 + g) + kx) * 4;
+        F::load_a(af[mt][s], p, p + 64, t4);
       }
     // The warp's row of the output tile, [position][ci] in shared memory: fragment (row g (+8), ci 2*t4 (+1)).
-    uint16_t* const out_row = outs + warp * kMmaCols * kGiOutLd;
+    E* const out_row = outs + warp * kMmaCols * OUT_LD;
 #pragma unroll
     for (int nt = 0; nt < kCiChunk / 8; ++nt) {
       if (nt * 8 >= channels) break;
       float acc[2][4] = {};
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint16_t* wp = wsm + (nt * 8 + g) * LD + s * 16 + 2 * t4;
-        const uint32_t bf[2] = {ld32(wp), ld32(wp + 8)};
+      for (int s = 0; s < kSteps; ++s) {
+        uint32_t bf[2];
+        F::load_b(bf, wsm + (nt * 8 + g) * LD + s * F::kK, t4);
         mma::mma<scalar_t>(acc[0], af[0][s], bf);
         mma::mma<scalar_t>(acc[1], af[1][s], bf);
       }
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const scalar_t v0 = static_cast<scalar_t>(leaky(acc[mt][2 * h], a.grad_input_slope)),
-                         v1 = static_cast<scalar_t>(leaky(acc[mt][2 * h + 1], a.grad_input_slope));
-          *reinterpret_cast<uint32_t*>(out_row + (mt * 16 + g + 8 * h) * kGiOutLd + nt * 8 + 2 * t4) =
-              uint32_t(v0.x) | uint32_t(v1.x) << 16;
-        }
+        for (int h = 0; h < 2; ++h)
+          F::store_pair(out_row + (mt * 16 + g + 8 * h) * OUT_LD + nt * 8 + 2 * t4,
+                        leaky(acc[mt][2 * h], a.grad_input_slope), leaky(acc[mt][2 * h + 1], a.grad_input_slope));
     }
     __syncwarp();
     if (iy < a.H) {
-      uint16_t* gi = static_cast<uint16_t*>(a.out) + n * a.os.n + iy * a.os.y;
-      if (vec_store) {  // 8 channels a store
-        for (int v = lane; v < kMmaCols * kCiChunk / 8; v += 32) {
-          const int col = v / (kCiChunk / 8), q = v % (kCiChunk / 8);
-          if (ix0 + col < a.W && q * 8 < channels)
-            *reinterpret_cast<uint4*>(gi + (ix0 + col) * a.os.x + c0 + q * 8) =
-                *reinterpret_cast<const uint4*>(out_row + col * kGiOutLd + q * 8);
+      E* gi = static_cast<E*>(a.out) + n * a.os.n + iy * a.os.y;
+      if (vec_store) {  // VEC channels a store
+        for (int v = lane; v < kMmaCols * kCiChunk / VEC; v += 32) {
+          const int col = v / (kCiChunk / VEC), q = v % (kCiChunk / VEC);
+          if (ix0 + col < a.W && q * VEC < channels)
+            *reinterpret_cast<uint4*>(gi + (ix0 + col) * a.os.x + c0 + q * VEC) =
+                *reinterpret_cast<const uint4*>(out_row + col * OUT_LD + q * VEC);
         }
       } else {
         for (int v = lane; v < kMmaCols * kCiChunk; v += 32) {
           const int col = v / kCiChunk, c = v % kCiChunk;
-          if (ix0 + col < a.W && c < channels) gi[(ix0 + col) * a.os.x + (c0 + c) * a.os.c] = out_row[col * kGiOutLd + c];
+          if (ix0 + col < a.W && c < channels) gi[(ix0 + col) * a.os.x + (c0 + c) * a.os.c] = out_row[col * OUT_LD + c];
         }
       }
     }
@@ -596,20 +674,30 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_input_mma_kernel(
 // grad_weight's N: (tap, co) for the 16 taps and the real C_out channels, in 8-column MMA tiles.
 template <int CO>
 constexpr int kWgradTiles = (16 * CO + 7) / 8;
-constexpr int kWgradXLd = kCiChunk + 8;  // 80-byte rows: ldmatrix.trans's 8 rows fall in 8 distinct bank groups
-constexpr int kWgradStageElems = kMmaRows * kMmaCols * kWgradXLd + kGoElems;  // input tile + grad_output tile
-constexpr int kWgradSmemBytes = 2 * kWgradStageElems * 2;                    // double-buffered
-constexpr int kWgradRawSmemBytes = kWgradSmemBytes + 2 * kRawBytes;          // plus raw grad_output rows
+template <typename scalar_t>
+struct WgradTile {
+  using E = typename Tc<scalar_t>::E;
+  // [position][ci] rows of 40 elements: ldmatrix.trans's 8 rows (80 bytes apart) fall in 8 distinct bank groups
+  // (16-bit); the TF32 fragment reads (ci g, position t4), 40 t4 + g words apart, hit 32 distinct banks.
+  static constexpr int kXLd = kCiChunk + 8;
+  static constexpr int kStageElems = kMmaRows * kMmaCols * kXLd + kGoElems;  // input tile + grad_output tile
+  static constexpr int kSmemBytes = 2 * kStageElems * int(sizeof(E));      // double-buffered
+  static constexpr int kRawSmemBytes = kSmemBytes + 2 * kRawBytes<sizeof(E)>;  // plus raw grad_output rows
+};
 
 template <typename scalar_t, int CO, bool kRawRows>
 __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel(const SmallArgs a, int tiles_x,
                                                                                  int tiles, float* partial) {
-  constexpr int NT = kWgradTiles<CO>, LD = kWgradXLd;
+  using T = WgradTile<scalar_t>;
+  using F = Tc<scalar_t>;
+  using E = typename F::E;
+  constexpr int NT = kWgradTiles<CO>, LD = T::kXLd, VEC = F::kVec;
   extern __shared__ __align__(16) uint16_t smem16[];
-  auto xs = [&](int buf) { return smem16 + buf * kWgradStageElems; };  // [position][ci of the chunk]
-  auto gs = [&](int buf) { return smem16 + buf * kWgradStageElems + kMmaRows * kMmaCols * LD; };
-  auto raw = [&](int buf) { return reinterpret_cast<char*>(smem16) + kWgradSmemBytes + buf * kRawBytes; };
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  E* const smem = reinterpret_cast<E*>(smem16);
+  auto xs = [&](int buf) { return smem + buf * T::kStageElems; };  // [position][ci of the chunk]
+  auto gs = [&](int buf) { return smem + buf * T::kStageElems + kMmaRows * kMmaCols * LD; };
+  auto raw = [&](int buf) { return reinterpret_cast<char*>(smem16) + T::kSmemBytes + buf * kRawBytes<sizeof(E)>; };
+  const E* x = static_cast<const E*>(a.x);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
   const int c0 = blockIdx.y * kCiChunk;
   const int tiles_per_image = tiles_x * ((a.H + kMmaRows - 1) / kMmaRows);
@@ -621,22 +709,22 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
   };
   // The input tile by 16-byte asynchronous copies, the grad_output tile as raw rows (kRawRows) or into registers:
   // both in flight while the previous tile is multiplied.
-  uint16_t gv[kRawRows ? 1 : kGoLoads];
+  E gv[kRawRows ? 1 : kGoLoads];
   auto issue_loads = [&](int tile, int buf) {
     int n, iy0, ix0;
     tile_origin(tile, n, iy0, ix0);
-    for (int v = threadIdx.x; v < kMmaRows * kMmaCols * (kCiChunk / 8); v += kThreads) {
-      const int p = v / (kCiChunk / 8), cv = v % (kCiChunk / 8), y = iy0 + p / kMmaCols, xx = ix0 + p % kMmaCols;
-      const int c = c0 + cv * 8;
+    for (int v = threadIdx.x; v < kMmaRows * kMmaCols * (kCiChunk / VEC); v += kThreads) {
+      const int p = v / (kCiChunk / VEC), cv = v % (kCiChunk / VEC), y = iy0 + p / kMmaCols, xx = ix0 + p % kMmaCols;
+      const int c = c0 + cv * VEC;
       const bool in = y < a.H && xx < a.W && c < a.cin;
-      cp_async16(xs(buf) + p * LD + cv * 8, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c : x, in);
+      cp_async16(xs(buf) + p * LD + cv * VEC, in ? x + n * a.xs.n + y * a.xs.y + xx * a.xs.x + c : x, in);
     }
     if constexpr (kRawRows) {
-      issue_raw_rows<CO>(a, n, iy0, ix0, raw(buf));
+      issue_raw_rows<CO, E>(a, n, iy0, ix0, raw(buf));
       mma::cp_async_commit();
     } else {
       mma::cp_async_commit();
-      load_grad_output<CO>(a, n, iy0, ix0, reinterpret_cast<uint16_t(&)[kGoLoads]>(gv));
+      load_grad_output<CO>(a, n, iy0, ix0, reinterpret_cast<E(&)[kGoLoads]>(gv));
     }
   };
   // After the tile's copies have landed and a barrier: its grad_output tile in gs(buf).
@@ -646,7 +734,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
       tile_origin(tile, n, iy0, ix0);
       spread_raw_rows<CO>(a, iy0, ix0, raw(buf), gs(buf));
     } else {
-      store_grad_output(gs(buf), reinterpret_cast<const uint16_t(&)[kGoLoads]>(gv));
+      store_grad_output(gs(buf), reinterpret_cast<const E(&)[kGoLoads]>(gv));
     }
   };
 
@@ -660,25 +748,41 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
   for (; tile < tiles; tile += gridDim.x, buf ^= 1) {
     const int next = tile + gridDim.x;
     if (next < tiles) issue_loads(next, buf ^ 1);  // buffer buf ^ 1 was last read before the previous barrier
-    const uint16_t* xb = xs(buf);
-    const uint16_t* gb = gs(buf);
+    const E* xb = xs(buf);
+    const E* gb = gs(buf);
 #pragma unroll
-    for (int ks = 0; ks < kMmaCols / 16; ++ks) {
-      const int pos0 = warp * kMmaCols + ks * 16;  // the K step's 16 positions: row `warp`, 16 columns
+    for (int ks = 0; ks < kMmaCols / F::kK; ++ks) {
+      const int pos0 = warp * kMmaCols + ks * F::kK;  // the K step's positions: row `warp`, kK columns
       uint32_t af[2][4];
-      const int q = lane >> 3, k = (q >> 1) * 8 + (lane & 7), moff = (q & 1) * 8;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(af[mt], smem_addr(xb + (pos0 + k) * LD + mt * 16 + moff));
+      for (int mt = 0; mt < 2; ++mt) {
+        if constexpr (F::kTf32) {  // (ci g (+8), position t4 (+4))
+          const E* p = xb + (pos0 + t4) * LD + mt * 16 + g;
+          af[mt][0] = F::word(p);
+          af[mt][1] = F::word(p + 8);
+          af[mt][2] = F::word(p + 4 * LD);
+          af[mt][3] = F::word(p + 4 * LD + 8);
+        } else {
+          const int q = lane >> 3, k = (q >> 1) * 8 + (lane & 7), moff = (q & 1) * 8;
+          ldmatrix_x4_trans(af[mt], smem_addr(xb + (pos0 + k) * LD + mt * 16 + moff));
+        }
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         // Column g of N tile nt is (tap, co) = ((8 nt + g) / C_out, (8 nt + g) % C_out), tap = 4 ky + kx.
         const int nn = nt * 8 + g, tap = nn / CO, co = nn - tap * CO;
         uint32_t bf[2] = {0, 0};
         if (nn < 16 * CO) {
-          const uint16_t* row = gb + ((2 * warp + (tap >> 2)) * kGoCols + (tap & 3)) * 4 + co;
-          auto tap_value = [&](int col) { return uint32_t(row[2 * (ks * 16 + col) * 4]); };
-          bf[0] = tap_value(2 * t4) | tap_value(2 * t4 + 1) << 16;
-          bf[1] = tap_value(2 * t4 + 8) | tap_value(2 * t4 + 9) << 16;
+          // Position col of the K step reads grad_output column 2 col + kx of the tile (4 channels a pixel).
+          const E* row = gb + ((2 * warp + (tap >> 2)) * kGoCols + 2 * ks * F::kK + (tap & 3)) * 4 + co;
+          auto tap_word = [&](int col) -> uint32_t {
+            if constexpr (F::kTf32)
+              return F::word(row + 8 * col);
+            else
+              return uint32_t(row[8 * col]) | uint32_t(row[8 * col + 8]) << 16;
+          };
+          bf[0] = tap_word(F::kPack * t4);
+          bf[1] = tap_word(F::kPack * t4 + F::kK / 2);
         }
         mma::mma<scalar_t>(acc[0][nt], af[0], bf);
         mma::mma<scalar_t>(acc[1][nt], af[1], bf);
@@ -693,7 +797,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_cout_grad_weight_mma_kernel
   // [ci][(tap, co)].
   constexpr int kWidth = 8 * NT;
   float* sums = reinterpret_cast<float*>(smem16);
-  static_assert(kCiChunk * kWidth * 4 <= kWgradSmemBytes, "the warp sums fit in the stage memory");
+  static_assert(kCiChunk * kWidth * 4 <= T::kSmemBytes, "the warp sums fit in the stage memory");
   for (int wi = 0; wi < 8; ++wi) {
     if (warp == wi) {
 #pragma unroll
@@ -752,26 +856,22 @@ void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
   }
 }
 
-// Like dispatch_small, for the tensor-core kernels' 16-bit dtypes.
-template <typename F>
-void dispatch_small16(at::ScalarType dtype, int cout, F&& f) {
-  if (dtype == at::kBFloat16) {
-    with_cout(cout, at::BFloat16{}, f);
-  } else {
-    TORCH_CHECK(dtype == at::kHalf, "conv_transpose2d: the small-C_out tensor-core path has no ", dtype, " kernel");
-    with_cout(cout, at::Half{}, f);
-  }
-}
-
-// The tensor-core kernels take 16-bit dtypes and whole 16-channel K steps.
+// The tensor-core kernels take 16-bit dtypes, and fp32 where stock's convolutions would use TF32
+// (at::globalContext().allowTF32CuDNN(CONV), on by default; with it off fp32 keeps the CUDA-core kernels' true fp32
+// arithmetic), and whole 16-channel chunks.
 bool mma_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype) {
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && g.in_channels % 16 == 0;
+  const bool tf32 = dtype == at::kFloat && at::globalContext().allowTF32CuDNN(at::Float32Op::CONV);
+  return (dtype == at::kBFloat16 || dtype == at::kHalf || tf32) && g.in_channels % 16 == 0;
 }
 
-// True when a 16-bit activation's pixels can be copied 16 bytes at a time: channels innermost, every other stride
-// a multiple of 8 elements, 16-byte aligned data (a dense channels_last tensor with C % 8 == 0, for one).
+// The 16-byte copies' element count of t's dtype.
+int64_t vec_of(const at::Tensor& t) { return 16 / int64_t(t.element_size()); }
+
+// True when an activation's pixels can be copied 16 bytes at a time: channels innermost, every other stride a
+// multiple of 16 bytes, 16-byte aligned data (a dense channels_last tensor with C % 8 == 0, for one).
 bool reads_by_vectors(const at::Tensor& t) {
-  return t.stride(1) == 1 && t.stride(0) % 8 == 0 && t.stride(2) % 8 == 0 && t.stride(3) % 8 == 0 &&
+  const int64_t vec = vec_of(t);
+  return t.stride(1) == 1 && t.stride(0) % vec == 0 && t.stride(2) % vec == 0 && t.stride(3) % vec == 0 &&
          reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
@@ -785,13 +885,13 @@ int persistent_image_blocks(Kernel kernel, int smem_bytes, int blocks_per_image,
   return std::clamp(resident / blocks_per_image, 1, std::min(batch, 65535));
 }
 
-// True when every row of a 16-bit activation is one contiguous run of whole, aligned 16-byte units: dense pixels
+// True when every row of an activation is one contiguous run of whole, aligned 16-byte units: dense pixels
 // (channels innermost, packed), rows and images starting at 16-byte boundaries (a dense channels_last tensor whose
-// rows hold a multiple of 8 elements, for one).
+// rows hold a multiple of 16 bytes, for one).
 bool rows_are_byte_spans(const at::Tensor& t) {
-  const int64_t row_elems = t.size(3) * t.size(1);
-  return t.stride(1) == 1 && t.stride(3) == t.size(1) && row_elems % 8 == 0 && t.stride(2) % 8 == 0 &&
-         t.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  const int64_t row_elems = t.size(3) * t.size(1), vec = vec_of(t);
+  return t.stride(1) == 1 && t.stride(3) == t.size(1) && row_elems % vec == 0 && t.stride(2) % vec == 0 &&
+         t.stride(0) % vec == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
 SmallArgs base_args(const ConvTranspose2dGeometry& g) {
@@ -832,7 +932,7 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mma_applies(g, input4.scalar_type()) && reads_by_vectors(input4)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
-    dispatch_small16(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
+    dispatch_small(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
       using scalar_t = decltype(tag);
       constexpr int CO = decltype(co)::value;
       auto launch = [&](auto kernel, int smem) {
@@ -841,10 +941,12 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
         kernel<<<grid, kThreads, smem, stream>>>(a, rows_are_byte_spans(out));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      if (a.cin % 32 == 0)
-        launch(small_cout_forward_mma_kernel<scalar_t, CO, 32>, ForwardTile<32>::kSmemBytes);
+      if constexpr (Tc<scalar_t>::kTf32)  // 16-channel chunks only (see ForwardTile)
+        launch(small_cout_forward_mma_kernel<scalar_t, CO, 16>, ForwardTile<scalar_t, 16>::kSmemBytes);
+      else if (a.cin % 32 == 0)
+        launch(small_cout_forward_mma_kernel<scalar_t, CO, 32>, ForwardTile<scalar_t, 32>::kSmemBytes);
       else
-        launch(small_cout_forward_mma_kernel<scalar_t, CO, 16>, ForwardTile<16>::kSmemBytes);
+        launch(small_cout_forward_mma_kernel<scalar_t, CO, 16>, ForwardTile<scalar_t, 16>::kSmemBytes);
     });
     return;
   }
@@ -870,19 +972,25 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
   a.out = grad_input.mutable_data_ptr();
   a.os = strides_of(grad_input);
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (mma_applies(g, grad_output4.scalar_type())) {
+  const auto dtype = grad_output4.scalar_type();
+  // fp32 (TF32) takes the tensor-core kernel where grad_output's channels are innermost (one channel always is):
+  // reading an NCHW one element by element (a pixel's channels in C_out planes), it measured 39.7 us against the
+  // CUDA-core kernel's 18.6 (batch 64, 32 -> 3, H200).
+  if (mma_applies(g, dtype) && (dtype != at::kFloat || a.gos.c == 1 || a.cout == 1)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
     const int chunks = (a.cin + kCiChunk - 1) / kCiChunk;
-    const bool vec_store = a.os.c == 1 && a.os.x % 8 == 0 && a.os.y % 8 == 0 && a.os.n % 8 == 0 &&
+    const int64_t vec = vec_of(grad_input);
+    const bool vec_store = a.os.c == 1 && a.os.x % vec == 0 && a.os.y % vec == 0 && a.os.n % vec == 0 &&
                            reinterpret_cast<uintptr_t>(a.out) % 16 == 0;
     const bool raw_rows = rows_are_byte_spans(grad_output4);
-    dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
+    dispatch_small(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
       using scalar_t = decltype(tag);
       constexpr int CO = decltype(co)::value;
       auto launch = [&](auto kernel) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGiSmemBytes));
-        const int depth = persistent_image_blocks(kernel, kGiSmemBytes, tiles_x * tiles_y * chunks, a.batch);
-        kernel<<<dim3(tiles_x * tiles_y, chunks, depth), kThreads, kGiSmemBytes, stream>>>(a, tiles_x, vec_store);
+        constexpr int smem = GradInputTile<scalar_t>::kSmemBytes;
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const int depth = persistent_image_blocks(kernel, smem, tiles_x * tiles_y * chunks, a.batch);
+        kernel<<<dim3(tiles_x * tiles_y, chunks, depth), kThreads, smem, stream>>>(a, tiles_x, vec_store);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (raw_rows)
@@ -919,7 +1027,7 @@ void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::T
   auto stream = at::cuda::getCurrentCUDAStream();
   const Strides4d gws = strides_of(grad_weight);
   const int outputs = a.cin * a.cout * 16;
-  dispatch_small16(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
+  dispatch_small(grad_output4.scalar_type(), a.cout, [&](auto tag, auto co) {
     using scalar_t = decltype(tag);
     constexpr int CO = decltype(co)::value;
     // As many blocks as fit on the GPU at once, each summing many tiles: the partial sums stay small
@@ -938,8 +1046,8 @@ void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::T
     };
     const auto [partial, blocks] =
         rows_are_byte_spans(grad_output4)
-            ? launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, true>, kWgradRawSmemBytes)
-            : launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, false>, kWgradSmemBytes);
+            ? launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, true>, WgradTile<scalar_t>::kRawSmemBytes)
+            : launch(small_cout_grad_weight_mma_kernel<scalar_t, CO, false>, WgradTile<scalar_t>::kSmemBytes);
     small_cout_grad_weight_finish_kernel<scalar_t><<<(outputs * 32 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
         partial.template const_data_ptr<float>(), blocks, a.cin, a.cout, gws, grad_weight.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
