@@ -56,7 +56,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cuda.h>  // CUtensorMap and its enums only: the encoder comes from cudaGetDriverEntryPointByVersion
 #include <cuda_bf16.h>
+#include <cudaTypedefs.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
@@ -573,12 +575,101 @@ struct WgmmaTile {
   static_assert(BK * 2 == 128, "a K-tile row is one 128-byte swizzle row");
   static constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128, STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int OUT_LD = BN + 8;  // staged output row (elements): 4-byte stores of a warp hit 32 banks
-  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024;  // + slack to align the stages to 1024 bytes
+  // + slack to align the stages to 1024 bytes, + the TMA path's stage barriers (8 bytes each) after the stages
+  static constexpr int SMEM_BYTES = kStages * STAGE_BYTES + 1024 + 8 * kStages;
   static_assert(BM * OUT_LD * 2 + BM * 8 <= kStages * STAGE_BYTES, "epilogue staging reuses the stages");
 };
 
-template <typename scalar_t, int BN, bool kDirectB>
-__global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs a) {
+// The TMA descriptors of wgmma_conv_kernel<..., kTma = true> (unused otherwise): `act` views the NHWC activation
+// as [batch][H][W][C] with a box of 64 channels x the CTA's 128 rows (box_imgs images of box_rows x rows_W pixels,
+// every src_scale-th pixel of H and W); `b` views B as [phase][N][K] (box 64 x BN) or, for kDirectB, the weight as
+// [C_in][kH][kW][C_out] (box 64 x 1 x 1 x 64, one per 64 columns). Both with the 128-byte swizzle, so each box
+// lands as the K-/N-major swizzled tile the wgmma descriptors describe.
+struct WgmmaConvMaps {
+  CUtensorMap act, b;
+};
+
+// One K-tile of the stage at `stage` (A then B, WgmmaTile's layout): 4 wgmma of K = 16 per warpgroup `wg`,
+// committed as one group.
+template <int BN, bool kDirectB, bool kF16>
+__device__ inline void wgmma_conv_ktile(float (&acc)[BN / 2], uint32_t stage, int wg) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgmmaTile<BN>;
+  const uint32_t a_tile = stage + wg * 64 * 128, b_tile = stage + T::A_BYTES;
+  mma::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < T::BK / 16; ++kk) {
+    const uint64_t da = mma::wgmma_desc_k_sw128(a_tile + kk * 32);
+    // N-major B: 16 K-rows are two 8-row groups, 2 KB; the 64-column blocks are BK * 128 bytes apart.
+    const uint64_t db = kDirectB ? mma::wgmma_desc_mn_sw128(b_tile + kk * 2048, T::BK * 128)
+                                 : mma::wgmma_desc_k_sw128(b_tile + kk * 32);
+    if constexpr (BN == 128)
+      mma::wgmma_m64n128k16<kF16, kDirectB>(acc, da, db);
+    else if constexpr (BN == 64)
+      mma::wgmma_m64n64k16<kF16, kDirectB>(acc, da, db);
+    else
+      mma::wgmma_m64n32k16<kF16>(acc, da, db);
+  }
+  mma::wgmma_commit();
+#endif
+}
+
+// wgmma_conv_kernel's mainloop with TMA loads: thread 0 arms stage s's mbarrier with the stage's bytes and issues
+// one box for A and one (or BN / 64) for B, kStages - 1 K-tiles ahead; every thread waits for the barrier's phase
+// of its K-tile. Out-of-image taps and rows past M come back as zeros from the TMA unit (no tap masks, no
+// per-row address arithmetic: the cp.async path issues 8-12 16-byte copies per thread and K-tile, and Nsight
+// Compute found it issue-bound). As in the cp.async path, a stage is refilled after the barrier at the top of
+// the next K-tile, once both warpgroups have waited for their wgmma on it.
+template <int BN, bool kDirectB, bool kF16>
+__device__ inline void wgmma_conv_tma_mainloop(const GemmArgs& a, const WgmmaConvMaps& maps, unsigned char* smem,
+                                               float (&acc)[BN / 2]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgmmaTile<BN>;
+  constexpr int BK = T::BK;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int m0 = blockIdx.x * T::BM, n0 = blockIdx.y * BN, phase = blockIdx.z;
+  const int py = phase >> 1, px = phase & 1;
+  const int ktiles = a.K / BK;  // act_C % 64 == 0: whole K-tiles, each in one tap
+  const uint32_t sbase = smem_addr(smem), full = smem_addr(smem + kStages * T::STAGE_BYTES);
+  // The CTA's first row: image img0, pixel row my0 (0 when the box holds whole images).
+  const int rows_hw = a.rows_H * a.rows_W, img0 = m0 / rows_hw, my0 = (m0 - img0 * rows_hw) / a.rows_W;
+  const int y0 = a.src_scale * my0 + a.src_off + py, x0 = a.src_off + px;
+  auto issue = [&](int kt) {
+    const int s = kt % kStages, k = kt * BK, tap = k / a.act_C, c0 = k - tap * a.act_C;
+    const uint32_t dst = sbase + s * T::STAGE_BYTES, bar = full + 8 * s;
+    mma::mbarrier_arrive_expect_tx(bar, T::STAGE_BYTES);
+    mma::tma_load_4d(dst, &maps.act, c0, x0 + a.src_dir * (tap & (a.taps_w - 1)),
+                     y0 + a.src_dir * (tap >> a.taps_shift), img0, bar);
+    if constexpr (kDirectB) {
+      // The forward's kernel tap of phase (py, px) and tap (ty, tx) = (tap >> 1, tap & 1); K rows are C_in.
+#pragma unroll
+      for (int j = 0; j < BN / 64; ++j)
+        mma::tma_load_4d(dst + T::A_BYTES + j * BK * 128, &maps.b, n0 + 64 * j, 1 - px + 2 * (tap & 1),
+                         1 - py + 2 * (tap >> 1), c0, bar);
+    } else {
+      mma::tma_load_3d(dst + T::A_BYTES, &maps.b, k, n0, phase, bar);
+    }
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mma::mbarrier_init(full + 8 * s, 1);
+    mma::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int kt = 0; kt < kStages - 1 && kt < ktiles; ++kt) issue(kt);
+  for (int kt = 0; kt < ktiles; ++kt) {
+    if (kt > 0) __syncthreads();  // K-tile kt - 1's stage, which kt + 2 refills, is read by every warpgroup
+    if (tid == 0 && kt + kStages - 1 < ktiles) issue(kt + kStages - 1);
+    mma::mbarrier_wait_parity(full + 8 * (kt % kStages), (kt / kStages) & 1);
+    wgmma_conv_ktile<BN, kDirectB, kF16>(acc, sbase + (kt % kStages) * T::STAGE_BYTES, wg);
+    mma::wgmma_wait<0>();
+  }
+#endif
+}
+
+template <typename scalar_t, int BN, bool kDirectB, bool kTma>
+__global__ void __launch_bounds__(kThreads, 2)
+    wgmma_conv_kernel(const GemmArgs a, const __grid_constant__ WgmmaConvMaps maps) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = WgmmaTile<BN>;
   constexpr int BM = T::BM, BK = T::BK, VEC = 8;
@@ -592,136 +683,125 @@ __global__ void __launch_bounds__(kThreads, 2) wgmma_conv_kernel(const GemmArgs 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN, phase = blockIdx.z;
   const int py = phase >> 1, px = phase & 1;
-  const int ktiles = (a.K + BK - 1) / BK;
-  const uint16_t* act = static_cast<const uint16_t*>(a.act);
-  const uint16_t* bmat = static_cast<const uint16_t*>(a.b) + phase * a.b_phase_stride;
   const int rows_hw = a.rows_H * a.rows_W;
-  const int sH = int(a.act_sH), sW = int(a.act_sW);
-
-  // A: thread copies 16-byte chunk a_c of rows a_r + 32 i; per row, the unshifted source offset and a bit per
-  // tap inside the source (rows past M have none: zeros); its K position (tap, channel) stepped per K-tile.
-  constexpr int A_ITERS = BM / 32;
-  const int a_c = tid & 7, a_r = tid >> 3;
-  const uint32_t a_dst = a_r * 128 + ((a_c ^ (a_r & 7)) << 4);  // (a_r + 32 i) % 8 == a_r % 8
-  int row_off[A_ITERS];
-  uint32_t row_taps[A_ITERS];
-#pragma unroll
-  for (int i = 0; i < A_ITERS; ++i) {
-    const int m = m0 + a_r + 32 * i;
-    row_off[i] = 0;
-    row_taps[i] = 0;
-    if (m < a.M) {
-      const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
-      const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
-      row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
-      for (int t = 0; t < a.ntaps; ++t) {
-        const int y = y0 + a.src_dir * (t >> a.taps_shift), x = x0 + a.src_dir * (t & (a.taps_w - 1));
-        if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) row_taps[i] |= 1u << t;
-      }
-    }
-  }
-  int k_tap = (a_c * VEC) / a.act_C, k_chan = a_c * VEC - k_tap * a.act_C;
-  auto load_a = [&](int s) {
-    const int tap_off = a.src_dir * ((k_tap >> a.taps_shift) * sH + (k_tap & (a.taps_w - 1)) * sW) + k_chan;
-    unsigned char* dst = smem + s * T::STAGE_BYTES + a_dst;
-#pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const bool ok = k_tap < 32 && ((row_taps[i] >> k_tap) & 1u);  // taps past K have no bit
-      cp_async16(dst + i * 32 * 128, ok ? act + (row_off[i] + tap_off) : act, ok);
-    }
-    k_chan += BK;
-    while (k_chan >= a.act_C) {
-      k_chan -= a.act_C;
-      ++k_tap;
-    }
-  };
-  // B, K-major: thread copies chunk a_c (same mapping) of rows a_r + 32 j of the [N][K] matrix.
-  // B, N-major (kDirectB): chunk b_v of K-rows b_r + B_KROWS j, the K-tile lying in tap b_tap (C_in % 64 == 0).
-  constexpr int B_ITERS = kDirectB ? BK * BN / 8 / kThreads : BN / 32;
-  constexpr int B_VPR = BN / 8, B_KROWS = kThreads / B_VPR;
-  const int b_v = tid % B_VPR, b_r = tid / B_VPR;
-  const uint32_t b_dst =
-      kDirectB ? (b_v >> 3) * (BK * 128) + b_r * 128 + (((b_v & 7) ^ (b_r & 7)) << 4) : a_dst;  // B_KROWS % 8 == 0
-  const bool b_col_ok = n0 + b_v * VEC < a.N;
-  int b_tap = 0, b_ci = 0;
-  const uint16_t* b_src[kDirectB ? 1 : B_ITERS];
-  bool b_row_ok[kDirectB ? 1 : B_ITERS];
-  if constexpr (!kDirectB) {
-#pragma unroll
-    for (int j = 0; j < B_ITERS; ++j) {
-      const int n = n0 + a_r + 32 * j;
-      b_row_ok[j] = n < a.N;
-      b_src[j] = bmat + int64_t(b_row_ok[j] ? n : 0) * a.K + a_c * VEC;
-    }
-  }
-  auto load_b = [&](int s, int kt) {
-    unsigned char* dst = smem + s * T::STAGE_BYTES + T::A_BYTES + b_dst;
-    if constexpr (kDirectB) {
-      const uint16_t* src = bmat + (1 - py + 2 * (b_tap >> 1)) * a.b_sky + (1 - px + 2 * (b_tap & 1)) * a.b_skx +
-                            int64_t(b_ci + b_r) * a.b_ld + n0 + b_v * VEC;
-#pragma unroll
-      for (int j = 0; j < B_ITERS; ++j)
-        cp_async16(dst + j * B_KROWS * 128, b_col_ok ? src + int64_t(j) * B_KROWS * a.b_ld : bmat, b_col_ok);
-      b_ci += BK;
-      if (b_ci == a.b_rows_per_tap) {
-        b_ci = 0;
-        ++b_tap;
-      }
-    } else {
-      const bool k_ok = kt * BK + a_c * VEC < a.K;  // K % 8 == 0: a chunk is all in or all out
-#pragma unroll
-      for (int j = 0; j < B_ITERS; ++j) {
-        const bool ok = k_ok && b_row_ok[j];
-        cp_async16(dst + j * 32 * 128, ok ? b_src[j] + kt * BK : bmat, ok);
-      }
-    }
-  };
-
   float acc[BN / 2];
 #pragma unroll
   for (int e = 0; e < BN / 2; ++e) acc[e] = 0.f;
 
-  // Main loop: tiles kt + 1, kt + 2 in flight while kt is multiplied. Tile kt + 2 goes into the stage that
-  // tile kt - 1 used: every thread waited for its warpgroup's wgmma of kt - 1 before the barrier below.
+  if constexpr (kTma) {
+    wgmma_conv_tma_mainloop<BN, kDirectB, kF16>(a, maps, smem, acc);
+  } else {
+    const int ktiles = (a.K + BK - 1) / BK;
+    const uint16_t* act = static_cast<const uint16_t*>(a.act);
+    const uint16_t* bmat = static_cast<const uint16_t*>(a.b) + phase * a.b_phase_stride;
+    const int sH = int(a.act_sH), sW = int(a.act_sW);
+
+    // A: thread copies 16-byte chunk a_c of rows a_r + 32 i; per row, the unshifted source offset and a bit per
+    // tap inside the source (rows past M have none: zeros); its K position (tap, channel) stepped per K-tile.
+    constexpr int A_ITERS = BM / 32;
+    const int a_c = tid & 7, a_r = tid >> 3;
+    const uint32_t a_dst = a_r * 128 + ((a_c ^ (a_r & 7)) << 4);  // (a_r + 32 i) % 8 == a_r % 8
+    int row_off[A_ITERS];
+    uint32_t row_taps[A_ITERS];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) {
-      load_a(s);
-      load_b(s, s);
+    for (int i = 0; i < A_ITERS; ++i) {
+      const int m = m0 + a_r + 32 * i;
+      row_off[i] = 0;
+      row_taps[i] = 0;
+      if (m < a.M) {
+        const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
+        const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
+        row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
+        for (int t = 0; t < a.ntaps; ++t) {
+          const int y = y0 + a.src_dir * (t >> a.taps_shift), x = x0 + a.src_dir * (t & (a.taps_w - 1));
+          if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) row_taps[i] |= 1u << t;
+        }
+      }
     }
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    mma::fence_proxy_async_shared();
-    __syncthreads();
-    const int s = kt % kStages;
-    const uint32_t a_tile = sbase + s * T::STAGE_BYTES + wg * 64 * 128, b_tile = sbase + s * T::STAGE_BYTES + T::A_BYTES;
-    mma::wgmma_fence();
+    int k_tap = (a_c * VEC) / a.act_C, k_chan = a_c * VEC - k_tap * a.act_C;
+    auto load_a = [&](int s) {
+      const int tap_off = a.src_dir * ((k_tap >> a.taps_shift) * sH + (k_tap & (a.taps_w - 1)) * sW) + k_chan;
+      unsigned char* dst = smem + s * T::STAGE_BYTES + a_dst;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint64_t da = mma::wgmma_desc_k_sw128(a_tile + kk * 32);
-      // N-major B: 16 K-rows are two 8-row groups, 2 KB; the 64-column blocks are BK * 128 bytes apart.
-      const uint64_t db = kDirectB ? mma::wgmma_desc_mn_sw128(b_tile + kk * 2048, BK * 128)
-                                   : mma::wgmma_desc_k_sw128(b_tile + kk * 32);
-      if constexpr (BN == 128)
-        mma::wgmma_m64n128k16<kF16, kDirectB>(acc, da, db);
-      else if constexpr (BN == 64)
-        mma::wgmma_m64n64k16<kF16, kDirectB>(acc, da, db);
-      else
-        mma::wgmma_m64n32k16<kF16>(acc, da, db);
+      for (int i = 0; i < A_ITERS; ++i) {
+        const bool ok = k_tap < 32 && ((row_taps[i] >> k_tap) & 1u);  // taps past K have no bit
+        cp_async16(dst + i * 32 * 128, ok ? act + (row_off[i] + tap_off) : act, ok);
+      }
+      k_chan += BK;
+      while (k_chan >= a.act_C) {
+        k_chan -= a.act_C;
+        ++k_tap;
+      }
+    };
+    // B, K-major: thread copies chunk a_c (same mapping) of rows a_r + 32 j of the [N][K] matrix.
+    // B, N-major (kDirectB): chunk b_v of K-rows b_r + B_KROWS j, the K-tile lying in tap b_tap (C_in % 64 == 0).
+    constexpr int B_ITERS = kDirectB ? BK * BN / 8 / kThreads : BN / 32;
+    constexpr int B_VPR = BN / 8, B_KROWS = kThreads / B_VPR;
+    const int b_v = tid % B_VPR, b_r = tid / B_VPR;
+    const uint32_t b_dst =
+        kDirectB ? (b_v >> 3) * (BK * 128) + b_r * 128 + (((b_v & 7) ^ (b_r & 7)) << 4) : a_dst;  // B_KROWS % 8 == 0
+    const bool b_col_ok = n0 + b_v * VEC < a.N;
+    int b_tap = 0, b_ci = 0;
+    const uint16_t* b_src[kDirectB ? 1 : B_ITERS];
+    bool b_row_ok[kDirectB ? 1 : B_ITERS];
+    if constexpr (!kDirectB) {
+#pragma unroll
+      for (int j = 0; j < B_ITERS; ++j) {
+        const int n = n0 + a_r + 32 * j;
+        b_row_ok[j] = n < a.N;
+        b_src[j] = bmat + int64_t(b_row_ok[j] ? n : 0) * a.K + a_c * VEC;
+      }
     }
-    mma::wgmma_commit();
-    const int next = kt + kStages - 1;
-    if (next < ktiles) {
-      load_a(next % kStages);
-      load_b(next % kStages, next);
+    auto load_b = [&](int s, int kt) {
+      unsigned char* dst = smem + s * T::STAGE_BYTES + T::A_BYTES + b_dst;
+      if constexpr (kDirectB) {
+        const uint16_t* src = bmat + (1 - py + 2 * (b_tap >> 1)) * a.b_sky + (1 - px + 2 * (b_tap & 1)) * a.b_skx +
+                              int64_t(b_ci + b_r) * a.b_ld + n0 + b_v * VEC;
+#pragma unroll
+        for (int j = 0; j < B_ITERS; ++j)
+          cp_async16(dst + j * B_KROWS * 128, b_col_ok ? src + int64_t(j) * B_KROWS * a.b_ld : bmat, b_col_ok);
+        b_ci += BK;
+        if (b_ci == a.b_rows_per_tap) {
+          b_ci = 0;
+          ++b_tap;
+        }
+      } else {
+        const bool k_ok = kt * BK + a_c * VEC < a.K;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+        for (int j = 0; j < B_ITERS; ++j) {
+          const bool ok = k_ok && b_row_ok[j];
+          cp_async16(dst + j * 32 * 128, ok ? b_src[j] + kt * BK : bmat, ok);
+        }
+      }
+    };
+
+    // Main loop: tiles kt + 1, kt + 2 in flight while kt is multiplied. Tile kt + 2 goes into the stage that
+    // tile kt - 1 used: every thread waited for its warpgroup's wgmma of kt - 1 before the barrier below.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < ktiles) {
+        load_a(s);
+        load_b(s, s);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
-    mma::wgmma_wait<0>();
+    for (int kt = 0; kt < ktiles; ++kt) {
+      cp_async_wait<kStages - 2>();
+      mma::fence_proxy_async_shared();
+      __syncthreads();
+      const int s = kt % kStages;
+      wgmma_conv_ktile<BN, kDirectB, kF16>(acc, sbase + s * T::STAGE_BYTES, wg);
+      const int next = kt + kStages - 1;
+      if (next < ktiles) {
+        load_a(next % kStages);
+        load_b(next % kStages, next);
+      }
+      cp_async_commit();
+      mma::wgmma_wait<0>();
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // every warpgroup's wgmma is done: the stages may be overwritten
 
   // Epilogue: the tile in shared memory as scalar_t [BM][OUT_LD], then 16-byte stores along the channels.
   scalar_t* tile = reinterpret_cast<scalar_t*>(smem);
@@ -1346,13 +1426,86 @@ bool wgmma_applies(const GemmArgs& a) {
          a.splits == 1 && a.K % 8 == 0 && a.N > 16 && wgmma_available();
 }
 
+// cuTensorMapEncodeTiled from the driver the runtime loaded (no link against libcuda), or null if it has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const auto encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+// A 16-bit tensor of `rank` dims (innermost first; strides in bytes, of dims 1..rank-1) with 128-byte-swizzled
+// boxes, zeros outside it.
+bool encode_tensor_map(CUtensorMap& map, const void* base, cuuint32_t rank, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box, const cuuint32_t* element_strides) {
+  const auto encode = tensor_map_encoder();
+  return encode &&
+         encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, rank, const_cast<void*>(base), dims, strides, box,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Whether wgmma_conv_kernel's operands can be loaded by TMA, and if so their maps. A's box must be exactly the
+// CTA's 128 rows: whole images (H * W divides 128) or whole pixel rows of one image (W divides 128, 128 divides
+// H * W), every src_scale-th pixel (a TMA element stride), <= 256 elements per box dimension; and a K-tile must
+// lie in one tap (C % 64 == 0). HIERPAR_K4S2P1_TMA=0 keeps the cp.async gathers (same-process timings).
+bool wgmma_tma_maps(const GemmArgs& a, int phases, bool direct_b, int bn, WgmmaConvMaps& maps) {
+  if (!switched_on("HIERPAR_K4S2P1_TMA") || a.act_C % 64 != 0 || a.K % 64 != 0 || (a.src_scale != 1 && a.src_scale != 2) ||
+      !aligned16(a.act) || !aligned16(a.b))
+    return false;
+  const int rows_hw = a.rows_H * a.rows_W;
+  int box_imgs = 1, box_rows = 0;
+  if (128 % rows_hw == 0) {
+    box_imgs = 128 / rows_hw;
+    box_rows = a.rows_H;
+  } else if (rows_hw % 128 == 0 && 128 % a.rows_W == 0) {
+    box_rows = 128 / a.rows_W;
+  } else {
+    return false;
+  }
+  const cuuint32_t scale = cuuint32_t(a.src_scale);
+  if (scale * a.rows_W > 256 || scale * box_rows > 256 || box_imgs > 256) return false;
+  {
+    const cuuint64_t dims[4] = {cuuint64_t(a.act_C), cuuint64_t(a.act_W), cuuint64_t(a.act_H),
+                                cuuint64_t(a.M / rows_hw)};
+    const cuuint64_t strides[3] = {cuuint64_t(a.act_sW) * 2, cuuint64_t(a.act_sH) * 2, cuuint64_t(a.act_sN) * 2};
+    const cuuint32_t box[4] = {64, scale * a.rows_W, scale * box_rows, cuuint32_t(box_imgs)};
+    const cuuint32_t element_strides[4] = {1, scale, scale, 1};
+    if (!encode_tensor_map(maps.act, a.act, 4, dims, strides, box, element_strides)) return false;
+  }
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  if (direct_b) {  // the weight in place, C_out innermost: [C_in][kH][kW][C_out]
+    if (a.b_ld % 8 != 0 || a.b_sky % 8 != 0 || a.b_skx % 8 != 0) return false;
+    const cuuint64_t dims[4] = {cuuint64_t(a.N), 4, 4, cuuint64_t(a.b_rows_per_tap)};
+    const cuuint64_t strides[3] = {cuuint64_t(a.b_skx) * 2, cuuint64_t(a.b_sky) * 2, cuuint64_t(a.b_ld) * 2};
+    const cuuint32_t box[4] = {64, 1, 1, 64};
+    return encode_tensor_map(maps.b, a.b, 4, dims, strides, box, ones);
+  }
+  // Packed K-major B, one [N][K] matrix per phase.
+  TORCH_INTERNAL_ASSERT(a.b_phase_stride == 0 || a.b_phase_stride == int64_t(a.N) * a.K);
+  const cuuint64_t dims[3] = {cuuint64_t(a.K), cuuint64_t(a.N), cuuint64_t(phases)};
+  const cuuint64_t strides[2] = {cuuint64_t(a.K) * 2, cuuint64_t(a.N) * a.K * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(bn), 1};
+  return encode_tensor_map(maps.b, a.b, 3, dims, strides, box, ones);
+}
+
 template <typename scalar_t, int BN, bool kDirectB>
 void launch_wgmma_tile(const GemmArgs& a, int phases, cudaStream_t stream) {
   constexpr int smem = WgmmaTile<BN>::SMEM_BYTES;
-  auto kernel = wgmma_conv_kernel<scalar_t, BN, kDirectB>;
+  WgmmaConvMaps maps{};
+  const bool tma = wgmma_tma_maps(a, phases, kDirectB, BN, maps);
+  auto kernel = tma ? wgmma_conv_kernel<scalar_t, BN, kDirectB, true> : wgmma_conv_kernel<scalar_t, BN, kDirectB, false>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid((a.M + 127) / 128, (a.N + BN - 1) / BN, phases);
-  kernel<<<grid, kThreads, smem, stream>>>(a);
+  kernel<<<grid, kThreads, smem, stream>>>(a, maps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
