@@ -44,7 +44,12 @@
 // per CTA from 9 shifted input tiles) and wgmma_grad_input_patch_kernel (grad_input with C_out == 32,
 // C_in % 64 == 0: every K-tile read from one staged grad_output patch per 8 x 16 input pixels). A probe tells whether the driver loaded the sm_90a code; everything else
 // (fp32/TF32, odd channel counts, NCHW outputs of the convolutions, small split grids) keeps mma.sync.
+// wgmma_conv_kernel and wgmma_wgrad_kernel load their tiles with TMA (tensor-map boxes, an mbarrier per stage,
+// zeros outside the image) where the channel counts are multiples of 64 and a tile's pixels are whole images or
+// whole pixel rows of one image, else with per-thread cp.async gathers (bf16 batch 1024 channels_last, forward +
+// backward in a CUDA graph on an H200: 256->128 123.3 -> 95.2 us, 128->64 154.3 -> 116.8; docs/conv_transpose.md).
 // HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off,
+// HIERPAR_K4S2P1_TMA=0 keeps the cp.async loads,
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs / copies channels_last weights as other ones and
 // HIERPAR_K4S2P1_SPLIT_TARGET=n plans K splits for n CTAs per SM, for same-process timings.
 #include "common.h"
