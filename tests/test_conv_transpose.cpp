@@ -427,6 +427,32 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
   }
 }
 
+TEST(ConvTransposeCuda, K4S2P1WgmmaTmaLoads) {
+  HIERPAR_REQUIRE_CUDA();
+  // bf16/fp16 GEMMs on the wgmma kernels with TMA loads, channels_last. Forward and grad_input (grids of > 132
+  // tiles, so no K split; the gathered activation's channels a multiple of 64; 128-row tiles of whole images or
+  // of whole pixel rows of one image): boxes of 8, 4 and 2 whole images whose last box lies partly past the
+  // batch (1057 x 4x4, 531 x 4x8, 265 x 8x8), of 8 and 2 pixel rows (16x16, 8x64) and of one 128-pixel row at
+  // batch 1 (grad_input's box then traverses 256 grad_output pixels, TMA's limit); B 64 and 128 wide, as the
+  // weight in place (channels_last: one or two boxes per stage) or packed per phase (NCHW weight). grad_weight
+  // (C_out % 64 == 0; K-tiles of 64 input pixels): 4, 2 and 1 whole images per K-tile with the last K-tile
+  // partly past the batch (1057 x 4x4: 16 pixels; 531 x 4x8: 32), 4 and 1 pixel rows (16x16, 8x64), two
+  // 64-channel blocks of one tap (C_out 128) or of two taps (C_out 64) per tile; and the cp.async kernels where
+  // no box fits: 12x12 images (144 pixels), and grad_weight of 128-pixel-wide images.
+  for (auto [batch, cin, cout, h, w] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>{
+           {1057, 128, 64, 4, 4}, {531, 64, 64, 4, 8}, {265, 64, 64, 8, 8}, {265, 128, 128, 8, 8},
+           {67, 64, 64, 16, 16}, {35, 64, 64, 8, 64}, {1, 64, 64, 136, 128}, {139, 64, 64, 12, 12}}) {
+    for (bool weight_cl : {true, false}) {
+      const Case c{batch, cin, cout, h, w, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
+                   weight_cl, false};
+      for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+        check_cuda_case(c, t, dtype, std::string("CUDA k4s2p1 TMA ") + c10::toString(dtype) + " " + c.describe());
+      }
+    }
+  }
+}
+
 TEST(ConvTransposeCuda, K4S2P1ChannelViewsAndEveryWeightLayout) {
   HIERPAR_REQUIRE_CUDA();
   // The layout copies of the k4s2p1 path (ops/cuda/permute_copy.h: a tiled transpose where a copy permutes the

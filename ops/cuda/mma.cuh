@@ -1,6 +1,7 @@
 // The warp-level tensor-core building blocks of hierpar's CUDA kernels (sm_80+ PTX, used on sm_90): 16-byte
 // asynchronous copies, ldmatrix, and mma.sync for bf16 / fp16 (m16n8k16) and TF32 (m16n8k8), all with fp32
-// accumulation; and, for sm_90a code, wgmma (bf16 / fp16, operands in shared memory). Private to hierpar_ops.
+// accumulation; and, for sm_90a code, wgmma (bf16 / fp16, operands in shared memory) and TMA tile loads.
+// Private to hierpar_ops.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -97,6 +98,45 @@ __device__ inline void wgmma_wait() {
 // Makes this thread's generic-proxy shared-memory writes (cp.async included, once waited for) visible to the
 // async proxy that wgmma reads through; a barrier then publishes them to the warpgroups.
 __device__ inline void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Tensor-memory-accelerator (TMA) loads into shared memory, completed on an mbarrier: one thread arms the
+// barrier with the bytes to expect and issues the copies; the consumers wait for the barrier's phase to flip.
+// Boxes are addressed by signed element coordinates (innermost dimension first); elements outside the tensor
+// are written as zeros. `tmap` is the generic address of a CUtensorMap kernel parameter (__grid_constant__).
+__device__ inline void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the TMA unit) before the first copy names them.
+__device__ inline void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ inline void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ inline void tma_load_2d(uint32_t dst, const void* tmap, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+__device__ inline void tma_load_3d(uint32_t dst, const void* tmap, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+__device__ inline void tma_load_4d(uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
 
 // d[64 x N] += A[64 x 16] * B[16 x N] for one warpgroup, both K-major (tnsp 0), fp32 accumulators laid out as
 // mma.sync's C fragment repeated per 8 columns: d[4j + e] is row 16 * (warp % 4) + g (+ 8 for e >= 2), column
