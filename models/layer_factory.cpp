@@ -27,10 +27,11 @@ bool is(const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
   // hierpar's kernels win on a generator's projection layer (kernel 4, stride 1, padding 0 from the noise) and on
   // its small-C_out output layer (kernel 4, stride 2, padding 1, C_out <= 4): at batch 1024 bf16 on an H200,
-  // forward + backward 4.4x and 5.0x faster than cuDNN. The middle k4s2p1 layers run at 0.81-0.86x of cuDNN's there
-  // and gain nothing in the batch-64 TF32 step where they are faster alone (docs/conv_transpose.md and
-  // docs/training_step.md, session 8), so they stay torch::nn::ConvTranspose2d, as the wide convolutions of
-  // make_conv2d do.
+  // forward + backward 4.4x and 5.0x faster than cuDNN. The middle k4s2p1 layers stay torch::nn::ConvTranspose2d, as
+  // the wide convolutions of make_conv2d do: in the steps measured with them on hierpar (sessions 8 and 10,
+  // docs/training_step.md) batch 64 gained 2-3% and batch 1024 lost, when hierpar's bf16 kernels for them ran at
+  // 0.81-0.86x of cuDNN's. Since session 10's TMA loads those kernels run at 1.07-1.12x of cuDNN's alone
+  // (docs/conv_transpose.md); the step with them on hierpar has not been measured since.
   const bool plain = is(options.dilation(), 1) && options.groups() == 1 && is(options.output_padding(), 0) &&
                      std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
   const bool projection = is(options.kernel_size(), 4) && is(options.stride(), 1) && is(options.padding(), 0);
