@@ -17,6 +17,7 @@
 #include <ctime>
 #include <fstream>
 #include <iomanip>
+#include <iostream>
 #include <map>
 #include <set>
 #include <sstream>
@@ -119,6 +120,10 @@ Timing time_cuda(const std::function<void()>& fn, int warmup, int repeats) {
 void Report::add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,
                  const Config& extra) {
   records_.push_back({bench, impl, config, t, extra});
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  std::cerr << "  [" << records_.size() << " rows, " << std::fixed << std::setprecision(0) << elapsed << " s] "
+            << bench << " " << impl << " " << config.to_text() << ": " << std::setprecision(1) << t.median_us
+            << " us" << std::defaultfloat << std::endl;
 }
 
 void Report::print_table(std::ostream& os) const {

@@ -5,6 +5,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <memory>
@@ -76,6 +77,8 @@ struct Record {
 
 class Report {
  public:
+  // Also prints the record on stderr as it comes, with the suite's elapsed time: a suite runs for minutes before
+  // its table.
   void add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,
            const Config& extra = {});
   const std::vector<Record>& records() const { return records_; }
@@ -86,6 +89,7 @@ class Report {
 
  private:
   std::vector<Record> records_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
 struct Options {
