@@ -22,6 +22,16 @@ Layer wrap(Holder holder) {
 
 bool is(const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (*a)[1] == v; }
 
+// A convolution's output through the layer's LeakyReLU, when it has one.
+torch::Tensor then_leaky(const torch::Tensor& y, std::optional<double> slope) {
+  return slope ? torch::leaky_relu(y, *slope) : y;
+}
+
+// hierpar::nn::Conv2d's forward with the layer's LeakyReLU fused into it, when it has one.
+torch::Tensor fused_forward(nn::Conv2d& conv, const torch::Tensor& x, std::optional<double> slope) {
+  return slope ? conv->forward_with_leaky_relu(x, *slope) : conv->forward(x);
+}
+
 }  // namespace
 
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
@@ -69,10 +79,10 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
               const bool tf32_kernels = tf32_tiles && at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) &&
                                         x.is_contiguous(at::MemoryFormat::ChannelsLast);
               if (fp32_on_gpu && !tf32_kernels) {
-                const auto y = at::conv2d(x, conv->weight, conv->bias, /*stride=*/{2, 2}, /*padding=*/{1, 1});
-                return leaky_relu_slope ? torch::leaky_relu(y, *leaky_relu_slope) : y;
+                return then_leaky(at::conv2d(x, conv->weight, conv->bias, /*stride=*/{2, 2}, /*padding=*/{1, 1}),
+                                  leaky_relu_slope);
               }
-              return leaky_relu_slope ? conv->forward_with_leaky_relu(x, *leaky_relu_slope) : conv->forward(x);
+              return fused_forward(conv, x, leaky_relu_slope);
             }};
   }
   // A convolution with stride 1 and no padding whose window covers its whole input (a 1x1 output: a discriminator's
@@ -90,14 +100,13 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
     const auto kernel = *options.kernel_size();
     return {conv.ptr(), [conv, kernel, leaky_relu_slope](const torch::Tensor& x) mutable {
               const bool full_window = x.dim() >= 3 && x.size(-2) == kernel[0] && x.size(-1) == kernel[1];
-              if (full_window) return leaky_relu_slope ? conv->forward_with_leaky_relu(x, *leaky_relu_slope) : conv->forward(x);
-              const auto y = at::conv2d(x, conv->weight, conv->bias);
-              return leaky_relu_slope ? torch::leaky_relu(y, *leaky_relu_slope) : y;
+              if (full_window) return fused_forward(conv, x, leaky_relu_slope);
+              return then_leaky(at::conv2d(x, conv->weight, conv->bias), leaky_relu_slope);
             }};
   }
   torch::nn::Conv2d conv(options);
   return {conv.ptr(), [conv, leaky_relu_slope](const torch::Tensor& x) mutable {
-            return leaky_relu_slope ? torch::leaky_relu(conv->forward(x), *leaky_relu_slope) : conv->forward(x);
+            return then_leaky(conv->forward(x), leaky_relu_slope);
           }};
 }
 
