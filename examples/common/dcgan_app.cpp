@@ -226,7 +226,8 @@ std::pair<std::vector<double>, std::vector<double>> read_losses_csv(const std::s
 std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
                                         const std::string& output) {
   if (runs.empty()) throw Error("plot: no runs to plot");
-  const std::vector<std::array<uint8_t, 3>> colours{{31, 119, 180}, {255, 127, 14}, {44, 160, 44}, {214, 39, 40}};
+  const std::vector<std::array<uint8_t, 3>> colours{{31, 119, 180}, {255, 127, 14}, {44, 160, 44},
+                                                    {214, 39, 40}, {148, 103, 189}, {140, 86, 75}};
   std::vector<PlotSeries> series;
   std::vector<std::string> summary;
   for (size_t i = 0; i < runs.size(); ++i) {
