@@ -1,6 +1,7 @@
 // Suite "dcgan_step": one whole training step of the seed's DCGAN (64x64x3 images, nz 100) on one GPU, stock
 // torch::nn layers against hierpar's (LayerSet), eager and as one CUDA graph, in TF32 (NCHW and channels_last) and
-// in bf16 autocast with channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager).
+// in bf16 autocast with channels_last, at batch 64..4096; and the seed CNN's step (bench "cnn_step", eager and as
+// one CUDA graph).
 //
 // The step is the anchor's recipe (shared/anchors/dcgan_torch.py):
 //   z = randn; D.zero_grad; e_real = BCE(D(real), 1); fake = G(z); e_fake = BCE(D(fake.detach()), 0);
@@ -457,15 +458,17 @@ void dcgan_step_suite(Report& report, const Options& options) {
     }
   }
   for (int64_t batch : {8, 128}) {
-    for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
-      at::manual_seed(0);
-      {
-        const double before = allocated_mb(false);
-        CnnStep step(layers, batch);
-        rows.push_back(
-            measure(report, "cnn_step", layers, batch, false, false, false, step, before, options, profile_out.get()));
+    for (bool graphs : {false, true}) {
+      for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+        at::manual_seed(0);
+        {
+          const double before = allocated_mb(false);
+          CnnStep step(layers, batch);
+          rows.push_back(measure(report, "cnn_step", layers, batch, false, false, graphs, step, before, options,
+                                 profile_out.get()));
+        }
+        release_memory();
       }
-      release_memory();
     }
   }
   print_rows(rows);
