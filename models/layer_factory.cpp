@@ -41,7 +41,9 @@ Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOpt
   // the wide convolutions of make_conv2d do: in the steps measured with them on hierpar (sessions 8 and 10,
   // docs/training_step.md) batch 64 gained 2-3% and batch 1024 lost, when hierpar's bf16 kernels for them ran at
   // 0.81-0.86x of cuDNN's. Since session 10's TMA loads those kernels run at 1.07-1.12x of cuDNN's alone
-  // (docs/conv_transpose.md); the step with them on hierpar has not been measured since.
+  // (docs/conv_transpose.md), which predicts ~25 us less per bf16 step at batch 1024; session 11 measured the step
+  // with them on hierpar for bf16 inputs only (batch 64 0.807 -> 0.789 ms, batch 1024 3.262 -> 3.248 ms, within the
+  // run-to-run spread) and for TF32 too (batch 1024 TF32 6.34 -> 6.97 ms): no routing change is worth its branch.
   const bool plain = is(options.dilation(), 1) && options.groups() == 1 && is(options.output_padding(), 0) &&
                      std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
   const bool projection = is(options.kernel_size(), 4) && is(options.stride(), 1) && is(options.padding(), 0);
