@@ -155,6 +155,41 @@ using mma::ldmatrix_x4_trans;
 using mma::smem_addr;
 using mma::to_tf32;
 
+// grad_weight's K rows are input pixels. A thread's pixel of one K row, as its image's offset and its (y, x) in
+// the rows_H x rows_W grid, moves BK pixels a K-tile by additions: BK % rows_W < rows_W and the row step
+// (BK / rows_W) % rows_H < rows_H, so each coordinate carries at most once.
+struct PixelCursor {
+  int nb, y, x;
+  __device__ __forceinline__ void start(const GemmArgs& a, int pixel, int rows_hw) {
+    const int n = pixel / rows_hw, rem = pixel - n * rows_hw;
+    nb = n * int(a.act_sN);
+    y = rem / a.rows_W;
+    x = rem - y * a.rows_W;
+  }
+  __device__ __forceinline__ void advance(const GemmArgs& a, PixelCursor step) {
+    x += step.x;
+    if (x >= a.rows_W) {
+      x -= a.rows_W;
+      ++y;
+    }
+    y += step.y;
+    if (y >= a.rows_H) {
+      y -= a.rows_H;
+      nb += int(a.act_sN);
+    }
+    nb += step.nb;
+  }
+};
+
+// The PixelCursor::advance step of `pixels` pixels.
+__device__ __forceinline__ PixelCursor pixel_step(const GemmArgs& a, int pixels, int rows_hw) {
+  PixelCursor step;
+  step.x = pixels % a.rows_W;
+  step.y = (pixels / a.rows_W) % a.rows_H;
+  step.nb = (pixels / rows_hw) * int(a.act_sN);
+  return step;
+}
+
 // kVec: a.a_vec and a.b_vec hold, so the kernel has only the 16-byte-copy paths (no scalar fallback code in
 // the mainloop: fewer instructions, no branches, a smaller instruction footprint).
 // Two CTAs per SM (128 registers); three for BN <= 32 (70 KB of shared memory, <= 80 registers), which have
@@ -203,8 +238,7 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
   // this thread, the pixel's batch offset and coordinates, stepped by BK pixels per K-tile.
   int w_ty = 0, w_tx = 0, w_c = 0;
   bool w_valid = false;
-  int pix_nb[kWgrad ? A_ITERS : 1], pix_y[kWgrad ? A_ITERS : 1], pix_x[kWgrad ? A_ITERS : 1];
-  int step_x = 0, step_y = 0, step_nb = 0;
+  PixelCursor pix[kWgrad ? A_ITERS : 1], pix_step;
   if constexpr (!kWgrad) {
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
@@ -232,16 +266,8 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
     w_ty = t >> a.taps_shift;
     w_tx = t & (a.taps_w - 1);
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int p = kt_begin * BK + a_r + i * A_ROWS_PER_PASS;
-      const int n = p / rows_hw, rem = p - n * rows_hw;
-      pix_nb[i] = n * int(a.act_sN);
-      pix_y[i] = rem / a.rows_W;
-      pix_x[i] = rem - pix_y[i] * a.rows_W;
-    }
-    step_x = BK % a.rows_W;
-    step_y = (BK / a.rows_W) % a.rows_H;
-    step_nb = (BK / rows_hw) * int(a.act_sN);
+    for (int i = 0; i < A_ITERS; ++i) pix[i].start(a, kt_begin * BK + a_r + i * A_ROWS_PER_PASS, rows_hw);
+    pix_step = pixel_step(a, BK, rows_hw);
   }
 
   // Issues the copies of K-tile kt into stage s: cp.async where 16-byte copies apply, else scalar loads stored
@@ -282,11 +308,11 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
         const int r = a_r + i * A_ROWS_PER_PASS;
         bits* dst = As + r * T::LDA + a_v * VEC;
         const bool p_ok = kt * BK + r < a.K;  // input pixel (the GEMM's K) exists
-        const int y0 = a.src_scale * pix_y[i] + a.src_off, x0 = a.src_scale * pix_x[i] + a.src_off;
+        const int y0 = a.src_scale * pix[i].y + a.src_off, x0 = a.src_scale * pix[i].x + a.src_off;
         if (kVec || a.a_vec) {
           const int y = y0 + a.src_dir * w_ty, x = x0 + a.src_dir * w_tx;
           const bool ok = p_ok && w_valid && in_src(y, x);
-          cp_async16(dst, ok ? act + (pix_nb[i] + y * sH + x * sW + w_c) : act, ok);
+          cp_async16(dst, ok ? act + (pix[i].nb + y * sH + x * sW + w_c) : act, ok);
         } else {
           uint4 v = make_uint4(0, 0, 0, 0);
           bits* e = reinterpret_cast<bits*>(&v);
@@ -296,23 +322,12 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
             if (p_ok && m < a.M) {
               const int t = m / a.act_C, c = m - t * a.act_C, ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
               const int y = y0 + a.src_dir * ty, x = x0 + a.src_dir * tx;
-              if (in_src(y, x)) e[j] = act[pix_nb[i] + y * sH + x * sW + c];
+              if (in_src(y, x)) e[j] = act[pix[i].nb + y * sH + x * sW + c];
             }
           }
           *reinterpret_cast<uint4*>(dst) = v;
         }
-        // Next K-tile: BK pixels further (step_x < rows_W and step_y < rows_H, so one carry each).
-        pix_x[i] += step_x;
-        if (pix_x[i] >= a.rows_W) {
-          pix_x[i] -= a.rows_W;
-          ++pix_y[i];
-        }
-        pix_y[i] += step_y;
-        if (pix_y[i] >= a.rows_H) {
-          pix_y[i] -= a.rows_H;
-          pix_nb[i] += int(a.act_sN);
-        }
-        pix_nb[i] += step_nb;
+        pix[i].advance(a, pix_step);  // the next K-tile
       }
     }
   };
@@ -961,35 +976,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     const bool m_ok = m < a.M;
     const int tap = m / a.act_C, w_c = m - tap * a.act_C;
     const int w_ty = tap >> a.taps_shift, w_tx = tap & (a.taps_w - 1);
-    int pix_nb[A_ITERS], pix_y[A_ITERS], pix_x[A_ITERS];
+    PixelCursor pix[A_ITERS];
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const int p = kt_begin * BK + a_r + 16 * i;
-      const int n = p / rows_hw, rem = p - n * rows_hw;
-      pix_nb[i] = n * int(a.act_sN);
-      pix_y[i] = rem / a.rows_W;
-      pix_x[i] = rem - pix_y[i] * a.rows_W;
-    }
-    const int step_x = BK % a.rows_W, step_y = (BK / a.rows_W) % a.rows_H, step_nb = (BK / rows_hw) * int(a.act_sN);
+    for (int i = 0; i < A_ITERS; ++i) pix[i].start(a, kt_begin * BK + a_r + 16 * i, rows_hw);
+    const PixelCursor pix_step = pixel_step(a, BK, rows_hw);
     auto load_a = [&](int s, int kt) {
       unsigned char* dst = smem + s * T::STAGE_BYTES + a_dst;
 #pragma unroll
       for (int i = 0; i < A_ITERS; ++i) {
-        const int y = a.src_scale * pix_y[i] + a.src_off + a.src_dir * w_ty;
-        const int x = a.src_scale * pix_x[i] + a.src_off + a.src_dir * w_tx;
+        const int y = a.src_scale * pix[i].y + a.src_off + a.src_dir * w_ty;
+        const int x = a.src_scale * pix[i].x + a.src_off + a.src_dir * w_tx;
         const bool ok = m_ok && kt * BK + a_r + 16 * i < a.K && y >= 0 && y < a.act_H && x >= 0 && x < a.act_W;
-        cp_async16(dst + i * 16 * 128, ok ? act + (pix_nb[i] + y * sH + x * sW + w_c) : act, ok);
-        pix_x[i] += step_x;
-        if (pix_x[i] >= a.rows_W) {
-          pix_x[i] -= a.rows_W;
-          ++pix_y[i];
-        }
-        pix_y[i] += step_y;
-        if (pix_y[i] >= a.rows_H) {
-          pix_y[i] -= a.rows_H;
-          pix_nb[i] += int(a.act_sN);
-        }
-        pix_nb[i] += step_nb;
+        cp_async16(dst + i * 16 * 128, ok ? act + (pix[i].nb + y * sH + x * sW + w_c) : act, ok);
+        pix[i].advance(a, pix_step);
       }
     };
     // B: x as a dense [K pixels][N channels] matrix; thread's chunk b_v of rows b_r + B_ROWS j.
