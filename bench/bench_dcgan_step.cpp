@@ -393,7 +393,8 @@ void check_target(const std::vector<Row>& rows, const char* what, int64_t batch,
   std::cout.unsetf(std::ios::fixed);
 }
 
-// ms/step of every dcgan_step row as bars: one group per (batch, precision), stock and hierpar, eager and graph.
+// ms/step of every dcgan_step row as bars: one group per (batch, precision, layout; CL = channels_last), stock and
+// hierpar, eager and graph.
 void write_chart(const std::vector<Row>& rows, const std::string& path) {
 #ifdef HIERPAR_BENCH_CHARTS
   using hierpar::examples::BarGroup;
@@ -407,8 +408,7 @@ void write_chart(const std::vector<Row>& rows, const std::string& path) {
   std::vector<BarGroup> groups;
   for (const auto& r : rows) {
     if (r.bench != "dcgan_step") continue;
-    const std::string label =
-        "batch " + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? "" : " channels_last");
+    const std::string label = "b" + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? " NCHW" : " CL");
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
     if (it == groups.end()) {
       groups.push_back({label, std::vector<double>(kinds.size(), NAN)});
