@@ -66,4 +66,14 @@ void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::Tens
   }
 }
 
+void check_fused_adam_lr(at::TensorList params, const at::Tensor& lr) {
+  if (params.empty()) return;
+  const auto dtype = params[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lr.defined() && lr.numel() == 1 && lr.scalar_type() == dtype && lr.device() == params[0].device(),
+              "hierpar::fused_adam_: lr: expected a one-element ", dtype, " tensor on ", params[0].device(),
+              " (the learning rate for ", params[0].scalar_type(), " params), got ",
+              lr.defined() ? c10::str(lr.scalar_type(), " on ", lr.device(), " with ", lr.numel(), " elements")
+                           : std::string("an undefined tensor"));
+}
+
 }  // namespace hierpar::detail

@@ -552,6 +552,12 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
     ++r.warmup_done;
     return;
   }
+  // A learning rate set since the last step (a schedule) into the device tensors the captured updates read.
+  for (torch::optim::Adam* optimizer : {r.generator_optimizer.get(), r.discriminator_optimizer.get()}) {
+    auto* fused = dynamic_cast<FusedAdam*>(optimizer);
+    TORCH_INTERNAL_ASSERT(fused != nullptr, "cuda_graphs runs FusedAdam optimisers");
+    fused->sync_learning_rate();
+  }
   // The capture runs nothing (and so averages nothing): every replica captures in the same step, then
   // all replay it below with the averaging between the segments.
   if (!r.graph->captured()) r.graph->capture([&] { step_body(local, r.static_real, r.static_noise, Phase::capture); });

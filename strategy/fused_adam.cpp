@@ -7,7 +7,13 @@
 #include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
+#include <ATen/ops/full.h>
 #include <c10/core/GradMode.h>
+
+#ifdef HIERPAR_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <utility>
 
@@ -45,6 +51,18 @@ bool same_element_order(const torch::Tensor& a, const torch::Tensor& b) {
   return true;
 }
 
+// Whether the current stream of `device` is being captured into a CUDA graph.
+bool is_capturing(const c10::Device& device) {
+#ifdef HIERPAR_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+#endif
+  return false;
+}
+
 }  // namespace
 
 FusedAdam::FusedAdam(std::vector<torch::Tensor> parameters, torch::optim::AdamOptions options, AdamKernel kernel)
@@ -69,6 +87,28 @@ FusedAdam::FusedAdam(std::vector<torch::Tensor> parameters, torch::optim::AdamOp
     }
     if (!placed) groups_.push_back({i});
   }
+  // hierpar's kernel reads the lr in its opmath type (float64 for float64 parameters, else float32); ATen's fused
+  // kernel reads a float32 one.
+  synced_lr_ = options.lr();
+  for (const auto& group : groups_) {
+    const auto& first = parameters_[group.front()];
+    const auto dtype = kernel_ == AdamKernel::hierpar && first.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    group_lrs_.push_back(at::full({}, synced_lr_, first.options().dtype(dtype)));
+  }
+}
+
+void FusedAdam::sync_learning_rate() {
+  const double lr = options().lr();
+  if (lr == synced_lr_) return;
+  TORCH_CHECK(lr >= 0, "FusedAdam: lr: expected a non-negative learning rate, got ", lr);
+  for (const auto& group_lr : group_lrs_) {
+    TORCH_CHECK(!is_capturing(group_lr.device()), "FusedAdam: the learning rate changed (", synced_lr_, " -> ", lr,
+                ") while a CUDA graph is being captured: call sync_learning_rate() before capture_begin, and before "
+                "each replay");
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& group_lr : group_lrs_) group_lr.fill_(lr);
+  synced_lr_ = lr;
 }
 
 const torch::optim::AdamOptions& FusedAdam::options() const {
@@ -81,13 +121,15 @@ torch::optim::AdamOptions& FusedAdam::options() {
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
   TORCH_CHECK(!closure, "FusedAdam: step: a loss closure is not supported (compute the loss, backward, then step())");
+  sync_learning_rate();
   c10::NoGradGuard no_grad;
   const auto& o = options();
   const auto [beta1, beta2] = o.betas();
   TORCH_CHECK(!o.amsgrad() || max_exp_avg_sqs_.size() == parameters_.size(),
               "FusedAdam: amsgrad was switched on after construction; construct the optimiser with it");
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
-  for (const auto& group : groups_) {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const auto& group = groups_[g];
     params.clear(), grads.clear(), exp_avgs.clear(), exp_avg_sqs.clear(), max_exp_avg_sqs.clear(), steps.clear();
     for (size_t i : group) {
       const auto& p = parameters_[i];
@@ -109,10 +151,10 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
     // its caller, as ATen's fused Adam does.
     at::_foreach_add_(steps, 1);
     if (kernel_ == AdamKernel::hierpar) {
-      hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
-                                o.weight_decay(), o.eps(), o.amsgrad());
+      hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, group_lrs_[g], beta1,
+                                beta2, o.weight_decay(), o.eps(), o.amsgrad());
     } else {
-      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, o.lr(), beta1, beta2,
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, group_lrs_[g], beta1, beta2,
                        o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false);
     }
   }

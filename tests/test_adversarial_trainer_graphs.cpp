@@ -1,7 +1,7 @@
 // AdversarialTrainer's step machinery (issue 7): the device-side loss log read every N steps, the noise
 // drawn by the trainer, FusedAdam as its optimiser, channels_last, and CUDA-graph steps against eager
-// steps (same seed, K steps, same parameters and losses). CPU tests run everywhere; the graph tests need a
-// GPU and skip with a reason without one.
+// steps (same seed, K steps, a learning-rate schedule, same parameters and losses). CPU tests run everywhere;
+// the graph tests need a GPU and skip with a reason without one.
 //
 // Tolerances: FusedAdam vs torch::optim::Adam and channels_last vs contiguous change only the order of
 // floating-point operations; after K Adam steps (lr 1e-3) the parameters then differ by a few float32
@@ -15,6 +15,8 @@
 #include "hierpar/models/dcgan.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/fused_adam.h"
+
+#include <functional>
 
 namespace hs = hierpar::strategy;
 using hierpar::testing::Tolerance;
@@ -68,8 +70,12 @@ struct TrainedRun {
 
 // `steps` steps from parameters seeded with `init_seed`, on batches `reals[k]`; the noise is drawn by the
 // trainer (from the generator seeded with `noise_seed`) unless `noises` is given.
+// A learning rate per step for both optimisers (set on their parameter groups before the step), or none.
+using LrSchedule = std::function<double(size_t step)>;
+
 TrainedRun train(const hs::Placement& placement, hs::AdversarialOptions options, const std::vector<torch::Tensor>& reals,
-          uint64_t init_seed, uint64_t noise_seed, const std::vector<torch::Tensor>& noises = {}) {
+          uint64_t init_seed, uint64_t noise_seed, const std::vector<torch::Tensor>& noises = {},
+          const LrSchedule& schedule = {}) {
   torch::manual_seed(init_seed);
   PairNet g(true), d(false);
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
@@ -77,6 +83,11 @@ TrainedRun train(const hs::Placement& placement, hs::AdversarialOptions options,
   if (torch::cuda::is_available()) torch::cuda::manual_seed_all(noise_seed);
   TrainedRun run;
   for (size_t k = 0; k < reals.size(); ++k) {
+    if (schedule) {
+      for (torch::optim::Adam* optimizer : {&trainer.generator_optimizer(), &trainer.discriminator_optimizer()}) {
+        static_cast<torch::optim::AdamOptions&>(optimizer->param_groups().front().options()).lr(schedule(k));
+      }
+    }
     auto losses = noises.empty() ? trainer.step(reals[k]) : trainer.step(reals[k], noises[k]);
     run.step_means.push_back(losses.mean());
   }
@@ -230,8 +241,10 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
     auto graphs = eager;
     graphs.cuda_graphs = true;
     graphs.graph_warmup_steps = 2;
-    const TrainedRun a = train(placement, graphs, reals, init, noise);
-    const TrainedRun b = train(placement, eager, reals, init, noise);
+    // A learning-rate schedule that changes after the capture (step 2) must reach the replayed updates.
+    const LrSchedule schedule = [](size_t k) { return k < 5 ? 1e-3 : 2.5e-4; };
+    const TrainedRun a = train(placement, graphs, reals, init, noise, {}, schedule);
+    const TrainedRun b = train(placement, eager, reals, init, noise, {}, schedule);
     const std::string what = bf16 ? "bf16 + channels_last: graphs vs eager" : "fp32: graphs vs eager";
     EXPECT_GT(a.graph_nodes, 10) << what << ": the step was captured";
     EXPECT_EQ(b.graph_nodes, 0);

@@ -1,7 +1,8 @@
 // hierpar::strategy::FusedAdam against torch::optim::Adam: the same parameters, fed the same random
 // gradients for K steps, must end with the same parameters and moments (CPU in float64 and float32, CUDA
-// in float32 with channels_last parameters), a captured CUDA graph of step() replayed K times must equal K
-// eager steps, and bad input is refused with a message naming the argument.
+// in float32 with channels_last parameters) under a learning-rate schedule, a captured CUDA graph of step()
+// replayed K times (the schedule synced before each replay) must equal K eager steps, and bad input is refused
+// with a message naming the argument.
 //
 // Tolerances: both implementations compute the same update in the same precision, in a different order of
 // operations (the fused kernel folds the bias corrections into one expression). Each step's update is
@@ -19,6 +20,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cmath>
 #include <sstream>
 
 namespace {
@@ -60,7 +62,15 @@ std::string describe(const torch::optim::AdamOptions& o) {
   return s.str();
 }
 
-// Steps FusedAdam and torch::optim::Adam K times on the same gradients and compares the results.
+// The schedule the tests run: a decay of 20% a step from the options' lr.
+double scheduled_lr(const torch::optim::AdamOptions& options, int step) { return options.lr() * std::pow(0.8, step); }
+
+torch::optim::AdamOptions& options_of(torch::optim::Optimizer& optimizer) {
+  return static_cast<torch::optim::AdamOptions&>(optimizer.param_groups().front().options());
+}
+
+// Steps FusedAdam and torch::optim::Adam K times on the same gradients, each step with the next learning rate of
+// scheduled_lr set on both, and compares the results.
 void compare_with_torch_adam(const torch::TensorOptions& options, Layout conv_layout, int steps,
                              hierpar::strategy::AdamKernel kernel = hierpar::strategy::AdamKernel::hierpar) {
   const auto adam_options = random_options();
@@ -77,6 +87,8 @@ void compare_with_torch_adam(const torch::TensorOptions& options, Layout conv_la
       fused_params[i].mutable_grad() = torch::empty_like(fused_params[i]).copy_(grad);
       torch_params[i].mutable_grad() = torch::empty_like(torch_params[i]).copy_(grad);
     }
+    options_of(fused).lr(scheduled_lr(adam_options, k));
+    options_of(reference).lr(scheduled_lr(adam_options, k));
     fused.step();
     reference.step();
     if (k == 0) {
@@ -119,8 +131,8 @@ TEST(FusedAdam, MatchesTorchAdamOnCuda) {
                           hierpar::strategy::AdamKernel::aten);
 }
 
-// step() and zero_grad(false) captured into one CUDA graph, replayed K times with new gradients copied into
-// the static gradient tensors before each replay, equal K eager steps bit for bit.
+// step() captured into one CUDA graph, replayed K times with new gradients copied into the static gradient
+// tensors and the next scheduled learning rate synced before each replay, equals K eager steps bit for bit.
 TEST(FusedAdam, CapturedStepEqualsEagerSteps) {
   HIERPAR_REQUIRE_CUDA();
   const auto options = torch::dtype(torch::kFloat).device(torch::kCUDA);
@@ -152,7 +164,10 @@ TEST(FusedAdam, CapturedStepEqualsEagerSteps) {
       graph_params[i].mutable_grad().copy_(grad);
       eager_params[i].mutable_grad() = torch::empty_like(eager_params[i]).copy_(grad);
     }
+    options_of(graphed).lr(scheduled_lr(adam_options, k));
+    graphed.sync_learning_rate();
     graph.replay();
+    options_of(eager).lr(scheduled_lr(adam_options, k));
     eager.step();
   }
   const auto what = describe(adam_options);
@@ -161,6 +176,28 @@ TEST(FusedAdam, CapturedStepEqualsEagerSteps) {
     expect_close(graphed.exp_avg_sq(i), eager.exp_avg_sq(i), Tolerance{0, 0}, what + " exp_avg_sq " + std::to_string(i));
     EXPECT_EQ(graphed.step_count(i).item<double>(), steps) << what;
   }
+}
+
+// A learning rate changed after the last sync and then captured would put its fill into the graph, which each
+// replay would repeat over later changes: step() refuses it, and a sync before capture_begin is the way.
+TEST(FusedAdam, RefusesALearningRateChangedDuringCapture) {
+  HIERPAR_REQUIRE_CUDA();
+  auto params = leaf_copies(random_parameters(torch::dtype(torch::kFloat).device(torch::kCUDA), Layout::contiguous));
+  for (auto& p : params) p.mutable_grad() = torch::zeros_like(p);
+  FusedAdam fused(params, torch::optim::AdamOptions(1e-2));
+  c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  torch::cuda::synchronize();
+  at::cuda::CUDAGraph graph;
+  {
+    c10::cuda::CUDAStreamGuard guard(side);
+    graph.capture_begin();
+    options_of(fused).lr(5e-3);
+    HIERPAR_EXPECT_THROW_MSG(fused.step(), "the learning rate changed (0.01 -> 0.005) while a CUDA graph is being "
+                             "captured: call sync_learning_rate() before capture_begin");
+    graph.capture_end();
+  }
+  fused.sync_learning_rate();  // outside a capture: accepted
+  EXPECT_NO_THROW(fused.step());
 }
 
 TEST(FusedAdam, SkipsParametersWithoutGradient) {
@@ -307,12 +344,20 @@ TEST(FusedAdamOp, CudaMatchesAtenFusedAdam) {
     auto ref_params = clones(params), ref_exp_avgs = clones(exp_avgs), ref_exp_avg_sqs = clones(exp_avg_sqs),
          ref_max = clones(max_exp_avg_sqs);
     const double lr = 1e-2, beta1 = coin() ? 0.5 : 0.9, beta2 = 0.999, eps = 1e-8;
-    hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
-                              weight_decay, eps, amsgrad);
+    // Either overload: the learning rate as a number or as a device tensor (tensor_lr).
+    const bool tensor_lr = coin();
+    if (tensor_lr) {
+      const auto lr_tensor = torch::full({}, lr, options.dtype(dtype == torch::kDouble ? torch::kDouble : torch::kFloat));
+      hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr_tensor, beta1,
+                                beta2, weight_decay, eps, amsgrad);
+    } else {
+      hierpar::ops::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
+                                weight_decay, eps, amsgrad);
+    }
     at::_fused_adam_(ref_params, grads, ref_exp_avgs, ref_exp_avg_sqs, ref_max, steps, lr, beta1, beta2, weight_decay,
                      eps, amsgrad, /*maximize=*/false);
     const std::string what = c10::str(dtype, " amsgrad ", amsgrad, " weight_decay ", weight_decay, " beta1 ", beta1,
-                                      " (seed ", run_seed(), ")");
+                                      " tensor_lr ", tensor_lr, " (seed ", run_seed(), ")");
     for (size_t i = 0; i < shapes.size(); ++i) {
       const std::string which = what + " tensor " + std::to_string(i);
       expect_close(params[i], ref_params[i], which + " param");
@@ -348,11 +393,33 @@ TEST(FusedAdamOp, RejectsBadInput) {
   HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {torch::zeros({3})}, {}, {s}), "exp_avg_sqs[0]: expected a dense");
   HIERPAR_EXPECT_THROW_MSG(call({p}, {g}, {m}, {v}, {}, {torch::ones({}, torch::kDouble)}),
                            "steps[0]: expected a one-element float32 tensor");
+  // The tensor_lr overload's learning rate: one element, the params' device, float32 (float64 for float64 params).
+  auto call_tensor_lr = [&](const torch::Tensor& params, const torch::Tensor& lr) {
+    hierpar::ops::fused_adam_({params}, {g.to(params.dtype())}, {m.to(params.dtype())}, {v.to(params.dtype())}, {},
+                              {s}, lr, 0.9, 0.999, 0.0, 1e-8, false);
+  };
+  HIERPAR_EXPECT_THROW_MSG(call_tensor_lr(p, torch::full({}, 1e-3, torch::kDouble)),
+                           "lr: expected a one-element Float tensor on cpu");
+  HIERPAR_EXPECT_THROW_MSG(call_tensor_lr(p, torch::full({2}, 1e-3)), "lr: expected a one-element Float tensor");
+  HIERPAR_EXPECT_THROW_MSG(call_tensor_lr(p.to(torch::kDouble), torch::full({}, 1e-3)),
+                           "lr: expected a one-element Double tensor on cpu (the learning rate for Double params)");
+  HIERPAR_EXPECT_THROW_MSG(call_tensor_lr(p, torch::Tensor()), "lr: expected a one-element Float tensor");
+  // On the CPU the tensor_lr overload computes what the number overload does (an lr that float32 holds exactly).
+  {
+    auto p1 = p.clone(), p2 = p.clone(), m1 = m.clone(), m2 = m.clone(), v1 = v.clone(), v2 = v.clone();
+    hierpar::ops::fused_adam_({p1}, {g}, {m1}, {v1}, {}, {s}, 0.0078125, 0.9, 0.999, 0.0, 1e-8, false);
+    hierpar::ops::fused_adam_({p2}, {g}, {m2}, {v2}, {}, {s}, torch::full({}, 0.0078125), 0.9, 0.999, 0.0, 1e-8, false);
+    EXPECT_TRUE(torch::equal(p1, p2));
+    EXPECT_FALSE(torch::equal(p1, p));
+  }
   // The Meta kernel checks the same.
   const auto meta = [](const torch::Tensor& t) { return t.to(torch::kMeta); };
   HIERPAR_EXPECT_THROW_MSG(call({meta(p)}, {meta(g)}, {meta(m)}, {meta(torch::zeros({3}))}, {}, {meta(s)}),
                            "exp_avg_sqs[0]: expected a dense");
   EXPECT_NO_THROW(call({meta(p)}, {meta(g)}, {meta(m)}, {meta(v)}, {}, {meta(s)}));
+  HIERPAR_EXPECT_THROW_MSG(hierpar::ops::fused_adam_({meta(p)}, {meta(g)}, {meta(m)}, {meta(v)}, {}, {meta(s)},
+                                                     torch::full({}, 1e-3), 0.9, 0.999, 0.0, 1e-8, false),
+                           "lr: expected a one-element Float tensor on meta");
 }
 
 }  // namespace

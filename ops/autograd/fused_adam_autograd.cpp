@@ -5,4 +5,5 @@
 
 TORCH_LIBRARY_IMPL(hierpar, Autograd, m) {
   m.impl("fused_adam_", torch::CppFunction::makeFallthrough());
+  m.impl("fused_adam_.tensor_lr", torch::CppFunction::makeFallthrough());
 }

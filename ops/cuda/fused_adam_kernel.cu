@@ -1,5 +1,5 @@
 // CUDA kernel of hierpar::fused_adam_: Adam's update (L2 weight decay, optional AMSGrad) of every tensor of a
-// list in one launch.
+// list in one launch; the learning rate a number, or (overload tensor_lr) read from the device by every block.
 //
 // Why not ATen's fused Adam: its multi-tensor launcher gives each block a chunk of 65536 elements, so a DCGAN
 // network (1.1M and 0.7M parameters) runs on 12-19 blocks of a 132-SM GPU, each walking its chunk in 32
@@ -44,6 +44,7 @@ struct AdamTable {
 
 struct AdamHyper {
   double lr, beta1, beta2, weight_decay, eps;
+  const void* lr_tensor;  // the tensor_lr overload's learning rate (an opmath_t on the device), else nullptr
 };
 
 template <typename scalar_t, bool kAmsgrad>
@@ -55,7 +56,8 @@ __global__ void __launch_bounds__(kThreads) fused_adam_kernel(const __grid_const
   const int64_t begin = static_cast<int64_t>(blockIdx.x - table.first_block[t]) * kChunk;
   const int64_t end = begin + kChunk < table.numel[t] ? begin + kChunk : table.numel[t];
 
-  const opmath_t lr = hyper.lr, beta1 = hyper.beta1, beta2 = hyper.beta2, eps = hyper.eps;
+  const opmath_t lr = hyper.lr_tensor ? *static_cast<const opmath_t*>(hyper.lr_tensor) : opmath_t(hyper.lr);
+  const opmath_t beta1 = hyper.beta1, beta2 = hyper.beta2, eps = hyper.eps;
   const opmath_t weight_decay = hyper.weight_decay;
   // The caller has already counted this step (as for torch.optim.Adam(fused=True)).
   const opmath_t step = *table.step[t];
@@ -140,17 +142,33 @@ void launch_all(at::TensorList params, at::TensorList grads, at::TensorList exp_
   launch();
 }
 
+void update(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+            at::TensorList max_exp_avg_sqs, at::TensorList steps, const AdamHyper& hyper, bool amsgrad) {
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[0].scalar_type(), "hierpar::fused_adam_", [&] {
+    launch_all<scalar_t>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, amsgrad);
+  });
+}
+
 void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                      at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
                      double weight_decay, double eps, bool amsgrad) {
   check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
                         eps, amsgrad);
-  if (params.empty()) return;
-  const c10::cuda::CUDAGuard guard(params[0].device());
-  const AdamHyper hyper{lr, beta1, beta2, weight_decay, eps};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[0].scalar_type(), "hierpar::fused_adam_", [&] {
-    launch_all<scalar_t>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, amsgrad);
-  });
+  update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+         AdamHyper{lr, beta1, beta2, weight_decay, eps, /*lr_tensor=*/nullptr}, amsgrad);
+}
+
+void fused_adam_tensor_lr_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                               const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
+                               bool amsgrad) {
+  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, /*lr=*/0.0, beta1, beta2,
+                        weight_decay, eps, amsgrad);
+  check_fused_adam_lr(params, lr);
+  update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+         AdamHyper{0.0, beta1, beta2, weight_decay, eps, lr.const_data_ptr()}, amsgrad);
 }
 
 }  // namespace
@@ -158,4 +176,5 @@ void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
   m.impl("fused_adam_", &hierpar::detail::fused_adam_cuda);
+  m.impl("fused_adam_.tensor_lr", &hierpar::detail::fused_adam_tensor_lr_cuda);
 }

@@ -79,5 +79,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(const at::Tensor&
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
                  double weight_decay, double eps, bool amsgrad);
+// The same with the learning rate read from a device tensor (overload "tensor_lr", like ATen's fused Adam): a
+// one-element tensor on the params' device, float32 (float64 for float64 params). A CUDA graph captured with it
+// reads the value at replay, so a learning-rate schedule needs no re-capture.
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                 at::TensorList max_exp_avg_sqs, at::TensorList steps, const at::Tensor& lr, double beta1,
+                 double beta2, double weight_decay, double eps, bool amsgrad);
 
 }  // namespace hierpar::ops

@@ -162,7 +162,8 @@ class AdversarialTrainer {
   const Placement& placement() const { return placement_; }
   // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
   // fused_adam the optimisers are FusedAdam, which saves and loads torch::optim::Adam's format). Under
-  // CUDA graphs, state loaded after the first step must be copied into the existing tensors.
+  // CUDA graphs, state loaded after the first step must be copied into the existing tensors. A learning rate set
+  // on an optimiser's parameter group (a schedule) applies from the next step, captured steps included.
   torch::nn::AnyModule& generator(int64_t local = 0);
   torch::nn::AnyModule& discriminator(int64_t local = 0);
   torch::optim::Adam& generator_optimizer(int64_t local = 0);

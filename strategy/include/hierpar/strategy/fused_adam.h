@@ -9,8 +9,11 @@
 // It is a torch::optim::Adam: the update is Adam's (L2 weight decay added to the gradient, optional
 // AMSGrad), so the two agree to rounding, and save()/load() write and read Adam's archive format, so a
 // checkpoint interchanges with torch::optim::Adam (saving reads the step counters on the host: a sync).
-// Options are read from the single parameter group when step() is called: a graph captured with one
-// learning rate keeps it.
+// Options are read from the single parameter group when step() is called. The learning rate reaches the kernels
+// through a device tensor per group (hierpar::fused_adam_'s tensor_lr overload), so a captured step follows a
+// schedule: set the group's lr as for torch::optim::Adam, and before replaying call sync_learning_rate(), which
+// copies it to the device when it changed (an eager step() does that itself). Betas, eps and weight decay are
+// captured as numbers.
 //
 // Usage:
 //   hierpar::strategy::FusedAdam opt(model->parameters(), torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}));
@@ -41,6 +44,12 @@ class FusedAdam : public torch::optim::Adam {
   // of size 1), which autograd guarantees for the gradients it creates. A closure is refused (it would run a forward on the host).
   torch::Tensor step(LossClosure closure = nullptr) override;
 
+  // Writes the parameter group's lr into the device tensors the update reads, when it differs from the value
+  // they hold (one fill per device and dtype group, queued on the current stream; nothing when unchanged). Call it
+  // before a replay of a captured step(); refused while the current stream is being captured with a changed lr
+  // (the capture would record the fill and replay the old value over later changes).
+  void sync_learning_rate();
+
   // set_to_none (the default) launches nothing: the next backward creates the gradients, so no zero fill
   // and no accumulation add runs. set_to_none=false zeroes the existing gradients with one multi-tensor
   // kernel per group (their storage stays put, for code that holds on to it, e.g. a captured graph).
@@ -67,6 +76,8 @@ class FusedAdam : public torch::optim::Adam {
   std::vector<torch::Tensor> parameters_;
   std::vector<torch::Tensor> steps_, exp_avgs_, exp_avg_sqs_, max_exp_avg_sqs_;
   std::vector<std::vector<size_t>> groups_;  // parameter indices sharing a device and dtype
+  std::vector<torch::Tensor> group_lrs_;     // per group: the learning rate the kernels read (0-dim, on its device)
+  double synced_lr_;                         // the value group_lrs_ hold
 };
 
 }  // namespace hierpar::strategy
