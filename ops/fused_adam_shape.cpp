@@ -66,7 +66,12 @@ void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::Tens
   }
 }
 
-void check_fused_adam_lr(at::TensorList params, const at::Tensor& lr) {
+void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                           const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
+                           bool amsgrad) {
+  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, /*lr=*/0.0, beta1, beta2,
+                        weight_decay, eps, amsgrad);
   if (params.empty()) return;
   const auto dtype = params[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   TORCH_CHECK(lr.defined() && lr.numel() == 1 && lr.scalar_type() == dtype && lr.device() == params[0].device(),

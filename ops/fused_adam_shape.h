@@ -15,8 +15,11 @@ void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
                            double lr, double beta1, double beta2, double weight_decay, double eps, bool amsgrad);
 
-// The tensor_lr overload's learning rate: a one-element tensor on params[0]'s device, float32 (float64 when the
-// params are float64), which the kernels read where the other overload takes the number.
-void check_fused_adam_lr(at::TensorList params, const at::Tensor& lr);
+// The tensor_lr overload's arguments: the same, with lr a one-element tensor on params[0]'s device, float32
+// (float64 when the params are float64), which the kernels read where the other overload takes the number.
+void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                           const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
+                           bool amsgrad);
 
 }  // namespace hierpar::detail

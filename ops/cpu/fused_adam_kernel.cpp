@@ -22,9 +22,8 @@ void fused_adam_tensor_lr_cpu(at::TensorList params, at::TensorList grads, at::T
                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
                               const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
                               bool amsgrad) {
-  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, /*lr=*/0.0, beta1, beta2,
-                        weight_decay, eps, amsgrad);
-  check_fused_adam_lr(params, lr);
+  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+                        eps, amsgrad);
   if (params.empty()) return;
   at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
                    amsgrad, /*maximize=*/false);
