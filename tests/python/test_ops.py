@@ -93,6 +93,25 @@ def conv2d_backward_samples(dtype, device):
                [True, True, b is not None])
 
 
+def fused_adam_samples(dtype, device, tensor_lr=False):
+    shapes = [[7], [3, 5], [2, 3, 4, 4]]
+    params = [random_tensor(shape, dtype, device) for shape in shapes]
+    grads = [random_tensor(shape, dtype, device) for shape in shapes]
+    exp_avgs = [random_tensor(shape, dtype, device) * 0.1 for shape in shapes]
+    exp_avg_sqs = [random_tensor(shape, dtype, device).abs() * 0.01 for shape in shapes]
+    steps = [torch.full((), 3.0, device=device) for _ in shapes]
+    lr_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lr = torch.full((), 1e-2, dtype=lr_dtype, device=device) if tensor_lr else 1e-2
+    for amsgrad in (False, True):
+        maxs = [random_tensor(shape, dtype, device).abs() * 0.01 for shape in shapes] if amsgrad else []
+        yield ((params, grads, exp_avgs, exp_avg_sqs, maxs, steps),
+               dict(lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=amsgrad))
+
+
+def fused_adam_tensor_lr_samples(dtype, device):
+    yield from fused_adam_samples(dtype, device, tensor_lr=True)
+
+
 SAMPLES = {
     hp.max_pool2d.default: max_pool2d_samples,
     hp.max_pool2d_backward.default: max_pool2d_backward_samples,
@@ -102,6 +121,8 @@ SAMPLES = {
     hp.conv_transpose2d_backward.default: conv_transpose2d_backward_samples,
     hp.conv2d.default: conv2d_samples,
     hp.conv2d_backward.default: conv2d_backward_samples,
+    hp.fused_adam_.default: fused_adam_samples,
+    hp.fused_adam_.tensor_lr: fused_adam_tensor_lr_samples,
 }
 
 
@@ -115,5 +136,6 @@ def test_every_op_is_covered():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", list(SAMPLES), ids=lambda op: op._schema.name.split("::")[1])
 def test_opcheck(op, dtype, device):
-    for args in SAMPLES[op](dtype, device):
-        opcheck(op, args)
+    for sample in SAMPLES[op](dtype, device):
+        args, kwargs = sample if isinstance(sample[-1], dict) else (sample, {})
+        opcheck(op, args, kwargs)
