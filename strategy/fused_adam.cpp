@@ -11,7 +11,7 @@
 #include <c10/core/GradMode.h>
 
 #ifdef HIERPAR_WITH_CUDA
-#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
