@@ -8,12 +8,16 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <fstream>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -79,6 +83,31 @@ const std::string kStop = "guard/stop";                  // who asked for a stop
 const std::string kEvents = "guard/events";              // bumped when kFailure or kStop is written
 const std::string kSaved = "guard/saved";                // rank 0's checkpoint after an agreed stop is written
 std::string beat_key(int64_t rank) { return "guard/beat/" + std::to_string(rank); }
+std::string process_key(int64_t rank) { return "guard/process/" + std::to_string(rank); }
+
+// What identifies this process's pid namespace on this machine: a peer with the same value is a process here,
+// whose death kill(pid, 0) sees at once. Ranks of different torchrun agents (GROUP_RANK) count as on different
+// hosts even on one machine, so that two agents on one host fail as two hosts would.
+std::string pid_namespace() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {0};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+  const char* agent = std::getenv("GROUP_RANK");
+  return c10::str(host, "/", boot, "/", n > 0 ? std::string(ns, n) : std::string("?"), "/", agent != nullptr ? agent : "");
+}
+
+// False once process `pid` is gone (or a zombie not yet reaped by its parent).
+bool process_alive(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no procfs: only the heartbeat tells
+  const auto paren = line.rfind(')');
+  return paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'Z';
+}
 std::string vote_key(int64_t step, const char* what) { return "guard/vote/" + std::to_string(step) + "/" + what; }
 
 }  // namespace
@@ -124,6 +153,7 @@ struct RunGuard::State {
   bool all_beating = false;
   std::vector<std::string> last_beat;
   std::vector<Clock::time_point> last_change;
+  std::vector<pid_t> local_pid;  // per rank: its pid when it runs in this pid namespace, else 0
   std::vector<int64_t> dead;  // ranks seen dead: nobody waits for them to read the failure
   Clock::time_point store_answered = Clock::now();
 
@@ -156,8 +186,9 @@ struct RunGuard::State {
 
   // The run failed with `message`: the first failure known here is kept (published first when `publish`,
   // where an earlier one published elsewhere wins), the process groups are aborted and the last-resort
-  // exit is armed. Returns the failure kept.
-  std::string record_failure(const std::string& message, bool publish, c10d::Store* through) {
+  // exit is armed, `grace` from now (exit_grace by default). Returns the failure kept.
+  std::string record_failure(const std::string& message, bool publish, c10d::Store* through,
+                             std::optional<std::chrono::milliseconds> grace = std::nullopt) {
     std::string kept = message;
     if (publish && multi && through != nullptr) {
       try {
@@ -173,17 +204,16 @@ struct RunGuard::State {
       if (!failure.empty()) return failure;
       failure = kept;
       abort_groups = abort;
-      arm_reaper_locked(1, failure);
+      arm_reaper_locked(1, failure, grace.value_or(options.exit_grace));
     }
     changed.notify_all();
     if (abort_groups) abort_groups(kept);
     return kept;
   }
 
-  void arm_reaper_locked(int status, const std::string& line) {
+  void arm_reaper_locked(int status, const std::string& line, std::chrono::milliseconds grace) {
     if (reaper_armed) return;
     reaper_armed = true;
-    const auto grace = options.exit_grace;
     std::thread([grace, status, line] {
       std::this_thread::sleep_for(grace);
       exit_now(status, c10::str("error: ", line, " (exiting: the process did not stop within ",
@@ -303,9 +333,36 @@ void RunGuard::State::watch_peers(Clock::time_point now) {
   if (last_beat.empty()) {
     last_beat = beats_now;
     last_change.assign(world(), now);
+    local_pid.assign(world(), 0);
+    try {
+      std::vector<std::string> keys;
+      for (int64_t r = 0; r < world(); ++r) keys.push_back(process_key(r));
+      const auto values = watch_store->multiGet(keys);
+      const std::string here = pid_namespace();
+      for (int64_t q = 0; q < world(); ++q) {
+        std::istringstream fields(text(values[q]));
+        int64_t pid = 0;
+        std::string where;
+        fields >> pid >> where;
+        if (q != rank() && where == here) local_pid[q] = static_cast<pid_t>(pid);
+      }
+    } catch (const std::exception&) {
+    }
     return;
   }
   for (int64_t q = 0; q < world(); ++q) {
+    // A rank on this machine that is gone (not having said it is done, nor published its failure) died: no need
+    // to wait for its heartbeats to stop.
+    if (local_pid[q] != 0 && beats_now[q] != "done" && !process_alive(local_pid[q])) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        dead.push_back(q);
+      }
+      record_failure(c10::str("rank ", q, " died (its process, pid ", local_pid[q], " on this host, is gone: killed "
+                              "or crashed)"),
+                     true, watch_store.get());
+      return;
+    }
     if (beats_now[q] != last_beat[q]) {
       last_beat[q] = beats_now[q];
       last_change[q] = now;
@@ -330,6 +387,7 @@ void RunGuard::State::watch_peers(Clock::time_point now) {
 void RunGuard::State::check_hang(Clock::time_point now) {
   if (!in_step.load() || failed()) return;
   const auto began = Clock::time_point(Clock::duration(step_began.load()));
+  // One process: the trainer's own waits are bounded by the timeout; this is the backstop.
   const auto bound = multi ? options.timeout : options.timeout + 2 * options.exit_grace;
   if (now - began <= bound) return;
   const int64_t at = step.load();
@@ -352,10 +410,12 @@ void RunGuard::State::check_hang(Clock::time_point now) {
     highest = std::max(highest, progress[q]);
   }
   std::string message;
+  bool this_rank_hangs = false;
   if (lowest < highest) {
     std::string ranks;
     for (int64_t q = 0; q < world(); ++q) {
       if (progress[q] != lowest) continue;
+      this_rank_hangs |= q == rank();
       // A rank whose heartbeats stopped is dead, not hung: watch_peers names it once heartbeat_timeout has passed.
       if (q != rank() && now - last_change[q] > 4 * options.heartbeat_interval) return;
       ranks += c10::str(ranks.empty() ? "" : ", ", q);
@@ -363,10 +423,15 @@ void RunGuard::State::check_hang(Clock::time_point now) {
     message = c10::str("rank ", ranks, " hangs in step ", at, ": no progress for ", seconds(now - began),
                        " while the other ranks wait for it (timeout ", seconds(options.timeout), ")");
   } else {
+    // Nobody is behind: a collective or a device hangs, or every rank runs a long step (the first one's
+    // autotuning); the latter is given twice the timeout.
+    if (now - began <= 2 * options.timeout) return;
     message = c10::str("step ", at, " did not finish on any rank within ", seconds(now - began),
                        ": a collective or a device hangs (timeout ", seconds(options.timeout), ")");
   }
-  record_failure(message, true, watch_store.get());
+  // A rank that is itself the one that hangs has a stuck main thread: it leaves once the others have read why.
+  record_failure(message, true, watch_store.get(),
+                 this_rank_hangs ? std::optional(3 * options.heartbeat_interval) : std::nullopt);
 }
 
 // One vote at `step`: every rank adds its stop flag, then its arrival; the last to arrive reads the flags,
@@ -428,8 +493,12 @@ RunGuard::RunGuard(const Launch& launch, RunGuardOptions options) : state_(std::
   s.options = options;
   s.multi = launch.multi_process();
   if (s.multi) {
+    // As in Python, where c10d usually runs: a write to a peer that died fails with EPIPE (an error the collective
+    // or the store reports) instead of killing this process with SIGPIPE.
+    ::signal(SIGPIPE, SIG_IGN);
     s.store = connect_launch_store(launch, options.timeout);
     s.watch_store = s.store->clone();  // its own connection: never queued behind the main thread's calls
+    s.store->set(process_key(launch.rank), bytes(c10::str(::getpid(), " ", pid_namespace())));
     s.store->set(beat_key(launch.rank), bytes("0 0 0"));
   }
   if (launch.torchrun) s.launcher = ::getppid();

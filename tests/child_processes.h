@@ -8,6 +8,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -160,6 +161,12 @@ inline void remove_dir(const std::string& dir) {
     ::closedir(d);
   }
   ::rmdir(dir.c_str());
+}
+
+// Removes a folder tree.
+inline void remove_tree(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* file, const struct stat*, int, struct FTW*) { return ::remove(file); }, 16,
+         FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace hierpar::testing

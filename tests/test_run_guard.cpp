@@ -67,8 +67,8 @@ std::string logs(const std::vector<Child>& children) {
 }  // namespace
 
 // One rank of the runs below: HIERPAR_GUARD_SCENARIO is clean (5 steps), stop (rank 1 asks to stop at kFaultStep),
-// throw, kill or hang (rank 1, at the start of kFaultStep). Rank 0 enters a "collective" every step, which from
-// kFaultStep on (in throw, kill and hang) waits for the guard's abort. Each rank writes what happened to files.
+// throw, kill, freeze (SIGSTOP) or hang (rank 1, at the start of kFaultStep). Rank 0 enters a "collective" every
+// step, which from kFaultStep on (in the faults) waits for the guard's abort. Each rank writes what happened to files.
 TEST(RunGuardWorker, Run) {
   const char* out_dir = std::getenv("HIERPAR_GUARD_OUT");
   if (out_dir == nullptr) GTEST_SKIP() << "the worker half of RunGuard.*: runs only in the processes they start";
@@ -96,9 +96,9 @@ TEST(RunGuardWorker, Run) {
     for (int64_t step = 1; step <= 5000 && !stopped; ++step) {
       guard.begin_step(step);
       if (faulty && step == kFaultStep) {
-        if (scenario == "kill") {
+        if (scenario == "kill" || scenario == "freeze") {
           record("killed_at", std::to_string(now_ms()));
-          ::raise(SIGKILL);
+          ::raise(scenario == "kill" ? SIGKILL : SIGSTOP);
         }
         if (scenario == "hang") {
           for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -107,7 +107,7 @@ TEST(RunGuardWorker, Run) {
         if (scenario == "stop") guard.request_stop("a test's request");
       }
       ++entered;
-      if (!faulty && step >= kFaultStep && (scenario == "throw" || scenario == "kill" || scenario == "hang")) {
+      if (!faulty && step >= kFaultStep && scenario != "clean" && scenario != "stop") {
         std::unique_lock<std::mutex> lock(mutex);
         aborted.wait(lock, [&] { return !abort_reason.empty(); });
         hs::throw_peer_failure("the collective stopped: " + abort_reason);
@@ -160,16 +160,41 @@ TEST(RunGuard, FailingRankIsNamedByEveryRankAtOnce) {
   hierpar::testing::remove_dir(dir);
 }
 
-// A rank killed with SIGKILL is seen by the other within the heartbeat timeout (2 s here): it is aborted and names
-// rank 1 as stopped responding.
-TEST(RunGuard, KilledRankIsNamedWithinTheHeartbeatTimeout) {
+// A rank killed with SIGKILL on the same host is seen at once (its process is gone), long before the heartbeat
+// timeout (2 s here): the other is aborted and names rank 1 as dead.
+TEST(RunGuard, KilledRankOnTheSameHostIsNamedAtOnce) {
   const std::string dir = hierpar::testing::temp_dir("guard_kill");
   const auto children = run_ranks("kill", dir);
   EXPECT_EQ(exit_code(children[1]), -SIGKILL) << logs(children);
   EXPECT_EQ(exit_code(children[0]), 1) << logs(children);
-  EXPECT_EQ(value(dir, "message", 0).rfind("rank 1 stopped responding", 0), 0u) << value(dir, "message", 0);
+  EXPECT_EQ(value(dir, "message", 0).rfind("rank 1 died (its process, pid " + std::to_string(children[1].pid), 0), 0u)
+      << value(dir, "message", 0);
   const double seen = (std::stoll(value(dir, "aborted_at", 0)) - std::stoll(value(dir, "killed_at", 1))) / 1000.0;
-  EXPECT_GT(seen, 1.0) << "a silence shorter than the heartbeat timeout is not a death";
+  EXPECT_LT(seen, 1.5) << "0.2 s heartbeats, and the process is seen gone";
+  hierpar::testing::remove_dir(dir);
+}
+
+// A rank that stops beating while its process lives (frozen here by SIGSTOP; on another host a death looks the same)
+// is named after the heartbeat timeout, 2 s here, and not before.
+TEST(RunGuard, FrozenRankIsNamedAfterTheHeartbeatTimeout) {
+  const std::string dir = hierpar::testing::temp_dir("guard_freeze");
+  const int port = hierpar::testing::free_port();
+  std::vector<Child> children;
+  for (int rank = 0; rank < 2; ++rank) {
+    auto env = hierpar::testing::launch_environment(rank, 2, port);
+    env["HIERPAR_GUARD_OUT"] = dir;
+    env["HIERPAR_GUARD_SCENARIO"] = "freeze";
+    children.push_back(hierpar::testing::spawn({hierpar::testing::self_executable(), "--gtest_filter=RunGuardWorker.Run"},
+                                               env, dir + "/rank" + std::to_string(rank) + ".freeze.log"));
+  }
+  std::vector<Child> rank0{children[0]};
+  hierpar::testing::wait_all(rank0, std::chrono::seconds(60));
+  ::kill(children[1].pid, SIGKILL);
+  ::waitpid(children[1].pid, nullptr, 0);
+  EXPECT_EQ(exit_code(rank0[0]), 1) << logs(children);
+  EXPECT_EQ(value(dir, "message", 0).rfind("rank 1 stopped responding (last heartbeat", 0), 0u) << value(dir, "message", 0);
+  const double seen = (std::stoll(value(dir, "aborted_at", 0)) - std::stoll(value(dir, "killed_at", 1))) / 1000.0;
+  EXPECT_GT(seen, 1.8) << "a silence shorter than the heartbeat timeout (2 s) is not a death";
   EXPECT_LT(seen, 6.0) << "2 s heartbeat timeout, 0.2 s heartbeats";
   hierpar::testing::remove_dir(dir);
 }

@@ -311,6 +311,9 @@ std::function<void(int64_t, int64_t)> fault_hook(const InjectedFault& fault, int
   if (fault.kind.empty()) return {};
   return [fault, first_step](int64_t replica, int64_t step) {
     if (replica != fault.replica || first_step + step + 1 != fault.step) return;
+    // When the fault came, for scripts/fault-check's timings.
+    std::cerr << "hierpar-dcgan: --inject-fault " << fault.kind << " in replica " << replica << " at the start of step "
+              << fault.step << std::endl;
     if (fault.kind == "throw") {
       TORCH_CHECK(false, "injected fault (--inject-fault throw@", fault.step, "): replica ", replica,
                   "'s batch is unusable");

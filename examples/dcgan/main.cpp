@@ -13,7 +13,10 @@
 #include "common/images.h"
 #include "hierpar/strategy/run_guard.h"
 
+#include <c10/util/Logging.h>
 #include <torch/cuda.h>
+
+#include <algorithm>
 
 #include <cstdio>
 #include <cstdlib>
@@ -92,6 +95,11 @@ int train(int argc, char** argv) {
   config.resume_auto = resume == "auto";
   // The first SIGINT/SIGTERM stops every rank after one agreed step, with a checkpoint; a second exits at once.
   hierpar::strategy::RunGuard::install_signal_handlers("hierpar-dcgan");
+  // c10d warns, with a backtrace, about every store connection that a stopping or dead peer closes; the run says
+  // what failed in its own line. TORCH_CPP_LOG_LEVEL still chooses.
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr && hierpar::strategy::Launch::from_env().multi_process()) {
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);  // errors only
+  }
   const int status = train_dcgan(config);
   if (status == 130) {
     std::cerr << "hierpar-dcgan: interrupted: every rank stopped after the same step, and rank 0 saved the checkpoint "

@@ -57,13 +57,15 @@ struct RunGuardOptions {
   std::chrono::milliseconds exit_grace{std::chrono::seconds(3)};
   // An interrupt that no step boundary has answered this long after it came exits at once (no checkpoint).
   std::chrono::milliseconds stop_grace{std::chrono::seconds(8)};
-  // Ranks vote on stopping at step boundaries about this often (the step count between votes adapts).
-  std::chrono::milliseconds vote_interval{500};
+  // Ranks vote on stopping at step boundaries about this often: the last to arrive at a vote schedules the next
+  // from its step time, so a stop comes this long after the request, or stop_grace if steps slow down 30-fold.
+  std::chrono::milliseconds vote_interval{250};
 };
 
 class RunGuard {
  public:
-  // Connects to the launch store (a multi-process `launch`) and starts the watchdog.
+  // Connects to the launch store (a multi-process `launch`) and starts the watchdog. A multi-process run ignores
+  // SIGPIPE, as Python does: a write to a peer that died must fail with an error, not kill the process.
   explicit RunGuard(const Launch& launch, RunGuardOptions options = {});
   // Stops the watchdog; after a failure it is left to exit with the process instead of being waited for.
   ~RunGuard();
