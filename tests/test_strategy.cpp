@@ -620,6 +620,19 @@ TEST(StrategyTrainer, RejectsUnevenBatchAndBadNoise) {
   EXPECT_TRUE(std::isfinite(losses.mean().first));
 }
 
+namespace {
+
+// The tiny pair with BatchNorm as two data-parallel replicas (threads) on the CPU.
+std::unique_ptr<hs::AdversarialTrainer> two_cpu_replicas(const char* reduce, const hs::AdversarialOptions& options) {
+  torch::manual_seed(1);
+  return std::make_unique<hs::AdversarialTrainer>(torch::nn::AnyModule(tiny_generator(true)),
+                                                  torch::nn::AnyModule(tiny_discriminator(true)),
+                                                  hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}),
+                                                  options);
+}
+
+}  // namespace
+
 // A replica that throws (here: its loss) makes the other replicas of its process stop at once (well within the
 // averaging timeout of 60 s) with an error naming it, under both reductions. The error is the replica's own (not
 // a PeerFailure), and the trainer refuses every later step with that cause.
@@ -633,10 +646,8 @@ TEST(StrategyTrainer, FailingReplicaStopsItsPeersAndTheTrainerRefusesLaterSteps)
       TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
       return hs::bce_with_logits_loss(logits, real);
     };
-    torch::manual_seed(1);
-    hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(true)),
-                                   torch::nn::AnyModule(tiny_discriminator(true)),
-                                   hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
+    auto trainer_owner = two_cpu_replicas(reduce, options);
+    hs::AdversarialTrainer& trainer = *trainer_owner;
     const auto start = Clock::now();
     testing::internal::CaptureStderr();
     std::string message;
@@ -701,10 +712,8 @@ TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
     HangingReplica hang(1);
     auto options = test_options(std::chrono::seconds(1));
     options.fault_hook = hang.hook();
-    torch::manual_seed(1);
-    hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(true)),
-                                   torch::nn::AnyModule(tiny_discriminator(true)),
-                                   hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
+    auto trainer_owner = two_cpu_replicas(reduce, options);
+    hs::AdversarialTrainer& trainer = *trainer_owner;
     trainer.step(data.real[0], data.noise[0]);
     const auto start = Clock::now();
     HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]),
@@ -727,10 +736,8 @@ TEST(StrategyTrainer, AbortEndsAStepWaitingOnPeersWithTheReason) {
     HangingReplica hang(0);
     auto options = test_options(std::chrono::seconds(60));
     options.fault_hook = hang.hook();
-    torch::manual_seed(1);
-    hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(true)),
-                                   torch::nn::AnyModule(tiny_discriminator(true)),
-                                   hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
+    auto trainer_owner = two_cpu_replicas(reduce, options);
+    hs::AdversarialTrainer& trainer = *trainer_owner;
     std::thread aborter([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       trainer.abort("rank 3 failed elsewhere");
