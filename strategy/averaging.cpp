@@ -6,7 +6,11 @@
 // CMakeLists.txt adds the include directories it finds).
 #include "hierpar/strategy/averaging.h"
 
+#include "host_flag.h"
+
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -28,8 +32,10 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
-#include <functional>
 #include <cstdlib>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -269,6 +275,57 @@ std::vector<int64_t> global_indices(const Placement& placement) {
   return indices;
 }
 
+// One thread running posted jobs in order: a replica's host sums, away from the thread that queues its device work.
+class JobThread {
+ public:
+  JobThread() : thread_([this] { loop(); }) {}
+  ~JobThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    posted_.notify_all();
+    thread_.join();
+  }
+
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    posted_.notify_all();
+  }
+
+  // Returns once every job posted so far has run.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      posted_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and nothing left to run
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_ = true;
+      lock.unlock();
+      job();  // jobs catch their own errors
+      lock.lock();
+      running_ = false;
+      if (jobs_.empty()) idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable posted_, idle_;
+  std::deque<std::function<void()>> jobs_;
+  bool stopping_ = false, running_ = false;
+  std::thread thread_;  // last: it starts running loop() in the constructor
+};
+
 bool is_loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost" || host == "::1"; }
 
 // One rank of a process group over `store`: NCCL for CUDA tensors, Gloo for CPU tensors.
@@ -388,7 +445,15 @@ void initialise_nccl_once() {
 class HostAverager final : public GradientAverager {
  public:
   HostAverager(const Placement& placement, const AveragingOptions& options)
-      : placement_(placement), options_(options) {
+      : placement_(placement), options_(options), overlap_(options.host_overlap) {
+    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+      for (Network network : kNetworks) overlap_ = overlap_ && HostFlag::available(device_of(placement, i, network));
+    }
+    if (overlap_) {
+      for (auto& network_states : overlapped_) {
+        for (int64_t i = 0; i < placement.local_replicas(); ++i) network_states.push_back(std::make_unique<Overlapped>());
+      }
+    }
     // One barrier (and one cross-process group) per network: with synchronized BatchNorm on a
     // hierarchical placement, G's and D's sums of one replica run at the same time on their devices'
     // autograd threads, and must not count as each other's arrivals.
@@ -415,17 +480,30 @@ class HostAverager final : public GradientAverager {
     barriers_[0]->arrive_and_wait(local, c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
   }
 
+  // The queued sums finish before the replicas go (the last step's updates wait for them).
+  ~HostAverager() override {
+    for (auto& network_states : overlapped_) {
+      for (auto& state : network_states) state->thread.drain();
+    }
+  }
+
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
     entered();
     Slot& slot = slots_[static_cast<int>(network)][kGradients];
     at::Tensor flat = flatten_into(slot.device_flat[local], grads);
-    sum_over_replicas(local, network, slot, flat, where(placement_, local, network));
+    const std::string who = where(placement_, local, network);
+    if (overlap_) {
+      sum_over_replicas_overlapped(local, network, slot, flat, who);
+    } else {
+      sum_over_replicas(local, network, slot, flat, who);
+    }
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }
 
   void sum(int64_t local, Network network, const at::Tensor& tensor) override {
     entered();
+    drain(local);
     Slot& slot = slots_[static_cast<int>(network)][kStatistics];
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
     sum_over_replicas(local, network, slot, tensor.view({-1}), where(placement_, local, network) + " BatchNorm statistics");
@@ -433,6 +511,7 @@ class HostAverager final : public GradientAverager {
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
     entered();
+    drain(local);
     const std::string who = where(placement_, local, network) + " broadcast";
     ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     at::Tensor scratch;
@@ -471,13 +550,74 @@ class HostAverager final : public GradientAverager {
   };
   static constexpr int kGradients = 0, kStatistics = 1;
 
+  // A replica's overlapped averaging of one network: the thread that sums, the flag its device waits for, the
+  // number of sums queued, and the first failure of a sum (rethrown by every later average()).
+  struct Overlapped {
+    JobThread thread;
+    HostFlag flag;
+    uint32_t queued = 0;
+    std::mutex mutex;
+    std::exception_ptr failure;
+  };
+
+  void drain(int64_t local) {
+    for (auto& network_states : overlapped_) {
+      if (!network_states.empty()) network_states[local]->thread.drain();
+    }
+  }
+
   // Sums `flat` (local replica `local`'s, on its device) over every replica, into `flat`.
   void sum_over_replicas(int64_t local, Network network, Slot& slot, const at::Tensor& flat, const std::string& who) {
-    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     const int64_t numel = flat.numel();
     at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
     host.copy_(flat);  // the host must read the values: this waits for the device, by design
     if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
+    sum_host_buffers(local, network, slot, numel, who);
+    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next (blocking)
+    // device-to-host copy on the same stream, which orders after this one.
+    flat.copy_(slot.sum.narrow(0, 0, numel), /*non_blocking=*/true);
+  }
+
+  // The same with nothing waiting on the host: flat -> pinned memory asynchronously; this replica's thread sums
+  // once that copy has landed and then sets the flag the stream waits for before copying the sum back. `sum` is
+  // next written only after every replica's next copy to the host, which their streams order after this copy back.
+  void sum_over_replicas_overlapped(int64_t local, Network network, Slot& slot, const at::Tensor& flat,
+                                    const std::string& who) {
+    Overlapped& state = *overlapped_[static_cast<int>(network)][local];
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (state.failure) std::rethrow_exception(state.failure);
+    }
+    const int64_t numel = flat.numel();
+    at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(true));
+    at::Tensor sum;
+    {
+      std::lock_guard<std::mutex> lock(sum_mutex_);  // the first replica here allocates it for all
+      sum = reserve(slot.sum, numel, host.options());
+    }
+    const c10::Stream stream = c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device());
+    host.copy_(flat, /*non_blocking=*/true);
+    auto copied = std::make_shared<c10::Event>(flat.device().type());
+    copied->record(stream);
+    const uint32_t ticket = ++state.queued;
+    state.thread.post([this, local, network, &slot, numel, who, copied, ticket, &state] {
+      try {
+        copied->synchronize();
+        sum_host_buffers(local, network, slot, numel, who);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(state.mutex);
+        if (!state.failure) state.failure = std::current_exception();
+      }
+      state.flag.set(ticket);  // also after a failure: the stream must not wait for ever
+    });
+    state.flag.enqueue_wait(stream, ticket);
+    flat.copy_(sum, /*non_blocking=*/true);
+  }
+
+  // Sums the replicas' host buffers (the first `numel` elements) into slot.sum, over this process's replicas and
+  // then across processes. Called by every local replica's thread.
+  void sum_host_buffers(int64_t local, Network network, Slot& slot, int64_t numel, const std::string& who) {
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     barrier.arrive_and_wait(local, who);
 
     // Each replica's thread sums its own slice over all replicas' buffers (fixed order: replica 0 first).
@@ -500,9 +640,6 @@ class HostAverager final : public GradientAverager {
       }
       barrier.arrive_and_wait(local, who);
     }
-    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next
-    // (blocking) device-to-host copy on the same stream, which orders after this one.
-    flat.copy_(sum, /*non_blocking=*/true);
   }
 
   bool pinned_any(Network network) const {
@@ -514,6 +651,9 @@ class HostAverager final : public GradientAverager {
 
   const Placement placement_;
   const AveragingOptions options_;
+  bool overlap_;                                                             // options.host_overlap, where possible
+  std::array<std::vector<std::unique_ptr<Overlapped>>, 2> overlapped_;       // [network][local replica]
+  std::mutex sum_mutex_;
   std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;  // [network]
   AbortState aborted_;
   std::array<std::array<Slot, 2>, 2> slots_;                 // [network][gradients | statistics]
@@ -565,8 +705,12 @@ class BucketReducer {
 
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
+  // Whether the hooks of the coming backward count (GradientAverager::set_final_backward).
+  void set_final_backward(bool final) { final_backward_ = final; }
+
   // Autograd's hook: parameter `index` has its gradient for this backward.
   void ready(size_t index, const std::string& who) {
+    if (!final_backward_) return;
     std::lock_guard<std::mutex> lock(mutex_);
     Bucket& bucket = buckets_[bucket_of_[index]];
     TORCH_CHECK(!bucket.launched && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
@@ -638,6 +782,7 @@ class BucketReducer {
   std::vector<Bucket> buckets_;
   size_t next_ = 0;  // the next bucket to launch
   std::mutex mutex_;
+  std::atomic<bool> final_backward_{true};
 };
 
 class CollectiveAverager final : public GradientAverager {
@@ -740,6 +885,10 @@ class CollectiveAverager final : public GradientAverager {
           parameters[i], std::make_unique<ReadyHook>(reducer.get(), i, who));
     }
     reducers_[n][local] = std::move(reducer);
+  }
+
+  void set_final_backward(int64_t local, Network network, bool final) override {
+    if (BucketReducer* reducer = reducers_[static_cast<int>(network)][local].get()) reducer->set_final_backward(final);
   }
 
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {

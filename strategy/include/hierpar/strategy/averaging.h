@@ -1,7 +1,8 @@
 // Gradient averaging across the replicas of a placement, behind one interface with two implementations:
-//  - host: each replica flattens a network's gradients into one pinned host buffer; the replicas' own
-//    threads (one per replica, like seed 000's OpenMP threads) each sum one slice over all replicas;
-//    the sum goes back to every replica's device (across processes the host sums meet through Gloo);
+//  - host: each replica flattens a network's gradients into one pinned host buffer; one thread per replica
+//    (like seed 000's OpenMP threads) each sum one slice over all replicas; the sum goes back to every
+//    replica's device (across processes the host sums meet through Gloo). On CUDA the thread that queues a
+//    replica's step never waits for its device meanwhile (AveragingOptions::host_overlap);
 //  - collective: a c10d process group (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU) all-reduces
 //    the gradients, either in buckets launched by autograd hooks while the backward still runs (the
 //    default, like PyTorch DDP's reducer) or, with bucket_cap_bytes = 0, as ONE flat buffer per network
@@ -75,6 +76,11 @@ class GradientAverager {
   // connect(). The default keeps average() doing all the work.
   virtual void attach(int64_t /*local*/, Network /*network*/, const std::vector<at::Tensor>& /*parameters*/) {}
 
+  // Bucketed averaging counts each parameter's gradient once per step. A step that runs several backward passes
+  // through `network` (D's: the real half, then the fake half) says before each whether it is the last, so that
+  // the hooks start buckets only during the last one. Default: every backward is the last.
+  virtual void set_final_backward(int64_t /*local*/, Network /*network*/, bool /*final*/) {}
+
   // Sums `tensor` (local replica `local`'s, on its device for `network`) over all replicas, in place:
   // synchronized BatchNorm's per-channel statistics (forward) and gradient sums (backward). Every
   // replica must call it in the same order relative to its other calls for `network`; it may be called
@@ -108,6 +114,14 @@ struct AveragingOptions {
   // the backward (session 1's path, kept for comparison).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   int64_t first_bucket_cap_bytes = 1024 * 1024;
+  // Host averaging of CUDA gradients without the host waiting for the device: each replica's gradients go to
+  // pinned memory by an asynchronous copy, a thread of the replica's sums them when the copy has landed, and the
+  // device's stream waits for that thread's flag (cuStreamWaitValue32) before copying the average back. The
+  // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
+  // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
+  // Off (or without stream memory operations, or with synchronized BatchNorm, whose sums share the replicas'
+  // barriers): the host waits for the copy, sums, and returns.
+  bool host_overlap = true;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).
