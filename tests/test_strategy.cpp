@@ -622,6 +622,11 @@ TEST(StrategyTrainer, RejectsUnevenBatchAndBadNoise) {
 
 namespace {
 
+// The reductions this build can run on the CPU: host, and collective where it has Gloo.
+std::vector<const char*> cpu_reductions() {
+  return hs::gloo_available() ? std::vector<const char*>{"host", "nccl"} : std::vector<const char*>{"host"};
+}
+
 // The tiny pair with BatchNorm as two data-parallel replicas (threads) on the CPU.
 std::unique_ptr<hs::AdversarialTrainer> two_cpu_replicas(const char* reduce, const hs::AdversarialOptions& options) {
   torch::manual_seed(1);
@@ -639,8 +644,7 @@ std::unique_ptr<hs::AdversarialTrainer> two_cpu_replicas(const char* reduce, con
 TEST(StrategyTrainer, FailingReplicaStopsItsPeersAndTheTrainerRefusesLaterSteps) {
   const auto data = make_data(8, hierpar::testing::rng()());
   const auto main_thread = std::this_thread::get_id();
-  for (const char* reduce : {"host", "nccl"}) {
-    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+  for (const char* reduce : cpu_reductions()) {
     auto options = test_options(std::chrono::seconds(60));
     options.loss = [main_thread](const torch::Tensor& logits, bool real) {
       TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
@@ -680,12 +684,15 @@ namespace {
 class HangingReplica {
  public:
   explicit HangingReplica(int64_t step) : step_(step) {}
-  std::function<void(int64_t, int64_t)> hook() {
-    return [this](int64_t replica, int64_t step) {
+  // Two CPU replicas whose replica 1 hangs so, averaging with `reduce` and giving up after `timeout`.
+  std::unique_ptr<hs::AdversarialTrainer> trainer(const char* reduce, std::chrono::milliseconds timeout) {
+    auto options = test_options(timeout);
+    options.fault_hook = [this](int64_t replica, int64_t step) {
       if (replica != 1 || step != step_) return;
       std::unique_lock<std::mutex> lock(mutex_);
       released_.wait(lock, [&] { return release_; });
     };
+    return two_cpu_replicas(reduce, options);
   }
   void release() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -707,12 +714,9 @@ class HangingReplica {
 // The trainer then refuses later steps; once the hung thread returns, it is destroyed normally.
 TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
   const auto data = make_data(8, hierpar::testing::rng()());
-  for (const char* reduce : {"host", "nccl"}) {
-    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+  for (const char* reduce : cpu_reductions()) {
     HangingReplica hang(1);
-    auto options = test_options(std::chrono::seconds(1));
-    options.fault_hook = hang.hook();
-    auto trainer_owner = two_cpu_replicas(reduce, options);
+    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(1));
     hs::AdversarialTrainer& trainer = *trainer_owner;
     trainer.step(data.real[0], data.noise[0]);
     const auto start = Clock::now();
@@ -731,12 +735,9 @@ TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
 // the averaging timeout (60 s); the trainer refuses later steps with that reason.
 TEST(StrategyTrainer, AbortEndsAStepWaitingOnPeersWithTheReason) {
   const auto data = make_data(8, hierpar::testing::rng()());
-  for (const char* reduce : {"host", "nccl"}) {
-    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
+  for (const char* reduce : cpu_reductions()) {
     HangingReplica hang(0);
-    auto options = test_options(std::chrono::seconds(60));
-    options.fault_hook = hang.hook();
-    auto trainer_owner = two_cpu_replicas(reduce, options);
+    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(60));
     hs::AdversarialTrainer& trainer = *trainer_owner;
     std::thread aborter([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
