@@ -1,10 +1,11 @@
 // A run of one or many processes (torchrun, srun, or started by hand) that fails well. One RunGuard per
 // process, around the training loop:
 //  - a watchdog thread publishes a heartbeat (and this process's progress) through the launch store every
-//    heartbeat_interval and reads every peer's: a rank that dies (killed, crashed, frozen) is seen within
-//    heartbeat_timeout; a step that makes no progress for `timeout` is a hang, and the rank that stopped
-//    making progress is named; a failure anywhere is published once (the first one wins), and every process
-//    aborts its process groups (watch()'s callback) so that collectives blocked on the failed peer return;
+//    heartbeat_interval and reads every peer's: a rank that dies is seen within a heartbeat_interval where its
+//    process was on this host (under the same torchrun agent), within heartbeat_timeout elsewhere or when it
+//    freezes; a step that makes no progress for `timeout` is a hang, and the rank that stopped making progress is
+//    named; a failure anywhere is published once (the first one wins), and every process aborts its process
+//    groups (watch()'s callback) so that collectives blocked on the failed peer return;
 //  - each rank stops with one line naming the first failed rank and its cause (fail()), and a process whose
 //    main thread stays stuck anyway exits by itself exit_grace after the failure, with that line;
 //  - an interrupt (SIGINT or SIGTERM to any rank, or request_stop()) stops every rank after the same step:
