@@ -101,124 +101,209 @@ struct AdversarialTrainer::Replica {
 // One persistent thread per local replica after the first (which runs on the caller's thread): the
 // seed's one host thread per device. run() hands every replica the same job with the caller's
 // thread-local state (grad mode, autocast), waits for all, and rethrows the first failure after
-// telling the averager, so replicas waiting on the failed one stop instead of hanging.
+// telling the averager, so replicas waiting on the failed one stop instead of hanging. A replica that
+// has not returned kStuckGrace after the first failure (or after interrupt()) is left behind as hung:
+// run() throws naming it, and its thread keeps what it uses (the shared state, the job) alive.
 class AdversarialTrainer::Workers {
  public:
-  explicit Workers(int64_t replicas) : errors_(replicas) {
-    for (int64_t i = 1; i < replicas; ++i) threads_.emplace_back([this, i] { loop(i); });
+  // Long enough for a replica released by an abort to unwind its step (a device sync on queued work
+  // included), short enough to keep a stop within seconds.
+  static constexpr std::chrono::seconds kStuckGrace{3};
+
+  Workers(int64_t replicas, bool report_failures) : shared_(std::make_shared<Shared>(replicas)) {
+    shared_->report = report_failures;
+    for (int64_t i = 1; i < replicas; ++i) threads_.emplace_back([shared = shared_, i] { loop(*shared, i); });
   }
   ~Workers() {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      shared_->stopping = true;
     }
-    start_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-
-  void run(const std::function<void(int64_t)>& job, GradientAverager* averager, const Placement& placement) {
-    job_ = &job;
-    averager_ = averager;
-    placement_ = &placement;
-    state_ = std::make_unique<at::ThreadLocalState>();
-    for (auto& e : errors_) e = nullptr;
-    first_failure_ = -1;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_ = static_cast<int64_t>(threads_.size());
-      ++generation_;
-    }
-    start_.notify_all();
-    execute(0);
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] { return pending_ == 0; });
-    }
-    // The replica that failed first is the cause; the others were stopped by it.
-    if (first_failure_ < 0) return;
-    std::string message;
-    for (int64_t i : failure_order()) {
-      try {
-        std::rethrow_exception(errors_[i]);
-      } catch (const std::exception& e) {
-        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed: ", e.what());
-      } catch (...) {
-        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed");
+    shared_->start.notify_all();
+    for (size_t t = 0; t < threads_.size(); ++t) {
+      std::unique_lock<std::mutex> lock(shared_->mutex);
+      const bool idle = shared_->done.wait_for(lock, kStuckGrace, [&] { return !shared_->running[t + 1]; });
+      lock.unlock();
+      if (idle) {
+        threads_[t].join();
+      } else {
+        threads_[t].detach();  // a hung replica: see stuck()
       }
     }
+  }
+
+  // Waits at most `limit` for every replica's thread to be out of its job; false if one is still in it (it
+  // never returned from a failed step, and may still wake up and use the trainer).
+  bool settle(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(shared_->mutex);
+    return shared_->done.wait_for(lock, limit, [&] {
+      return std::none_of(shared_->running.begin(), shared_->running.end(), [](bool r) { return r; });
+    });
+  }
+
+  // Ends run()'s wait as a failure elsewhere would: replicas still running after kStuckGrace are hung.
+  void interrupt(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (shared_->interrupted.empty()) shared_->interrupted = reason;
+    shared_->done.notify_all();
+  }
+
+  void run(std::function<void(int64_t)> job, GradientAverager* averager, const Placement& placement) {
+    Shared& sh = *shared_;
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      TORCH_CHECK(!std::any_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }),
+                  "AdversarialTrainer: a replica's thread is still stuck in an earlier step");
+      sh.job = std::make_shared<const std::function<void(int64_t)>>(std::move(job));
+      sh.averager = averager;
+      sh.placement = &placement;
+      sh.state = std::make_shared<at::ThreadLocalState>();
+      for (auto& e : sh.errors) e = nullptr;
+      sh.peer_failure.assign(sh.errors.size(), false);
+      sh.first_failure = -1;
+      sh.interrupted.clear();
+      std::fill(sh.running.begin(), sh.running.end(), true);
+      ++sh.generation;
+    }
+    sh.start.notify_all();
+    execute(sh, 0);
+    std::vector<int64_t> stuck;
+    {
+      std::unique_lock<std::mutex> lock(sh.mutex);
+      auto all_returned = [&] { return std::none_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }); };
+      sh.done.wait(lock, [&] { return all_returned() || sh.first_failure >= 0 || !sh.interrupted.empty(); });
+      if (!sh.done.wait_for(lock, kStuckGrace, all_returned)) {
+        for (size_t i = 0; i < sh.running.size(); ++i) {
+          if (sh.running[i]) stuck.push_back(static_cast<int64_t>(i));
+        }
+      }
+    }
+    if (stuck.empty() && sh.first_failure < 0 && sh.interrupted.empty()) return;
+    // Hung replicas first (the others were stopped by them), then the replica that failed first.
+    std::string message;
+    bool peer = stuck.empty();
+    for (int64_t i : stuck) {
+      message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " hangs: the other replicas stopped "
+                          "waiting for it, and it did not return within ", kStuckGrace.count(), " s");
+    }
+    if (!sh.interrupted.empty()) message += c10::str(message.empty() ? "" : "\nthen ", sh.interrupted);
+    for (int64_t i : failure_order(sh)) {
+      peer = peer && sh.peer_failure[i];
+      try {
+        std::rethrow_exception(sh.errors[i]);
+      } catch (const c10::Error& e) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what());
+      } catch (...) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed");
+      }
+    }
+    if (peer) throw_peer_failure(message);
     TORCH_CHECK(false, message);
   }
 
  private:
-  std::vector<int64_t> failure_order() const {
-    std::vector<int64_t> order{first_failure_};
-    for (int64_t i = 0; i < static_cast<int64_t>(errors_.size()); ++i) {
-      if (errors_[i] && i != first_failure_) order.push_back(i);
+  struct Shared {
+    explicit Shared(int64_t replicas) : errors(replicas), peer_failure(replicas, false), running(replicas, false) {}
+    mutable std::mutex mutex;
+    std::condition_variable start, done;
+    uint64_t generation = 0;
+    bool stopping = false;
+    std::shared_ptr<const std::function<void(int64_t)>> job;
+    GradientAverager* averager = nullptr;
+    const Placement* placement = nullptr;  // the running job's
+    std::shared_ptr<at::ThreadLocalState> state;
+    std::vector<std::exception_ptr> errors;
+    std::vector<bool> peer_failure;  // errors[i] is a PeerFailure
+    std::vector<bool> running;       // replica i has not returned from the current job
+    int64_t first_failure = -1;
+    std::string interrupted;
+    bool report = true;  // AdversarialOptions::report_failures
+  };
+
+  static std::vector<int64_t> failure_order(const Shared& sh) {
+    std::vector<int64_t> order;
+    if (sh.first_failure >= 0) order.push_back(sh.first_failure);
+    for (int64_t i = 0; i < static_cast<int64_t>(sh.errors.size()); ++i) {
+      if (sh.errors[i] && i != sh.first_failure) order.push_back(i);
     }
     return order;
   }
 
-  void record_failure(int64_t i) {
-    errors_[i] = std::current_exception();
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (first_failure_ < 0) first_failure_ = i;
-  }
-
-  std::string describe(int64_t i) const {
-    const ReplicaDevices& r = placement_->replicas[i];
+  static std::string describe(const Shared& sh, int64_t i) {
+    const ReplicaDevices& r = sh.placement->replicas[i];
     return c10::str("replica ", r.replica, " (G ", r.generator, ", D ", r.discriminator, ")");
   }
 
-  void execute(int64_t i) {
-    try {
-      at::ThreadLocalStateGuard guard(*state_);
-      (*job_)(i);
-    } catch (const std::exception& e) {
-      record_failure(i);
-      stop_peers(i, e.what());
-    } catch (...) {
-      record_failure(i);
-      stop_peers(i, "an exception that is not a std::exception");
+  static void execute(Shared& sh, int64_t i) {
+    std::shared_ptr<const std::function<void(int64_t)>> job;
+    std::shared_ptr<at::ThreadLocalState> state;
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      job = sh.job;
+      state = sh.state;
     }
+    std::exception_ptr error;
+    bool peer = false;
+    std::string what;
+    try {
+      at::ThreadLocalStateGuard guard(*state);
+      (*job)(i);
+    } catch (const PeerFailure& e) {
+      error = std::current_exception();
+      peer = true;
+      what = e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      error = std::current_exception();
+      what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      what = e.what();
+    } catch (...) {
+      error = std::current_exception();
+      what = "an exception that is not a std::exception";
+    }
+    if (error) {
+      {
+        std::lock_guard<std::mutex> lock(sh.mutex);
+        sh.errors[i] = error;
+        sh.peer_failure[i] = peer;
+        if (sh.first_failure < 0) sh.first_failure = i;
+      }
+      stop_peers(sh, i, what, peer);
+    }
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      sh.running[i] = false;
+    }
+    sh.done.notify_all();
   }
 
-  // Tells the averager, so peers blocked on this replica stop. Peers blocked in a collective (NCCL, Gloo) stop
-  // only when it fails or times out, and a collective library may end the process first (ProcessGroupNCCL's
-  // watchdog does): the cause is said now, in one line, so it survives that.
-  void stop_peers(int64_t i, const std::string& what) {
-    if (averager_ == nullptr) return;
+  // Tells the averager, so peers blocked on this replica stop. With report_failures, a replica's own error is
+  // said now, in one line: a collective library's watchdog may end the process before the step rethrows it.
+  static void stop_peers(Shared& sh, int64_t i, const std::string& what, bool peer) {
+    if (sh.averager == nullptr) return;
     const std::string first_line = what.substr(0, what.find('\n'));
-    TORCH_WARN(describe(i), " failed: ", first_line, " (its peers stop when their collectives fail or time out)");
-    averager_->abort(c10::str("replica ", i, " of this process failed: ", what));
+    if (!peer && sh.report) TORCH_WARN(describe(sh, i), " failed: ", first_line, " (its peers stop)");
+    sh.averager->abort(c10::str("replica ", sh.placement->replicas[i].replica, " failed: ", first_line));
   }
 
-  void loop(int64_t i) {
+  static void loop(Shared& sh, int64_t i) {
     uint64_t seen = 0;
     for (;;) {
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        start_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
+        std::unique_lock<std::mutex> lock(sh.mutex);
+        sh.start.wait(lock, [&] { return sh.stopping || sh.generation != seen; });
+        if (sh.stopping) return;
+        seen = sh.generation;
       }
-      execute(i);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_ == 0) done_.notify_all();
+      execute(sh, i);
     }
   }
 
+  std::shared_ptr<Shared> shared_;
   std::vector<std::thread> threads_;
-  const Placement* placement_ = nullptr;  // the running job's
-  std::mutex mutex_;
-  std::condition_variable start_, done_;
-  uint64_t generation_ = 0;
-  int64_t pending_ = 0;
-  bool stopping_ = false;
-  const std::function<void(int64_t)>* job_ = nullptr;
-  GradientAverager* averager_ = nullptr;
-  std::unique_ptr<at::ThreadLocalState> state_;
-  std::vector<std::exception_ptr> errors_;
-  int64_t first_failure_ = -1;
 };
 
 namespace {
@@ -391,7 +476,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       at::globalContext().setWarnOnAccumulateGradStreamMismatch(false);
     }
   }
-  workers_ = std::make_unique<Workers>(placement_.local_replicas());
+  workers_ = std::make_unique<Workers>(placement_.local_replicas(), options_.report_failures);
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
@@ -412,7 +497,32 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   }
 }
 
-AdversarialTrainer::~AdversarialTrainer() = default;
+AdversarialTrainer::~AdversarialTrainer() {
+  if (!workers_ || workers_->settle(Workers::kStuckGrace)) return;
+  // A replica's thread never returned from a failed step: it may still wake and use the replicas and the
+  // averager, so they are left allocated (released, not destroyed), as is the thread.
+  TORCH_WARN("AdversarialTrainer: a replica's thread is stuck in a failed step; leaving it and its state behind");
+  (void)workers_.release();
+  (void)averager_.release();
+  for (auto& replica : replicas_) (void)replica.release();
+}
+
+void AdversarialTrainer::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = reason;
+  }
+  if (averager_) averager_->abort(reason);
+  if (workers_) workers_->interrupt(reason);
+}
+
+int64_t AdversarialTrainer::progress() const { return averager_ ? averager_->progress() : 0; }
+
+void AdversarialTrainer::refuse_if_failed() const {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  TORCH_CHECK(failure_.empty(), "AdversarialTrainer: an earlier step failed, so this trainer refuses every later one "
+              "(its replicas may differ; build a new trainer, e.g. from the last checkpoint). The failure: ", failure_);
+}
 
 torch::nn::AnyModule& AdversarialTrainer::generator(int64_t local) { return replicas_.at(local)->generator; }
 torch::nn::AnyModule& AdversarialTrainer::discriminator(int64_t local) { return replicas_.at(local)->discriminator; }
@@ -425,6 +535,7 @@ torch::optim::Adam& AdversarialTrainer::discriminator_optimizer(int64_t local) {
 
 void AdversarialTrainer::broadcast_from_replica0() {
   if (!averager_) return;
+  refuse_if_failed();
   workers_->run(
       [this](int64_t i) {
         torch::NoGradGuard no_grad;
@@ -482,16 +593,33 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
       shares[i] = all.narrow(0, placement_.replicas[i].replica * share, share);
     }
   }
+  refuse_if_failed();
   if (pending_losses_ == options_.loss_log_steps) drain_losses();
-  StepLosses losses;
-  losses.discriminator.resize(reals.size());
-  losses.discriminator_real.resize(reals.size());
-  losses.discriminator_fake.resize(reals.size());
-  losses.generator.resize(reals.size());
-  workers_->run([&](int64_t i) { step_replica(i, reals[i], shares[i], losses); }, averager_.get(), placement_);
+  // Held by the job, which a replica left behind as hung keeps alive (Workers).
+  auto losses = std::make_shared<StepLosses>();
+  losses->discriminator.resize(reals.size());
+  losses->discriminator_real.resize(reals.size());
+  losses->discriminator_fake.resize(reals.size());
+  losses->generator.resize(reals.size());
+  const int64_t step = steps_++;
+  try {
+    workers_->run(
+        [this, losses, reals, shares, step](int64_t i) {
+          if (options_.fault_hook) options_.fault_hook(placement_.replicas[i].replica, step);
+          step_replica(i, reals[i], shares[i], *losses);
+        },
+        averager_.get(), placement_);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) {
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+      failure_ = what.substr(0, what.find('\n'));
+    }
+    throw;
+  }
   ++pending_losses_;
-  ++steps_run_;
-  return losses;
+  return *losses;
 }
 
 torch::Tensor AdversarialTrainer::global_noise(int64_t share, const c10::Device& device) const {
@@ -562,7 +690,7 @@ void AdversarialTrainer::timed(int64_t local, const c10::Device& device, const s
     return;
   }
   Replica& r = *replicas_[local];
-  PendingSpan span{steps_run_, device, piece, compute, c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
+  PendingSpan span{steps_ - 1, device, piece, compute, c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
                    c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT)};
   span.start.record(current_stream(device));
   work();

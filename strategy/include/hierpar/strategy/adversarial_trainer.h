@@ -53,6 +53,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -106,6 +107,14 @@ struct AdversarialOptions {
   // Used where one CUDA device runs both networks and no averager hooks into the backward (eager data
   // parallelism averages buckets as gradients become ready, on the stream that finished them).
   bool overlap_passes = true;
+  // A failing replica's own error is printed on stderr when it happens (TORCH_WARN), before step() rethrows
+  // it: a collective library may end the process first. Off for a caller that reports failures itself.
+  bool report_failures = true;
+  // A testing aid: called in each local replica's thread at the start of each step, with the replica's
+  // global index and the step's index (0 for this trainer's first); throwing or blocking there is how the
+  // tests and hierpar-dcgan's --inject-fault make one replica fail or hang, whatever the step runs
+  // (eager or CUDA graphs).
+  std::function<void(int64_t replica, int64_t step)> fault_hook;
 };
 
 // Converts the 4-d parameters of `module` (and its submodules) to channels_last, in place (set_data).
@@ -145,7 +154,11 @@ class AdversarialTrainer {
 
   // One step on `real` (this process's share of the global batch, any device; split evenly over the
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
-  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails.
+  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails:
+  // a PeerFailure when the replicas only waited for a failed, dead or hung peer in another process. A
+  // replica that does not return within seconds after its peers stopped is named as hung. A failed step
+  // may have updated some replicas and not others, so the trainer then refuses every later step (and
+  // broadcast) with the original cause: build a new one, e.g. from the last checkpoint.
   StepLosses step(const torch::Tensor& real, const torch::Tensor& noise = {});
   // The same with each local replica's share given by the caller (reals[i] for local replica i, ideally
   // already on its D device, so that no share crosses devices inside the step); `noises` empty or one
@@ -179,6 +192,13 @@ class AdversarialTrainer {
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.
   void broadcast_from_replica0();
 
+  // From any thread (a RunGuard's watchdog): the run failed elsewhere. The averager is aborted (waits for
+  // peers end, NCCL communicators are aborted), a step in progress ends with a PeerFailure naming `reason`
+  // within seconds, and the trainer refuses every later step. Never blocks.
+  void abort(const std::string& reason);
+  // Collectives this process's replicas have entered (GradientAverager::progress; 0 with one replica in all).
+  int64_t progress() const;
+
   const Placement& placement() const { return placement_; }
   // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
   // fused_adam the optimisers are FusedAdam, which saves and loads torch::optim::Adam's format). Under
@@ -208,17 +228,20 @@ class AdversarialTrainer {
   // The stream for G's forward and D's pass over the fakes (options.overlap_passes), or none: one stream.
   std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
   void drain_losses();
+  void refuse_if_failed() const;
 
   Placement placement_;
   AdversarialOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<GradientAverager> averager_;
   std::unique_ptr<Workers> workers_;
+  mutable std::mutex failure_mutex_;
+  std::string failure_;   // why an earlier step failed: every later one is refused
+  int64_t steps_ = 0;     // steps run (the fault hook's step index)
   bool graphs_ = false;
   std::string graph_fallback_;
   bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)
   int64_t pending_losses_ = 0;              // steps whose losses are still only on the devices
-  int64_t steps_run_ = 0;
   bool timeline_on_ = false;
   std::vector<std::pair<c10::Device, std::shared_ptr<c10::Event>>> timeline_refs_;  // per device: time zero
   std::vector<torch::Tensor> drained_losses_;  // read back by step() itself, not yet taken
