@@ -601,7 +601,7 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   losses->discriminator_real.resize(reals.size());
   losses->discriminator_fake.resize(reals.size());
   losses->generator.resize(reals.size());
-  const int64_t step = steps_run_;
+  const int64_t step = steps_++;
   try {
     workers_->run(
         [this, losses, reals, shares, step](int64_t i) {
@@ -619,7 +619,6 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
     throw;
   }
   ++pending_losses_;
-  ++steps_run_;
   return *losses;
 }
 
@@ -691,7 +690,7 @@ void AdversarialTrainer::timed(int64_t local, const c10::Device& device, const s
     return;
   }
   Replica& r = *replicas_[local];
-  PendingSpan span{steps_run_, device, piece, compute, c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
+  PendingSpan span{steps_ - 1, device, piece, compute, c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
                    c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT)};
   span.start.record(current_stream(device));
   work();

@@ -32,10 +32,10 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
-#include <cstdlib>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <cstdlib>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -269,12 +269,6 @@ class ReplicaBarrier {
   std::string failure_;
 };
 
-std::vector<int64_t> global_indices(const Placement& placement) {
-  std::vector<int64_t> indices;
-  for (const ReplicaDevices& r : placement.replicas) indices.push_back(r.replica);
-  return indices;
-}
-
 // One thread running posted jobs in order: a replica's host sums, away from the thread that queues its device work.
 class JobThread {
  public:
@@ -325,6 +319,12 @@ class JobThread {
   bool stopping_ = false, running_ = false;
   std::thread thread_;  // last: it starts running loop() in the constructor
 };
+
+std::vector<int64_t> global_indices(const Placement& placement) {
+  std::vector<int64_t> indices;
+  for (const ReplicaDevices& r : placement.replicas) indices.push_back(r.replica);
+  return indices;
+}
 
 bool is_loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost" || host == "::1"; }
 

@@ -237,11 +237,11 @@ class AdversarialTrainer {
   std::unique_ptr<Workers> workers_;
   mutable std::mutex failure_mutex_;
   std::string failure_;   // why an earlier step failed: every later one is refused
+  int64_t steps_ = 0;     // steps run (the fault hook's step index)
   bool graphs_ = false;
   std::string graph_fallback_;
   bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)
   int64_t pending_losses_ = 0;              // steps whose losses are still only on the devices
-  int64_t steps_run_ = 0;
   bool timeline_on_ = false;
   std::vector<std::pair<c10::Device, std::shared_ptr<c10::Event>>> timeline_refs_;  // per device: time zero
   std::vector<torch::Tensor> drained_losses_;  // read back by step() itself, not yet taken
