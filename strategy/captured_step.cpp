@@ -54,8 +54,10 @@ struct CapturedStep::Impl {
     graphs.back()->capture_end();
     graphs.back()->instantiate();
   }
-  // Ends a capture that failed, so that the stream is usable again, and drops its segments.
-  void abandon() {
+  // Ends a capture that failed, so that the stream is usable again, and drops its segments. The capture must end
+  // with its stream current, on its device.
+  void abandon(c10::Device device) {
+    c10::cuda::CUDAGuard device_guard(device);
     if (capturing && !graphs.empty()) {
       try {
         graphs.back()->capture_end();
@@ -114,7 +116,7 @@ void CapturedStep::capture(const std::function<void()>& body) {
     body();
     impl_->end_segment();
   } catch (...) {
-    impl_->abandon();
+    impl_->abandon(device_);
     throw;
   }
   impl_->capturing = false;
@@ -142,17 +144,20 @@ void CapturedStep::open_segment() {
   try {
     impl_->begin_segment();
   } catch (...) {
-    impl_->abandon();
+    impl_->abandon(device_);
     throw;
   }
 }
 
 void CapturedStep::close_segment() {
   TORCH_CHECK(impl_->open_guard, "CapturedStep: close_segment() without an open segment");
+  // The capture ends on the stream it began on: the side stream, current on this device (the caller may have made
+  // another device current since open_segment()).
+  c10::cuda::CUDAGuard device_guard(device_);
   try {
     impl_->end_segment();
   } catch (...) {
-    impl_->abandon();
+    impl_->abandon(device_);
     throw;
   }
   impl_->open_guard.reset();
@@ -166,7 +171,7 @@ void CapturedStep::end_capture() {
 
 bool CapturedStep::segment_open() const { return impl_->open_guard.has_value(); }
 
-void CapturedStep::abandon_capture() { impl_->abandon(); }
+void CapturedStep::abandon_capture() { impl_->abandon(device_); }
 
 bool CapturedStep::captured() const { return !impl_->graphs.empty() && !impl_->capturing; }
 

@@ -120,8 +120,9 @@ struct AveragingOptions {
   // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
   // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
   // Off (or without stream memory operations, or with synchronized BatchNorm, whose sums share the replicas'
-  // barriers): the host waits for the copy, sums, and returns.
-  bool host_overlap = true;
+  // barriers): the host waits for the copy, sums, and returns. Off by default: its first GPU run (2 and 4 H100s)
+  // failed the host-averaging tests, and the cause is not found yet.
+  bool host_overlap = false;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).
