@@ -458,8 +458,9 @@ TEST(AdversarialTrainerGraphs, TaskStepOverlapsTheDevices) {
   options.fused_adam = options.cuda_graphs = true;
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
                                  hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CUDA, {}), options);
-  const torch::Tensor real =
-      hierpar::testing::random_tensor({256, 3, 64, 64}, torch::TensorOptions().device(trainer.placement().replicas[0].discriminator));
+  const torch::Tensor real = hierpar::testing::random_tensor(
+      {256, 3, 64, 64},
+      torch::TensorOptions().dtype(torch::kFloat).device(trainer.placement().replicas[0].discriminator));
   for (int i = 0; i < 5; ++i) trainer.step(real);
   trainer.record_timeline(true);
   for (int i = 0; i < 6; ++i) trainer.step(real);
