@@ -58,7 +58,7 @@ struct Row {
   const char* reduce;  // "none" where one replica has nothing to average
   hierpar::LayerSet layers;
   // NCCL only: "bucketed" (the default: DDP-style buckets all-reduced during the backward, 1 MB first
-  // bucket then 25 MB) or "flat" (one buffer per network after the backward: session 1's path).
+  // bucket then 25 MB) or "flat" (one buffer per network after the backward).
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
   // host only: the step's thread waits for each copy (the default), or the host sums while the devices go on
@@ -280,7 +280,7 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.sync_batch_norm = row.sync_bn;
         trainer_options.averaging.host_overlap = row.host_overlap;
         // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
-        // default five (session 3 saw two in-process NCCL stalls at batch 4096; docs/strategy.md).
+        // default five (in-process NCCL stalls have been seen at batch 4096; docs/strategy.md).
         trainer_options.averaging.timeout = std::chrono::seconds(60);
         hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, trainer_options);
         const int64_t share = c.batch / placement.global_replicas();

@@ -114,7 +114,7 @@ void DiscriminatorImpl::reset() {
     }
     const std::string n = std::to_string(i + 1);
     // In the hierpar set, the first convolution (C_in = channels <= 3) is hierpar::nn::Conv2d with its LeakyReLU
-    // fused; the wider ones stay torch::nn::Conv2d, where cuDNN is faster (make_conv2d decides).
+    // fused; the wider ones stay torch::nn::Conv2d (make_conv2d decides, and says why).
     const auto activation = i == 0 ? std::optional<double>(kLeakySlope) : std::nullopt;
     convs_.push_back(make_conv2d(options.layers, conv_options, activation));
     register_module("conv" + n, convs_.back().module);

@@ -37,13 +37,11 @@ torch::Tensor fused_forward(nn::Conv2d& conv, const torch::Tensor& x, std::optio
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options) {
   // hierpar's kernels win on a generator's projection layer (kernel 4, stride 1, padding 0 from the noise) and on
   // its small-C_out output layer (kernel 4, stride 2, padding 1, C_out <= 4): at batch 1024 bf16 on an H200,
-  // forward + backward 4.4x and 5.0x faster than cuDNN. The middle k4s2p1 layers stay torch::nn::ConvTranspose2d, as
-  // the wide convolutions of make_conv2d do: in the steps measured with them on hierpar (sessions 8 and 10,
-  // docs/training_step.md) batch 64 gained 2-3% and batch 1024 lost, when hierpar's bf16 kernels for them ran at
-  // 0.81-0.86x of cuDNN's. Since session 10's TMA loads those kernels run at 1.07-1.12x of cuDNN's alone
-  // (docs/conv_transpose.md), which predicts ~25 us less per bf16 step at batch 1024; session 11 measured the step
-  // with them on hierpar for bf16 inputs only (batch 64 0.807 -> 0.789 ms, batch 1024 3.262 -> 3.248 ms, within the
-  // run-to-run spread) and for TF32 too (batch 1024 TF32 6.34 -> 6.97 ms): no routing change is worth its branch.
+  // forward + backward 4.1x and 5.0x faster than cuDNN. The middle k4s2p1 layers stay torch::nn::ConvTranspose2d, as
+  // the wide convolutions of make_conv2d do: hierpar's kernels run them at 1.01-1.12x of cuDNN alone, and the step
+  // with them on hierpar moved within its run-to-run spread for bf16 inputs (batch 64 0.807 -> 0.789 ms, batch 1024
+  // 3.262 -> 3.248 ms) and lost for TF32 (batch 1024 6.34 -> 6.97 ms): no routing is worth its branch
+  // (docs/conv_transpose.md, "In the DCGAN").
   const bool plain = is(options.dilation(), 1) && options.groups() == 1 && is(options.output_padding(), 0) &&
                      std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode());
   const bool projection = is(options.kernel_size(), 4) && is(options.stride(), 1) && is(options.padding(), 0);
@@ -57,7 +55,8 @@ Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOpt
 Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std::optional<double> leaky_relu_slope) {
   // The small-C_in k4s2p1 convolution is the dual of the small-C_out transposed convolution, whose kernels
   // (ops/cuda/conv_transpose_small_cout.cu) replace cuDNN's legacy NHWC engine and its C=3 padding kernels there.
-  // Wider convolutions stay on cuDNN, which is faster for them.
+  // Wider convolutions stay on cuDNN: hierpar's kernels run them at 1.01-1.16x of cuDNN alone, the margin at which
+  // the generator's middle layers did not change the step (docs/conv2d.md).
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&options.padding());
   const bool small_cin_k4s2p1 = options.in_channels() <= 4 && is(options.kernel_size(), 4) &&
                                 is(options.stride(), 2) && padding != nullptr && is(*padding, 1) &&
@@ -69,13 +68,10 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
     return {conv.ptr(), [conv, leaky_relu_slope, tf32_tiles](const torch::Tensor& x) mutable {
               // float32 on the GPU takes hierpar's kernels where all three passes run as TF32 on the tensor cores:
               // TF32 allowed for convolutions (as cuDNN would use it), a channels_last input, C_out % 16 == 0. There
-              // the layer's forward + backward at batch 64 takes 33.1 us against cuDNN's 98.0, and with it (and the
-              // generator's output layer on the same kernels) the TF32 channels_last step takes 1.000 ms at batch 64
-              // and 6.38 at 1024, against 1.152 and 7.92 before (graphs, H200, session 10, docs/conv_transpose.md).
-              // Otherwise it stays on cuDNN: hierpar's true-fp32 kernels run on the CUDA cores, and in the session 8
-              // step they measured slower where the arithmetic grows (batch-1024 TF32 step 10.73 ms against 7.92 with
-              // them and the middle k4s2p1 layers on hierpar; docs/training_step.md). bf16/fp16, autocast included,
-              // take hierpar's tensor-core kernels.
+              // the layer's forward + backward at batch 64 takes 33.2 us against cuDNN's 97.8 (CUDA graphs, H200,
+              // docs/conv2d.md). Otherwise it stays on cuDNN: hierpar's true-fp32 kernels run on the CUDA cores, and
+              // in the TF32 step at batch 1024 they measured slower than cuDNN's. bf16/fp16, autocast included, take
+              // hierpar's tensor-core kernels.
               const bool fp32_on_gpu = x.is_cuda() && x.scalar_type() == at::kFloat &&
                                        !at::autocast::is_autocast_enabled(at::kCUDA);
               const bool tf32_kernels = tf32_tiles && at::globalContext().allowTF32CuDNN(at::Float32Op::CONV) &&
@@ -89,8 +85,8 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options, std:
   }
   // A convolution with stride 1 and no padding whose window covers its whole input (a 1x1 output: a discriminator's
   // last layer) is a matrix product, which hierpar::conv2d runs as cuBLAS GEMMs where cuDNN takes legacy kernels and
-  // layout conversions: forward + backward 12.3 vs 55.8 us at batch 64 TF32 channels_last, 17.3 vs 94.8 us at batch
-  // 1024 bf16, in CUDA graphs on an H200 (bench/results/h200-conv2d-s8.json). The input's size is known per call:
+  // layout conversions: forward + backward 12.3 vs 53.7 us at batch 64 TF32 channels_last, 17.4 vs 90.5 us at batch
+  // 1024 bf16, in CUDA graphs on an H200 (bench/results/h200-conv2d.json). The input's size is known per call:
   // any other size takes cuDNN, through the same parameters.
   const bool unpadded = padding == nullptr ? std::holds_alternative<torch::enumtype::kValid>(options.padding())
                                            : is(*padding, 0);

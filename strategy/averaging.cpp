@@ -669,7 +669,7 @@ class HostAverager final : public GradientAverager {
 // a complete bucket is copied into its flat buffer (one cat kernel) and its all-reduce launched
 // asynchronously, in bucket order, so every replica issues the same collectives in the same order. The replicas
 // of one process launch each bucket together (`launch_barrier`): a replica's NCCL kernel must not wait on its
-// device for a peer whose thread may block in a cudaFree meanwhile (the deadlock of session 5, docs/strategy.md).
+// device for a peer whose thread may block in a cudaFree meanwhile (that deadlocks: docs/strategy.md).
 class BucketReducer {
  public:
   BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes,
@@ -916,8 +916,8 @@ class CollectiveAverager final : public GradientAverager {
     entered();
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
     const std::string who = where(placement_, local, network);
-    // The same launch barrier as the gradients' (synchronized BatchNorm all-reduced its statistics without it,
-    // and its row hung as the gradients' had: 4 H200s, session 6).
+    // The same launch barrier as the gradients' (without it, synchronized BatchNorm's all-reduce of its statistics
+    // hangs as the gradients' did: seen on 4 H200s).
     barriers_[static_cast<int>(network)]->arrive_and_wait(local, who);
     all_reduce(local, network, tensor, who, "all-reducing BatchNorm statistics");
   }

@@ -222,7 +222,7 @@ constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-5};
 // all-reduce of per-replica moments (var = (sum M2 + sum n m^2) / N - mean^2) instead of single's two-pass
 // var_mean, with other rounding. Through the BatchNorm backward and Adam's normalised update, an element whose
 // gradient nearly cancels moved by 1.14e-5 (1.1% of lr; G's first weight, seed 2458730771, 1 run in ~30), and by
-// 4.5e-5 (one element of 768 in G's first weight, seed 4176273735, CI of session 6). 7e-5 admits both and stays
+// 4.5e-5 (one element of 768 in G's first weight, seed 4176273735, in CI). 7e-5 admits both and stays
 // below the 1e-4 by which per-replica BatchNorm must differ (the test's last check).
 constexpr Tolerance kSyncBatchNormTolerance{1e-5, 7e-5};
 

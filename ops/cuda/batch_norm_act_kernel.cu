@@ -863,8 +863,8 @@ Plan plan_for(const Geometry& g, bool channels_last, int V, int blocks_per_sm) {
   // with at least 4 vectors per thread each. The wave must fit at once (groups * splits <= resident
   // blocks): the split path synchronises the whole grid. When one block per SM already leaves each thread
   // at most 8 rows, the wave has one block per SM: a second block per SM would only add partials to
-  // combine and arrivals at the barrier (float32 channels_last [64,32,32,32] on an H200: 128 blocks
-  // instead of 256 took the forward from 12.1 to 9.9 us and the backward from 17.3 to 14.9 us).
+  // combine and arrivals at the barrier (float32 channels_last [64,32,32,32] on an H200: with 128 blocks
+  // the forward takes 9.9 us and the backward 14.9, against 12.1 and 17.3 with 256).
   if (t.rows > 8 * by) {
     const int64_t one_per_sm = std::max<int64_t>(sms / groups, 1);
     const int64_t per_sm = ceil_div(t.rows, one_per_sm * by) <= 8 ? 1 : blocks_per_sm;
@@ -951,7 +951,7 @@ constexpr int64_t kClusterMaxBytes = int64_t(8) << 20;
 // At most 512 rows per CTA. The cluster's barrier costs ~0.9 us less than the grid's, but a CTA of the
 // cluster path walks rows / 8 rows against the split path's ~256: on an H200 at 128 rows per CTA the cluster
 // path was 1.1-2.8 us faster per call, at 512 within -0.5..+1.9 us, at 2048 (float32 [64,64,16,16],
-// bfloat16 [1024,256,4,4]) 0.4-3.5 us slower (docs/batch_norm_act.md, session 8).
+// bfloat16 [1024,256,4,4]) 0.4-3.5 us slower (docs/batch_norm_act.md).
 constexpr int64_t kClusterMaxRows = 512;
 
 // HIERPAR_BN_CLUSTER=0 keeps the cooperative split path for every shape. Read at each call (a getenv beside

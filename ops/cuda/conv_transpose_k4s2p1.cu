@@ -31,8 +31,8 @@
 // (bf16/fp16 m16n8k16, TF32 m16n8k8; fp32 accumulation). Rows are padded so ldmatrix and the fp32 scalar
 // fragment loads are free of bank conflicts. The gather addresses are set up once per CTA (per M row: source
 // offset and a bit mask of the taps inside the image) and stepped per K-tile, with no integer division in the
-// mainloop (Nsight Compute on the earlier per-copy divisions: 10.7 issued instructions per MMA, the XU pipe at
-// 14-25% and the tensor pipe at 11-27%). Channel counts that allow no 16-byte copy (not a multiple of 8 for
+// mainloop (with 3-4 divisions per 16-byte copy, Nsight Compute showed 10.7 issued instructions per MMA, the XU
+// pipe at 14-25% and the tensor pipe at 11-27%). Channel counts that allow no 16-byte copy (not a multiple of 8 for
 // 16-bit, 4 for fp32) are loaded with scalar loads into the same stages (synchronously), so any channel count
 // is handled.
 //
@@ -47,7 +47,8 @@
 // wgmma_conv_kernel and wgmma_wgrad_kernel load their tiles with TMA (tensor-map boxes, an mbarrier per stage,
 // zeros outside the image) where the channel counts are multiples of 64 and a tile's pixels are whole images or
 // whole pixel rows of one image, else with per-thread cp.async gathers (bf16 batch 1024 channels_last, forward +
-// backward in a CUDA graph on an H200: 256->128 123.3 -> 95.2 us, 128->64 154.3 -> 116.8; docs/conv_transpose.md).
+// backward in a CUDA graph on an H200: 256->128 95.2 us with TMA against 123.3 with cp.async, 128->64 116.8
+// against 154.3; docs/conv_transpose.md).
 // HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off,
 // HIERPAR_K4S2P1_TMA=0 keeps the cp.async loads,
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs / copies channels_last weights as other ones and
@@ -614,8 +615,8 @@ int pick_mma_bn(int n) {
 // innermost (GemmArgs' b_ld / b_sky / b_skx, C_in % 64 == 0) into N-major tiles: per 64 columns, one 128-byte
 // row per K-element, as wgmma_wgrad_kernel's B; that spares the pack kernel (5 us of the 256->128 forward at
 // batch 1024 bf16, where it runs before the GEMM on the same stream). 3 stages of (16 + BN / 8) KB, two CTAs per
-// SM. (Tried in session 9 and measured slower: BM = 256 with one CTA of four warpgroups per SM, and a fourth
-// stage for 3 K-tiles in flight on the 64-wide tiles; see docs/conv_transpose.md.)
+// SM. (Measured slower on an H200: BM = 256 with one CTA of four warpgroups per SM, and a fourth stage for 3
+// K-tiles in flight on the 64-wide tiles.)
 template <int BN>
 struct WgmmaTile {
   static constexpr int BM = 128, BK = 64;  // BK: 64 16-bit elements = one 128-byte swizzle row
@@ -1063,7 +1064,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Epilogue: the fp32 tile in shared memory; with K split, 16-byte atomic adds along N into the dense [M][N]
   // workspace, and the tile's last CTA to finish reads the sums back into shared memory. Then the tile goes to
   // grad_weight, converted, through its strides (row m = (ky, kx, co), column ci): no ATen copy of the workspace
-  // into grad_weight follows (one kernel fewer per backward; measured time-neutral, docs/conv_transpose.md).
+  // into grad_weight follows (one kernel fewer per backward, at the same time as a separate copy).
   float* tile = reinterpret_cast<float*>(smem);
   {
     const int g = lane >> 2, t4 = lane & 3, r = wg * 64 + (warp & 3) * 16 + g;
@@ -1642,9 +1643,9 @@ void launch_wgmma(const GemmArgs& a, int phases, bool direct_b) {
 // keeping >= 4 K-tiles (256 16-bit / 128 fp32 elements of K) per split (each split adds one fp32 atomic per
 // output element). Grids of half a wave or more are not split (a split costs a zeroed workspace and atomics).
 // fp32 plans for one CTA per SM: half the splits, so half the fp32 atomics and zeroed bytes of the split passes
-// (batch 64 channels_last, forward + backward in a CUDA graph: 256->128 54.6 -> 46.3 us, 128->64 55.3 -> 48.2;
-// NCHW 116.9 -> 84.9, 121.5 -> 92.2); 16-bit keeps two (bf16 batch 1024's grad_weight with half the CTAs: 256->128
-// 127 -> 164 us). HIERPAR_K4S2P1_SPLIT_TARGET=n plans for n CTAs per SM instead (same-process timings).
+// (batch 64 channels_last, forward + backward in a CUDA graph: 256->128 46.3 us against 54.6 planned for two,
+// 128->64 48.2 against 55.3; NCHW 84.9 against 116.9, 92.2 against 121.5); 16-bit keeps two (bf16 batch 1024's
+// grad_weight with half the CTAs: 256->128 164 us against 127). HIERPAR_K4S2P1_SPLIT_TARGET=n plans for n CTAs per SM instead (same-process timings).
 // Sets a.splits / a.ktiles_per_split and returns whether the result must be accumulated atomically.
 template <typename scalar_t>
 bool plan_splits(GemmArgs& a, int phases, bool always_split) {

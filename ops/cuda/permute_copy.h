@@ -3,7 +3,7 @@
 //
 // Why not ATen's copy_: a copy that permutes the memory order (NCHW -> NHWC, [C_in, C_out, kH, kW] -> [kH, kW,
 // C_out, C_in]) runs ATen's generic elementwise kernel with per-element 4-d index arithmetic, reading coalesced
-// and writing strided (or the reverse). Measured on an H200 (session 8 profiles, batch 64 fp32 NCHW): 6-12 us per
+// and writing strided (or the reverse). Measured on an H200 (kernel profiles, batch 64 fp32 NCHW): 6-12 us per
 // 1-2 MB copy, 25-49 us per DCGAN layer's forward + backward, where the bytes take ~1 us at HBM speed. Here such
 // a copy goes through 32 x 32 shared-memory tiles, so that both the reads and the writes are coalesced.
 #pragma once

@@ -111,7 +111,7 @@ struct AveragingOptions {
   // the backward has produced all of its gradients and every earlier bucket has started (the same
   // order on every replica). As in DDP the first bucket is smaller (first_bucket_cap_bytes) so that
   // communication starts early. 0 turns bucketing off: one flat buffer per network, all-reduced after
-  // the backward (session 1's path, kept for comparison).
+  // the backward (for comparison).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   int64_t first_bucket_cap_bytes = 1024 * 1024;
   // Host averaging of CUDA gradients without the host waiting for the device: each replica's gradients go to
@@ -120,8 +120,8 @@ struct AveragingOptions {
   // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
   // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
   // Off (or without stream memory operations, or with synchronized BatchNorm, whose sums share the replicas'
-  // barriers): the host waits for the copy, sums, and returns. Off by default: its first GPU run (2 and 4 H100s)
-  // failed the host-averaging tests, and the cause is not found yet.
+  // barriers): the host waits for the copy, sums, and returns. Off by default: it failed the host-averaging
+  // tests on 2 and 4 H100s, for a cause not found yet.
   bool host_overlap = false;
 };
 
