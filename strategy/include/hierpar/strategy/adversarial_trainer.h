@@ -89,8 +89,8 @@ struct AdversarialOptions {
   bool fused_adam = false;
   // Its kernel (fused_adam.h): hierpar's, or ATen's for a stock baseline.
   AdamKernel fused_adam_kernel = AdamKernel::hierpar;
-  // Capture each replica's step as CUDA graphs and replay them (see the top of this file). Needs CUDA
-  // devices; task/hierarchical placements fall back to eager steps.
+  // Capture each replica's step as CUDA graphs and replay them (see the top of this file), on every placement.
+  // Needs CUDA devices; synchronized BatchNorm over several replicas falls back to eager steps.
   bool cuda_graphs = false;
   int64_t graph_warmup_steps = 3;
   // The forward passes and losses run under autocast to this dtype (e.g. bf16 on CUDA); nullopt: none.
