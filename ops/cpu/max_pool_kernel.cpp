@@ -1,14 +1,21 @@
-// CPU kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its backward, a gather: every
-// grad_input element sums, over the windows that contain it, the gradients of those that chose it, and is
-// written exactly once (no zero fill, no scatter). NCHW and channels_last, each in its own layout.
+// CPU kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its backward. Without dilation they run
+// on ATen's kernels, converting between ATen's int64 indices and the window offsets (ATen's backward is 30-60x
+// faster than the gather below on the CPU, docs/cpu.md). The reference, for dilated windows, half-precision
+// backward and HIERPAR_CPU_ATEN=0: a gather backward, where every grad_input element sums, over the windows that
+// contain it, the gradients of those that chose it, and is written exactly once (no zero fill, no scatter).
+// NCHW and channels_last, each in its own layout.
 #include "common.h"
 #include "max_pool_shape.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/max_pool2d_with_indices.h>
+#include <ATen/ops/max_pool2d_with_indices_backward.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -154,10 +161,87 @@ void backward_channels_last(const scalar_t* grad_out, const uint8_t* idx, scalar
   });
 }
 
+// ---- the common case on ATen's kernels --------------------------------------------------------------------
+// With dilation 1 every window holds input elements (padding <= kernel / 2, and ceil_mode's last window starts
+// inside the input), so ATen's int64 index (h * W + w) and hierpar's uint8 window offset convert both ways.
+
+// Calls f(e, oh, ow) for every element e of an output of `g` laid out densely in `layout`.
+template <typename F>
+void for_each_output(const MaxPool2dGeometry& g, c10::MemoryFormat layout, const F& f) {
+  if (layout == c10::MemoryFormat::ChannelsLast) {
+    at::parallel_for(0, g.batch * g.out_h * g.out_w, grain_for(g.channels), [&](int64_t begin, int64_t end) {
+      for (int64_t pos = begin; pos < end; ++pos) {
+        const int64_t ow = pos % g.out_w, oh = (pos / g.out_w) % g.out_h;
+        for (int64_t c = 0; c < g.channels; ++c) f(pos * g.channels + c, oh, ow);
+      }
+    });
+  } else {
+    at::parallel_for(0, g.batch * g.channels * g.out_h, grain_for(g.out_w), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        for (int64_t ow = 0; ow < g.out_w; ++ow) f(row * g.out_w + ow, row % g.out_h, ow);
+      }
+    });
+  }
+}
+
+bool aten_applies(const MaxPool2dGeometry& g) {
+  return cpu_aten_route() && g.dilation_h == 1 && g.dilation_w == 1;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, const MaxPool2dGeometry& g,
+                                                   at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                                   at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                   bool ceil_mode) {
+  const auto layout = layout_of(input);
+  auto [output, index] = at::max_pool2d_with_indices(input, kernel_size, stride, padding, dilation, ceil_mode);
+  output = with_layout_strides(output, layout);
+  index = index.contiguous(layout);
+  at::Tensor taps = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
+  if (taps.numel() == 0) return {output, taps};
+  const int64_t* ip = index.const_data_ptr<int64_t>();
+  uint8_t* tp = taps.mutable_data_ptr<uint8_t>();
+  for_each_output(g, layout, [&](int64_t e, int64_t oh, int64_t ow) {
+    const int64_t h = ip[e] / g.in_w, w = ip[e] - h * g.in_w;
+    tp[e] = static_cast<uint8_t>((h - (oh * g.stride_h - g.pad_h)) * g.kernel_w + (w - (ow * g.stride_w - g.pad_w)));
+  });
+  return {output, taps};
+}
+
+// The backward on ATen's (zero fill, then one scatter-add per window), float32/float64 only: ATen adds
+// overlapping windows' half-precision gradients in half precision, the reference in float32. Undefined when an
+// offset names no input element (indices that max_pool2d did not make): the reference ignores those.
+at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Tensor& indices,
+                                    at::IntArrayRef input_size, const MaxPool2dGeometry& g,
+                                    at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding,
+                                    at::IntArrayRef dilation, bool ceil_mode) {
+  const auto layout = layout_of(indices);
+  const at::Tensor taps = indices.contiguous(layout);
+  at::Tensor index = at::empty(taps.sizes(), taps.options().dtype(at::kLong).memory_format(layout));
+  const uint8_t* tp = taps.const_data_ptr<uint8_t>();
+  int64_t* ip = index.mutable_data_ptr<int64_t>();
+  std::atomic<bool> valid{true};
+  for_each_output(g, layout, [&](int64_t e, int64_t oh, int64_t ow) {
+    const int64_t kh = tp[e] / g.kernel_w, kw = tp[e] % g.kernel_w;
+    const int64_t h = oh * g.stride_h - g.pad_h + kh, w = ow * g.stride_w - g.pad_w + kw;
+    if (kh >= g.kernel_h || h < 0 || h >= g.in_h || w < 0 || w >= g.in_w) {
+      valid.store(false, std::memory_order_relaxed);
+      return;
+    }
+    ip[e] = h * g.in_w + w;
+  });
+  if (!valid.load()) return {};
+  // ATen reads only the sizes and layout of its `self` argument (the forward's input).
+  const at::Tensor input_like = at::empty(input_size, grad_output.options().memory_format(layout));
+  const at::Tensor grad_input = at::max_pool2d_with_indices_backward(
+      grad_output.contiguous(layout), input_like, kernel_size, stride, padding, dilation, ceil_mode, index);
+  return with_layout_strides(grad_input, layout);
+}
+
 std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const at::Tensor& input, at::IntArrayRef kernel_size,
                                                   at::IntArrayRef stride, at::IntArrayRef padding,
                                                   at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
+  if (aten_applies(g)) return max_pool2d_aten(input, g, kernel_size, stride, padding, dilation, ceil_mode);
   const auto layout = layout_of(input);
   const at::Tensor x = input.contiguous(layout);
   at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
@@ -180,6 +264,12 @@ at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tens
                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
                                               dilation, ceil_mode);
+  const auto dtype = grad_output.scalar_type();
+  if (aten_applies(g) && (dtype == at::kFloat || dtype == at::kDouble)) {
+    at::Tensor grad_input = max_pool2d_backward_aten(grad_output, indices, input_size, g, kernel_size, stride, padding,
+                                                     dilation, ceil_mode);
+    if (grad_input.defined()) return grad_input;
+  }
   // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
   const auto layout = layout_of(indices);
   const at::Tensor go = grad_output.contiguous(layout);
