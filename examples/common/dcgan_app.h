@@ -40,6 +40,7 @@ struct DCGANTrainConfig {
   int64_t samples = 64;                // images in each per-epoch grid
   std::string out = "runs/dcgan";
   bool resume = false;
+  int64_t keep_checkpoints = 1;        // checkpoints kept: checkpoint.pt, and the last K as checkpoint-<step>.pt
   // The training step (hierpar::strategy::AdversarialTrainer): CUDA graphs auto (on for CUDA) | on | off;
   // precision fp32 | tf32 (TF32 convolutions and matmuls) | bf16 (autocast to bf16, channels_last end to
   // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused;
@@ -95,6 +96,7 @@ enum class ExportOps { as_built, aten, hierpar };
 // ...); hierpar layers become torch.ops.hierpar calls.
 torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops = ExportOps::as_built);
 
-torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; Error when not available
+torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; FlagError when not available
+LayerSet parse_layers(const std::string& name);        // --layers: stock or hierpar; FlagError otherwise
 
 }  // namespace hierpar::examples
