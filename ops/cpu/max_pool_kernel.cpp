@@ -15,6 +15,8 @@
 #include <ATen/ops/max_pool2d_with_indices_backward.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -165,24 +167,26 @@ void backward_channels_last(const scalar_t* grad_out, const uint8_t* idx, scalar
 // With dilation 1 every window holds input elements (padding <= kernel / 2, and ceil_mode's last window starts
 // inside the input), so ATen's int64 index (h * W + w) and hierpar's uint8 window offset convert both ways.
 
-// Calls f(e, oh, ow) for every element e of an output of `g` laid out densely in `layout`.
+// Calls f(oh, first) for each output row: the out_w (NCHW) or out_w * channels (channels_last) elements from
+// element `first` of an output of `g` laid out densely in `layout`, all in row oh.
 template <typename F>
-void for_each_output(const MaxPool2dGeometry& g, c10::MemoryFormat layout, const F& f) {
-  if (layout == c10::MemoryFormat::ChannelsLast) {
-    at::parallel_for(0, g.batch * g.out_h * g.out_w, grain_for(g.channels), [&](int64_t begin, int64_t end) {
-      for (int64_t pos = begin; pos < end; ++pos) {
-        const int64_t ow = pos % g.out_w, oh = (pos / g.out_w) % g.out_h;
-        for (int64_t c = 0; c < g.channels; ++c) f(pos * g.channels + c, oh, ow);
-      }
-    });
-  } else {
-    at::parallel_for(0, g.batch * g.channels * g.out_h, grain_for(g.out_w), [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        for (int64_t ow = 0; ow < g.out_w; ++ow) f(row * g.out_w + ow, row % g.out_h, ow);
-      }
-    });
-  }
+void for_each_output_row(const MaxPool2dGeometry& g, c10::MemoryFormat layout, const F& f) {
+  const int64_t per_row = layout == c10::MemoryFormat::ChannelsLast ? g.out_w * g.channels : g.out_w;
+  if (per_row == 0) return;
+  const int64_t rows = g.batch * g.channels * g.out_h * g.out_w / per_row;
+  at::parallel_for(0, rows, grain_for(per_row), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r % g.out_h, r * per_row);
+  });
 }
+
+// The index conversions read the geometry into locals once per row: stores through uint8_t* may alias anything,
+// so fields read through a reference would be reloaded at every element.
+struct RowGeometry {
+  int64_t in_h, in_w, kernel_h, kernel_w, stride_w, pad_w, channels, out_w;
+  RowGeometry(const MaxPool2dGeometry& g, c10::MemoryFormat layout)
+      : in_h(g.in_h), in_w(g.in_w), kernel_h(g.kernel_h), kernel_w(g.kernel_w), stride_w(g.stride_w), pad_w(g.pad_w),
+        channels(layout == c10::MemoryFormat::ChannelsLast ? g.channels : 1), out_w(g.out_w) {}
+};
 
 bool aten_applies(const MaxPool2dGeometry& g) {
   return cpu_aten_route() && g.dilation_h == 1 && g.dilation_w == 1;
@@ -198,11 +202,24 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, cons
   index = index.contiguous(layout);
   at::Tensor taps = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
   if (taps.numel() == 0) return {output, taps};
-  const int64_t* ip = index.const_data_ptr<int64_t>();
-  uint8_t* tp = taps.mutable_data_ptr<uint8_t>();
-  for_each_output(g, layout, [&](int64_t e, int64_t oh, int64_t ow) {
-    const int64_t h = ip[e] / g.in_w, w = ip[e] - h * g.in_w;
-    tp[e] = static_cast<uint8_t>((h - (oh * g.stride_h - g.pad_h)) * g.kernel_w + (w - (ow * g.stride_w - g.pad_w)));
+  const int64_t* index_p = index.const_data_ptr<int64_t>();
+  uint8_t* taps_p = taps.mutable_data_ptr<uint8_t>();
+  for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
+    const RowGeometry r(g, layout);
+    const int64_t h0 = oh * g.stride_h - g.pad_h;
+    const int64_t* ip = index_p + first;
+    uint8_t* tp = taps_p + first;
+    for (int64_t ow = 0; ow < r.out_w; ++ow) {
+      const int64_t w0 = ow * r.stride_w - r.pad_w;
+      for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+        // The row as a count of row starts passed, kernel_h - 1 comparisons: no 64-bit division, and no branch
+        // on the data (which row of a window holds its maximum is random).
+        const int64_t h_first = std::max<int64_t>(h0, 0);
+        int64_t h = h_first;
+        for (int64_t k = 1; k < r.kernel_h; ++k) h += *ip >= (h_first + k) * r.in_w;
+        *tp = static_cast<uint8_t>((h - h0) * r.kernel_w + (*ip - h * r.in_w - w0));
+      }
+    }
   });
   return {output, taps};
 }
@@ -217,17 +234,30 @@ at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Ten
   const auto layout = layout_of(indices);
   const at::Tensor taps = indices.contiguous(layout);
   at::Tensor index = at::empty(taps.sizes(), taps.options().dtype(at::kLong).memory_format(layout));
-  const uint8_t* tp = taps.const_data_ptr<uint8_t>();
-  int64_t* ip = index.mutable_data_ptr<int64_t>();
+  const uint8_t* taps_p = taps.const_data_ptr<uint8_t>();
+  int64_t* index_p = index.mutable_data_ptr<int64_t>();
+  // Each offset's row and column in the window, looked up (no division per element); kernel_h past the window.
+  std::array<int64_t, 256> tap_h, tap_w;
+  for (int64_t t = 0; t < 256; ++t) {
+    tap_h[t] = t < g.kernel_h * g.kernel_w ? t / g.kernel_w : g.kernel_h;
+    tap_w[t] = t % g.kernel_w;
+  }
   std::atomic<bool> valid{true};
-  for_each_output(g, layout, [&](int64_t e, int64_t oh, int64_t ow) {
-    const int64_t kh = tp[e] / g.kernel_w, kw = tp[e] % g.kernel_w;
-    const int64_t h = oh * g.stride_h - g.pad_h + kh, w = ow * g.stride_w - g.pad_w + kw;
-    if (kh >= g.kernel_h || h < 0 || h >= g.in_h || w < 0 || w >= g.in_w) {
-      valid.store(false, std::memory_order_relaxed);
-      return;
+  for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
+    const RowGeometry r(g, layout);
+    const int64_t h0 = oh * g.stride_h - g.pad_h;
+    const uint8_t* tp = taps_p + first;
+    int64_t* ip = index_p + first;
+    bool ok = true;
+    for (int64_t ow = 0; ow < r.out_w; ++ow) {
+      const int64_t w0 = ow * r.stride_w - r.pad_w;
+      for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+        const int64_t kh = tap_h[*tp], h = h0 + kh, w = w0 + tap_w[*tp];
+        ok &= kh < r.kernel_h && h >= 0 && h < r.in_h && w >= 0 && w < r.in_w;
+        *ip = h * r.in_w + w;
+      }
     }
-    ip[e] = h * g.in_w + w;
+    if (!ok) valid.store(false, std::memory_order_relaxed);
   });
   if (!valid.load()) return {};
   // ATen reads only the sizes and layout of its `self` argument (the forward's input).
