@@ -236,21 +236,33 @@ at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Ten
   at::Tensor index = at::empty(taps.sizes(), taps.options().dtype(at::kLong).memory_format(layout));
   const uint8_t* taps_p = taps.const_data_ptr<uint8_t>();
   int64_t* index_p = index.mutable_data_ptr<int64_t>();
-  // Each offset's row and column in the window, looked up (no division per element); kernel_h past the window.
-  std::array<int64_t, 256> tap_h, tap_w;
+  // Each offset's row and column in the window and its flat distance from the window's first element, looked
+  // up (no division per element); offsets past the window get row kernel_h, which the checks refuse.
+  std::array<int64_t, 256> tap_h, tap_w, tap_delta;
   for (int64_t t = 0; t < 256; ++t) {
     tap_h[t] = t < g.kernel_h * g.kernel_w ? t / g.kernel_w : g.kernel_h;
     tap_w[t] = t % g.kernel_w;
+    tap_delta[t] = tap_h[t] * g.in_w + tap_w[t];
   }
   std::atomic<bool> valid{true};
   for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
     const RowGeometry r(g, layout);
     const int64_t h0 = oh * g.stride_h - g.pad_h;
+    const bool rows_inside = h0 >= 0 && h0 + r.kernel_h <= r.in_h;
     const uint8_t* tp = taps_p + first;
     int64_t* ip = index_p + first;
     bool ok = true;
     for (int64_t ow = 0; ow < r.out_w; ++ow) {
       const int64_t w0 = ow * r.stride_w - r.pad_w;
+      if (rows_inside && w0 >= 0 && w0 + r.kernel_w <= r.in_w) {
+        // A window inside the input (all of them without padding): every offset in it names an input element.
+        const int64_t base = h0 * r.in_w + w0;
+        for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+          ok &= tap_h[*tp] < r.kernel_h;
+          *ip = base + tap_delta[*tp];
+        }
+        continue;
+      }
       for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
         const int64_t kh = tap_h[*tp], h = h0 + kh, w = w0 + tap_w[*tp];
         ok &= kh < r.kernel_h && h >= 0 && h < r.in_h && w >= 0 && w < r.in_w;
