@@ -2,33 +2,45 @@
 // 64x64x3 images, 256-128-64-32 channels) through hierpar::strategy::AdversarialTrainer under each
 // placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
 // (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
-// global batches 64 (the seed's), 1024 and 4096. The stock row is the same trainer on one GPU with
-// torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's layers. data (2, nccl) runs three ways: bucketed
-// all-reduce during the backward (the default), one flat buffer after it (config buckets = flat), and
-// bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after every row.
+// global batches 64 (the seed's), 1024 and 4096 in fp32 (TF32), and 1024 and 4096 in bf16. The stock row is the
+// same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
+// layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
+// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn); hierarchical (host) twice:
+// the step's thread waiting for each copy (the default), and the host summing while the devices go on
+// (host_overlap). The JSON is rewritten after every row.
 //
 // Timing: a run is K steps between device synchronisations of every GPU of the placement (host wall
 // clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
 // the median over several runs. Each replica's share of the batch is already on its D device (as a data
 // loader per replica would leave it), so no input crosses devices inside the timed step.
-// Every row runs with FusedAdam and, where the trainer can capture the placement's step (single, data), as CUDA
-// graphs (config graphs = on/off); bf16 rows use the trainer's autocast and channels_last options.
-// extra: images_per_s (global batch / step time) and epoch_s (seconds for the seed's epoch of 2944 images
-// at that rate). Rows needing more GPUs than present are skipped, and the output says so.
+// Every row runs with FusedAdam as CUDA graphs (config graphs = on; every placement is captured, each device's part
+// on that device); bf16 rows use the trainer's autocast and channels_last options.
+// extra: images_per_s (global batch / step time), epoch_s (seconds for the seed's epoch of 2944 images at that
+// rate) and, for rows on several GPUs, idle_<device>: the fraction of a step each GPU runs none of the step's
+// compute (from the trainer's timeline over two steady-state steps: 1 - the union of its compute spans / the two
+// steps' span). Task and hierarchical rows also write <gpu>-strategy-trace-<row>.json: a Chrome trace
+// (chrome://tracing, ui.perfetto.dev) of two consecutive steps, one row per GPU.
+// Rows needing more GPUs than present are skipped, and the output says so.
 #include "bench.h"
 
 #include "hierpar/models/dcgan.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/placement.h"
 
+#ifdef HIERPAR_BENCH_CHARTS
+#include "common/images.h"
+#endif
+
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -49,6 +61,9 @@ struct Row {
   // bucket then 25 MB) or "flat" (one buffer per network after the backward: session 1's path).
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
+  // host only: the step's thread waits for each copy (the default), or the host sums while the devices go on
+  // (config host_overlap = true: AveragingOptions::host_overlap)
+  bool host_overlap = false;
 };
 
 struct Precision {
@@ -99,8 +114,90 @@ Timing time_steps(hs::AdversarialTrainer& trainer, const std::vector<torch::Tens
 
 struct Result {
   std::string label;
+  std::string placement, group;  // the chart's series (placement, reduction, layers) and group (batch, precision)
   double seconds_per_epoch, images_per_s;
 };
+
+// Per device, the fraction of steps [first, first + 2) during which it ran no compute span of the step.
+std::vector<std::pair<std::string, double>> idle_fractions(const std::vector<hs::TimelineSpan>& spans, int64_t first) {
+  std::vector<std::pair<std::string, double>> out;
+  std::vector<c10::Device> devices;
+  double begin = 1e300, end = -1e300;
+  for (const auto& s : spans) {
+    if (s.step < first || s.step >= first + 2) continue;
+    begin = std::min(begin, s.start_ms);
+    end = std::max(end, s.end_ms);
+    if (std::find(devices.begin(), devices.end(), s.device) == devices.end()) devices.push_back(s.device);
+  }
+  for (const c10::Device& device : devices) {
+    std::vector<std::pair<double, double>> busy;
+    for (const auto& s : spans) {
+      if (s.device == device && s.compute && s.step >= first && s.step < first + 2) busy.emplace_back(s.start_ms, s.end_ms);
+    }
+    std::sort(busy.begin(), busy.end());
+    double covered = 0, reach = begin;
+    for (auto [a, b] : busy) {  // the union of the intervals
+      a = std::max(a, reach);
+      if (b > a) covered += b - a;
+      reach = std::max(reach, b);
+    }
+    out.emplace_back(device.str(), end > begin ? 1.0 - covered / (end - begin) : 0.0);
+  }
+  return out;
+}
+
+// Thousands of images/s per placement (bars), one group per batch and precision: <gpu>-strategy.png.
+void write_chart(const std::vector<Result>& results, const std::string& path) {
+#ifdef HIERPAR_BENCH_CHARTS
+  using hierpar::examples::BarGroup;
+  using hierpar::examples::PlotSeries;
+  std::vector<PlotSeries> series;
+  std::vector<BarGroup> groups;
+  for (const Result& r : results) {
+    auto si = std::find_if(series.begin(), series.end(), [&](const PlotSeries& p) { return p.name == r.placement; });
+    if (si == series.end()) {
+      static const std::vector<std::array<uint8_t, 3>> colours{{120, 120, 120}, {217, 72, 1},   {253, 174, 107},
+                                                               {33, 113, 181},  {107, 174, 214}, {35, 139, 69},
+                                                               {116, 196, 118}, {117, 107, 177}, {188, 189, 220},
+                                                               {203, 24, 29},   {251, 106, 74}};
+      series.push_back({r.placement, {}, colours[series.size() % colours.size()]});
+      for (auto& g : groups) g.values.push_back(NAN);
+      si = series.end() - 1;
+    }
+    auto gi = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == r.group; });
+    if (gi == groups.end()) {
+      groups.push_back({r.group, std::vector<double>(series.size(), NAN)});
+      gi = groups.end() - 1;
+    }
+    gi->values[si - series.begin()] = r.images_per_s / 1000.0;
+  }
+  hierpar::examples::write_bar_chart(groups, series, "DCGAN step, thousands of images/s (higher is better)", path,
+                                     std::max<int>(1000, 260 * static_cast<int>(groups.size())), 480);
+  std::cout << "wrote " << path << "\n";
+#else
+  std::cout << "no chart (" << path << "): hierpar-bench was built without the examples' PNG writer\n";
+#endif
+}
+
+// Steps [first, first + 2) as a Chrome trace: a process per GPU, a thread per replica on it.
+void write_trace(const std::vector<hs::TimelineSpan>& spans, int64_t first, const std::string& path) {
+  std::ofstream out(path);
+  out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
+  bool comma = false;
+  double zero = 1e300;
+  for (const auto& s : spans) {
+    if (s.step >= first && s.step < first + 2) zero = std::min(zero, s.start_ms);
+  }
+  for (const auto& s : spans) {
+    if (s.step < first || s.step >= first + 2) continue;
+    out << (comma ? ",\n" : "") << "{\"name\": \"" << s.piece << " (step " << s.step - first + 1
+        << ")\", \"cat\": \"" << (s.compute ? "compute" : "transfer") << "\", \"ph\": \"X\", \"pid\": \"GPU "
+        << s.device.str() << "\", \"tid\": \"replica " << s.replica << "\", \"ts\": " << (s.start_ms - zero) * 1e3
+        << ", \"dur\": " << (s.end_ms - s.start_ms) * 1e3 << "}";
+    comma = true;
+  }
+  out << "\n]}\n";
+}
 
 void strategy_suite(Report& report, const Options& options) {
   const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
@@ -111,6 +208,7 @@ void strategy_suite(Report& report, const Options& options) {
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", true},
       {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
+      {"hierarchical", 4, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*host_overlap=*/true},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
   };
@@ -118,7 +216,7 @@ void strategy_suite(Report& report, const Options& options) {
     int64_t batch;
     Precision precision;
   };
-  std::vector<Case> cases = {{64, {false}}, {1024, {false}}, {4096, {false}}, {4096, {true}}};
+  std::vector<Case> cases = {{64, {false}}, {1024, {false}}, {1024, {true}}, {4096, {false}}, {4096, {true}}};
   if (options.quick) cases = {{64, {false}}, {1024, {false}}};
   if (!options.batches.empty()) {  // --batches narrows the cases to those global batches
     std::vector<Case> picked;
@@ -138,7 +236,7 @@ void strategy_suite(Report& report, const Options& options) {
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
                                 (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
                                 (nccl ? std::string(" ") + row.buckets : std::string()) +
-                                (row.sync_bn ? ", sync BN" : "") + ", " +
+                                (row.sync_bn ? ", sync BN" : "") + (row.host_overlap ? " (host overlap)" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name();
       const auto skipped_by_flag = std::find_if(options.skip.begin(), options.skip.end(), [&](const std::string& text) {
@@ -168,8 +266,7 @@ void strategy_suite(Report& report, const Options& options) {
           to_channels_last(*d);
         }
         trainer_options.noise_shape = {model.nz};
-        // Every row at its fastest: FusedAdam and CUDA graphs wherever the trainer can capture the placement's
-        // step (it falls back to eager steps for task and hierarchical; the row's config says which ran).
+        // Every row at its fastest: FusedAdam and CUDA graphs (the row's config says whether the trainer captured).
         trainer_options.fused_adam = true;
         trainer_options.fused_adam_kernel =
             row.layers == hierpar::LayerSet::stock ? hs::AdamKernel::aten : hs::AdamKernel::hierpar;
@@ -181,6 +278,7 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;
+        trainer_options.averaging.host_overlap = row.host_overlap;
         // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
         // default five (session 3 saw two in-process NCCL stalls at batch 4096; docs/strategy.md).
         trainer_options.averaging.timeout = std::chrono::seconds(60);
@@ -200,6 +298,21 @@ void strategy_suite(Report& report, const Options& options) {
                     ", G ", g_loss);
         const double images_per_s = c.batch / (t.median_us * 1e-6);
         const double epoch_s = kEpochImages / images_per_s;
+        // The GPUs' idle time in two steady-state steps (and their trace), from the trainer's timeline.
+        std::vector<std::pair<std::string, double>> idle;
+        if (row.gpus > 1) {
+          trainer.record_timeline(true);
+          for (int i = 0; i < 3; ++i) trainer.step_shares(reals);
+          const auto spans = trainer.timeline();
+          trainer.record_timeline(false);
+          const int64_t first = spans.empty() ? 0 : spans.front().step + 1;  // the first step may start from idle
+          idle = idle_fractions(spans, first);
+          const std::string scheme = row.strategy;
+          if (!options.out_prefix.empty() && (scheme == "task" || scheme == "hierarchical")) {
+            write_trace(spans, first, options.out_prefix + "-trace-" + scheme + "-" + row.reduce + "-b" +
+                                          std::to_string(c.batch) + "-" + c.precision.name() + ".json");
+          }
+        }
         Config config;
         config.set("batch", c.batch)
             .set("precision", c.precision.name())
@@ -209,16 +322,30 @@ void strategy_suite(Report& report, const Options& options) {
             .set("gpus", row.gpus)
             .set("reduce", row.reduce)
             .set("buckets", nccl ? row.buckets : "none")
-            .set("sync_bn", row.sync_bn);
+            .set("sync_bn", row.sync_bn)
+            .set("host_overlap", std::string(row.reduce) == "host" && row.host_overlap);
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
+        std::string idle_text;
+        for (const auto& [device, fraction] : idle) {
+          extra.set("idle_" + device, fraction);
+          char buffer[48];
+          std::snprintf(buffer, sizeof buffer, " %s %.0f%%", device.c_str(), 100 * fraction);
+          idle_text += buffer;
+        }
         report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
         const std::string shown = label + (trainer.graphs() ? ", graphs" : ", eager");
-        results.push_back({shown, epoch_s, images_per_s});
+        const std::string placement_label = std::string(row.strategy) + " " + std::to_string(row.gpus) +
+                                            (std::string(row.reduce) == "none" ? "" : std::string(" ") + row.reduce) +
+                                            (std::string(row.buckets) == "flat" ? " flat" : "") +
+                                            (row.sync_bn ? " sync BN" : "") + (row.host_overlap ? " overlap" : "") +
+                                            (row.layers == hierpar::LayerSet::stock ? " stock" : "");
+        results.push_back({shown, placement_label, "b" + std::to_string(c.batch) + " " + c.precision.name(), epoch_s,
+                           images_per_s});
         // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
         if (!options.out_prefix.empty()) report.write_json(options.out_prefix + ".json");
-        std::printf("  %-80s %9.3f ms/step %11.0f images/s %8.4f s/epoch\n", shown.c_str(), t.median_us / 1000.0,
-                    images_per_s, epoch_s);
+        std::printf("  %-80s %9.3f ms/step %11.0f images/s %8.4f s/epoch%s%s\n", shown.c_str(), t.median_us / 1000.0,
+                    images_per_s, epoch_s, idle.empty() ? "" : "  idle:", idle_text.c_str());
         std::fflush(stdout);
       } catch (const std::exception& e) {
         std::string what = e.what();
@@ -234,6 +361,7 @@ void strategy_suite(Report& report, const Options& options) {
   for (const auto& r : results)
     std::printf("  %-80s %8.4f s/epoch %11.0f images/s\n", r.label.c_str(), r.seconds_per_epoch, r.images_per_s);
   for (const auto& s : skipped) std::cout << "  skipped " << s << "\n";
+  if (!options.out_prefix.empty() && !results.empty()) write_chart(results, options.out_prefix + ".png");
 }
 
 }  // namespace

@@ -2,7 +2,13 @@
 HIERPAR_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 HIERPAR_BUILD_DIR=${HIERPAR_BUILD_DIR:-$HIERPAR_ROOT/build}
 HIERPAR_JOBS=${HIERPAR_JOBS:-$(nproc)}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# Development builds compile for this machine's GPUs; with none (CI), for the oldest architecture torch supports
+# and Hopper, so that every architecture guard and the sm_90a code are compiled. Installs default to every
+# architecture torch supports (cmake/HierparTorch.cmake). TORCH_CUDA_ARCH_LIST overrides both.
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  if nvidia-smi -L >/dev/null 2>&1; then TORCH_CUDA_ARCH_LIST=native; else TORCH_CUDA_ARCH_LIST="7.5;9.0"; fi
+fi
+export TORCH_CUDA_ARCH_LIST
 
 hierpar_setup() {  # installs what is missing; sets HIERPAR_PYTHON and puts its cmake first on PATH
   HIERPAR_PYTHON=$(bash "$HIERPAR_ROOT/scripts/setup") || { echo "set-up failed (see above)" >&2; exit 1; }

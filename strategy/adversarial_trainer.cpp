@@ -45,6 +45,25 @@ void convert_to_channels_last(torch::nn::Module& module) {
   }
 }
 
+// A piece of a captured step's replay: a segment of one device's CapturedStep, or what runs between segments.
+struct AdversarialTrainer::ProgramPiece {
+  std::string name;
+  c10::Device device;  // whose stream runs it (a copy: its source's, as ATen's copy_ does)
+  bool compute;
+  std::function<void()> run;
+};
+
+namespace {
+// A timeline span not yet read back.
+struct PendingSpan {
+  int64_t step;
+  c10::Device device;
+  std::string piece;
+  bool compute;
+  c10::Event start, end;
+};
+}  // namespace
+
 struct AdversarialTrainer::Replica {
   torch::nn::AnyModule generator;
   torch::nn::AnyModule discriminator;
@@ -56,9 +75,16 @@ struct AdversarialTrainer::Replica {
   // losses: row k = (D real, D fake, G) of the k-th step since the last read; `loss_row` is k, on the device.
   torch::Tensor d_loss, d_loss_real, d_loss_fake, g_loss;
   torch::Tensor loss_log, loss_row;
-  // CUDA graphs: the captured step, the static inputs it reads, and the eager steps run so far.
-  std::unique_ptr<CapturedStep> graph;
+  // CUDA graphs: the captured step (`graph` on D's device, and on G's `generator_graph` when G has a device of its
+  // own), the static inputs it reads, and the eager steps run so far. `program` replays it: the segments of both
+  // devices with the copies and the averaging between them, in the order the step runs.
+  std::unique_ptr<CapturedStep> graph, generator_graph;
+  std::vector<ProgramPiece> program;
   torch::Tensor static_real, static_noise;
+  // What crosses between G's and D's parts of a step: the fakes (G's output, with its autograd graph until G's
+  // backward), the fakes on D's device (a leaf: G's loss backpropagates to it), and that gradient on G's device.
+  // On two devices the last two are persistent buffers that the copies between segments fill.
+  torch::Tensor fake, fake_on_d, fake_grad;
   bool noise_given = false;
   // Synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
   std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;
@@ -69,129 +95,215 @@ struct AdversarialTrainer::Replica {
   // The first step runs on one stream all the same: cuDNN's benchmark mode times its candidate algorithms
   // there, and timings taken beside the other stream's kernels would pick them by noise.
   bool first_step_done = false;
+  std::vector<PendingSpan> spans;  // record_timeline
 };
 
 // One persistent thread per local replica after the first (which runs on the caller's thread): the
 // seed's one host thread per device. run() hands every replica the same job with the caller's
 // thread-local state (grad mode, autocast), waits for all, and rethrows the first failure after
-// telling the averager, so replicas waiting on the failed one stop instead of hanging.
+// telling the averager, so replicas waiting on the failed one stop instead of hanging. A replica that
+// has not returned kStuckGrace after the first failure (or after interrupt()) is left behind as hung:
+// run() throws naming it, and its thread keeps what it uses (the shared state, the job) alive.
 class AdversarialTrainer::Workers {
  public:
-  explicit Workers(int64_t replicas) : errors_(replicas) {
-    for (int64_t i = 1; i < replicas; ++i) threads_.emplace_back([this, i] { loop(i); });
+  // Long enough for a replica released by an abort to unwind its step (a device sync on queued work
+  // included), short enough to keep a stop within seconds.
+  static constexpr std::chrono::seconds kStuckGrace{3};
+
+  Workers(int64_t replicas, bool report_failures) : shared_(std::make_shared<Shared>(replicas)) {
+    shared_->report = report_failures;
+    for (int64_t i = 1; i < replicas; ++i) threads_.emplace_back([shared = shared_, i] { loop(*shared, i); });
   }
   ~Workers() {
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      shared_->stopping = true;
     }
-    start_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-
-  void run(const std::function<void(int64_t)>& job, GradientAverager* averager, const Placement& placement) {
-    job_ = &job;
-    averager_ = averager;
-    placement_ = &placement;
-    state_ = std::make_unique<at::ThreadLocalState>();
-    for (auto& e : errors_) e = nullptr;
-    first_failure_ = -1;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_ = static_cast<int64_t>(threads_.size());
-      ++generation_;
-    }
-    start_.notify_all();
-    execute(0);
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] { return pending_ == 0; });
-    }
-    // The replica that failed first is the cause; the others were stopped by it.
-    if (first_failure_ < 0) return;
-    std::string message;
-    for (int64_t i : failure_order()) {
-      try {
-        std::rethrow_exception(errors_[i]);
-      } catch (const std::exception& e) {
-        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed: ", e.what());
-      } catch (...) {
-        message += c10::str(message.empty() ? "" : "\nthen ", describe(i), " failed");
+    shared_->start.notify_all();
+    for (size_t t = 0; t < threads_.size(); ++t) {
+      std::unique_lock<std::mutex> lock(shared_->mutex);
+      const bool idle = shared_->done.wait_for(lock, kStuckGrace, [&] { return !shared_->running[t + 1]; });
+      lock.unlock();
+      if (idle) {
+        threads_[t].join();
+      } else {
+        threads_[t].detach();  // a hung replica: see stuck()
       }
     }
+  }
+
+  // Waits at most `limit` for every replica's thread to be out of its job; false if one is still in it (it
+  // never returned from a failed step, and may still wake up and use the trainer).
+  bool settle(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(shared_->mutex);
+    return shared_->done.wait_for(lock, limit, [&] {
+      return std::none_of(shared_->running.begin(), shared_->running.end(), [](bool r) { return r; });
+    });
+  }
+
+  // Ends run()'s wait as a failure elsewhere would: replicas still running after kStuckGrace are hung.
+  void interrupt(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (shared_->interrupted.empty()) shared_->interrupted = reason;
+    shared_->done.notify_all();
+  }
+
+  void run(std::function<void(int64_t)> job, GradientAverager* averager, const Placement& placement) {
+    Shared& sh = *shared_;
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      TORCH_CHECK(!std::any_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }),
+                  "AdversarialTrainer: a replica's thread is still stuck in an earlier step");
+      sh.job = std::make_shared<const std::function<void(int64_t)>>(std::move(job));
+      sh.averager = averager;
+      sh.placement = &placement;
+      sh.state = std::make_shared<at::ThreadLocalState>();
+      for (auto& e : sh.errors) e = nullptr;
+      sh.peer_failure.assign(sh.errors.size(), false);
+      sh.first_failure = -1;
+      sh.interrupted.clear();
+      std::fill(sh.running.begin(), sh.running.end(), true);
+      ++sh.generation;
+    }
+    sh.start.notify_all();
+    execute(sh, 0);
+    std::vector<int64_t> stuck;
+    {
+      std::unique_lock<std::mutex> lock(sh.mutex);
+      auto all_returned = [&] { return std::none_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }); };
+      sh.done.wait(lock, [&] { return all_returned() || sh.first_failure >= 0 || !sh.interrupted.empty(); });
+      if (!sh.done.wait_for(lock, kStuckGrace, all_returned)) {
+        for (size_t i = 0; i < sh.running.size(); ++i) {
+          if (sh.running[i]) stuck.push_back(static_cast<int64_t>(i));
+        }
+      }
+    }
+    if (stuck.empty() && sh.first_failure < 0 && sh.interrupted.empty()) return;
+    // Hung replicas first (the others were stopped by them), then the replica that failed first.
+    std::string message;
+    bool peer = stuck.empty();
+    for (int64_t i : stuck) {
+      message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " hangs: the other replicas stopped "
+                          "waiting for it, and it did not return within ", kStuckGrace.count(), " s");
+    }
+    if (!sh.interrupted.empty()) message += c10::str(message.empty() ? "" : "\nthen ", sh.interrupted);
+    for (int64_t i : failure_order(sh)) {
+      peer = peer && sh.peer_failure[i];
+      try {
+        std::rethrow_exception(sh.errors[i]);
+      } catch (const c10::Error& e) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what());
+      } catch (...) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed");
+      }
+    }
+    if (peer) throw_peer_failure(message);
     TORCH_CHECK(false, message);
   }
 
  private:
-  std::vector<int64_t> failure_order() const {
-    std::vector<int64_t> order{first_failure_};
-    for (int64_t i = 0; i < static_cast<int64_t>(errors_.size()); ++i) {
-      if (errors_[i] && i != first_failure_) order.push_back(i);
+  struct Shared {
+    explicit Shared(int64_t replicas) : errors(replicas), peer_failure(replicas, false), running(replicas, false) {}
+    mutable std::mutex mutex;
+    std::condition_variable start, done;
+    uint64_t generation = 0;
+    bool stopping = false;
+    std::shared_ptr<const std::function<void(int64_t)>> job;
+    GradientAverager* averager = nullptr;
+    const Placement* placement = nullptr;  // the running job's
+    std::shared_ptr<at::ThreadLocalState> state;
+    std::vector<std::exception_ptr> errors;
+    std::vector<bool> peer_failure;  // errors[i] is a PeerFailure
+    std::vector<bool> running;       // replica i has not returned from the current job
+    int64_t first_failure = -1;
+    std::string interrupted;
+    bool report = true;  // AdversarialOptions::report_failures
+  };
+
+  static std::vector<int64_t> failure_order(const Shared& sh) {
+    std::vector<int64_t> order;
+    if (sh.first_failure >= 0) order.push_back(sh.first_failure);
+    for (int64_t i = 0; i < static_cast<int64_t>(sh.errors.size()); ++i) {
+      if (sh.errors[i] && i != sh.first_failure) order.push_back(i);
     }
     return order;
   }
 
-  void record_failure(int64_t i) {
-    errors_[i] = std::current_exception();
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (first_failure_ < 0) first_failure_ = i;
-  }
-
-  std::string describe(int64_t i) const {
-    const ReplicaDevices& r = placement_->replicas[i];
+  static std::string describe(const Shared& sh, int64_t i) {
+    const ReplicaDevices& r = sh.placement->replicas[i];
     return c10::str("replica ", r.replica, " (G ", r.generator, ", D ", r.discriminator, ")");
   }
 
-  void execute(int64_t i) {
-    try {
-      at::ThreadLocalStateGuard guard(*state_);
-      (*job_)(i);
-    } catch (const std::exception& e) {
-      record_failure(i);
-      stop_peers(i, e.what());
-    } catch (...) {
-      record_failure(i);
-      stop_peers(i, "an exception that is not a std::exception");
+  static void execute(Shared& sh, int64_t i) {
+    std::shared_ptr<const std::function<void(int64_t)>> job;
+    std::shared_ptr<at::ThreadLocalState> state;
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      job = sh.job;
+      state = sh.state;
     }
+    std::exception_ptr error;
+    bool peer = false;
+    std::string what;
+    try {
+      at::ThreadLocalStateGuard guard(*state);
+      (*job)(i);
+    } catch (const PeerFailure& e) {
+      error = std::current_exception();
+      peer = true;
+      what = e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      error = std::current_exception();
+      what = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      what = e.what();
+    } catch (...) {
+      error = std::current_exception();
+      what = "an exception that is not a std::exception";
+    }
+    if (error) {
+      {
+        std::lock_guard<std::mutex> lock(sh.mutex);
+        sh.errors[i] = error;
+        sh.peer_failure[i] = peer;
+        if (sh.first_failure < 0) sh.first_failure = i;
+      }
+      stop_peers(sh, i, what, peer);
+    }
+    {
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      sh.running[i] = false;
+    }
+    sh.done.notify_all();
   }
 
-  // Tells the averager, so peers blocked on this replica stop. Peers blocked in a collective (NCCL, Gloo) stop
-  // only when it fails or times out, and a collective library may end the process first (ProcessGroupNCCL's
-  // watchdog does): the cause is said now, in one line, so it survives that.
-  void stop_peers(int64_t i, const std::string& what) {
-    if (averager_ == nullptr) return;
+  // Tells the averager, so peers blocked on this replica stop. With report_failures, a replica's own error is
+  // said now, in one line: a collective library's watchdog may end the process before the step rethrows it.
+  static void stop_peers(Shared& sh, int64_t i, const std::string& what, bool peer) {
+    if (sh.averager == nullptr) return;
     const std::string first_line = what.substr(0, what.find('\n'));
-    TORCH_WARN(describe(i), " failed: ", first_line, " (its peers stop when their collectives fail or time out)");
-    averager_->abort(c10::str("replica ", i, " of this process failed: ", what));
+    if (!peer && sh.report) TORCH_WARN(describe(sh, i), " failed: ", first_line, " (its peers stop)");
+    sh.averager->abort(c10::str("replica ", sh.placement->replicas[i].replica, " failed: ", first_line));
   }
 
-  void loop(int64_t i) {
+  static void loop(Shared& sh, int64_t i) {
     uint64_t seen = 0;
     for (;;) {
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        start_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
+        std::unique_lock<std::mutex> lock(sh.mutex);
+        sh.start.wait(lock, [&] { return sh.stopping || sh.generation != seen; });
+        if (sh.stopping) return;
+        seen = sh.generation;
       }
-      execute(i);
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_ == 0) done_.notify_all();
+      execute(sh, i);
     }
   }
 
+  std::shared_ptr<Shared> shared_;
   std::vector<std::thread> threads_;
-  const Placement* placement_ = nullptr;  // the running job's
-  std::mutex mutex_;
-  std::condition_variable start_, done_;
-  uint64_t generation_ = 0;
-  int64_t pending_ = 0;
-  bool stopping_ = false;
-  const std::function<void(int64_t)>* job_ = nullptr;
-  GradientAverager* averager_ = nullptr;
-  std::unique_ptr<at::ThreadLocalState> state_;
-  std::vector<std::exception_ptr> errors_;
-  int64_t first_failure_ = -1;
 };
 
 namespace {
@@ -328,20 +440,25 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       TORCH_CHECK(r.generator.is_cuda() && r.discriminator.is_cuda() && cuda_graphs_available(),
                   "AdversarialTrainer: cuda_graphs needs CUDA devices, got G ", r.generator, ", D ", r.discriminator);
     }
-    if (placement_.scheme == Scheme::task || placement_.scheme == Scheme::hierarchical) {
-      graph_fallback_ = c10::str("CUDA graphs off: a ", to_string(placement_.scheme), " step runs one backward across "
-                                 "G's and D's devices, which a per-device capture cannot split; steps run eagerly");
-    } else if (options_.sync_batch_norm && placement_.global_replicas() > 1) {
+    if (options_.sync_batch_norm && placement_.global_replicas() > 1) {
       graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
                         "forward and backward passes, which this trainer does not capture; steps run eagerly";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
-        replicas_[i]->graph = std::make_unique<CapturedStep>(placement_.replicas[i].discriminator);
+        const ReplicaDevices& devices = placement_.replicas[i];
+        replicas_[i]->graph = std::make_unique<CapturedStep>(devices.discriminator);
+        if (devices.generator != devices.discriminator) {
+          replicas_[i]->generator_graph = std::make_unique<CapturedStep>(devices.generator);
+        }
       }
     }
   }
-  averager_ = make_averager(placement_, options_.averaging);
+  // Synchronized BatchNorm's sums meet at the averager's barriers from the step's own thread: gradient sums must
+  // not run beside them on the averager's threads.
+  AveragingOptions averaging = options_.averaging;
+  if (options_.sync_batch_norm) averaging.host_overlap = false;
+  averager_ = make_averager(placement_, averaging);
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
   if (options_.overlap_passes && !(averager_ && !graphs_)) {
@@ -359,7 +476,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       at::globalContext().setWarnOnAccumulateGradStreamMismatch(false);
     }
   }
-  workers_ = std::make_unique<Workers>(placement_.local_replicas());
+  workers_ = std::make_unique<Workers>(placement_.local_replicas(), options_.report_failures);
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
@@ -380,7 +497,32 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   }
 }
 
-AdversarialTrainer::~AdversarialTrainer() = default;
+AdversarialTrainer::~AdversarialTrainer() {
+  if (!workers_ || workers_->settle(Workers::kStuckGrace)) return;
+  // A replica's thread never returned from a failed step: it may still wake and use the replicas and the
+  // averager, so they are left allocated (released, not destroyed), as is the thread.
+  TORCH_WARN("AdversarialTrainer: a replica's thread is stuck in a failed step; leaving it and its state behind");
+  (void)workers_.release();
+  (void)averager_.release();
+  for (auto& replica : replicas_) (void)replica.release();
+}
+
+void AdversarialTrainer::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = reason;
+  }
+  if (averager_) averager_->abort(reason);
+  if (workers_) workers_->interrupt(reason);
+}
+
+int64_t AdversarialTrainer::progress() const { return averager_ ? averager_->progress() : 0; }
+
+void AdversarialTrainer::refuse_if_failed() const {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  TORCH_CHECK(failure_.empty(), "AdversarialTrainer: an earlier step failed, so this trainer refuses every later one "
+              "(its replicas may differ; build a new trainer, e.g. from the last checkpoint). The failure: ", failure_);
+}
 
 torch::nn::AnyModule& AdversarialTrainer::generator(int64_t local) { return replicas_.at(local)->generator; }
 torch::nn::AnyModule& AdversarialTrainer::discriminator(int64_t local) { return replicas_.at(local)->discriminator; }
@@ -393,6 +535,7 @@ torch::optim::Adam& AdversarialTrainer::discriminator_optimizer(int64_t local) {
 
 void AdversarialTrainer::broadcast_from_replica0() {
   if (!averager_) return;
+  refuse_if_failed();
   workers_->run(
       [this](int64_t i) {
         torch::NoGradGuard no_grad;
@@ -450,15 +593,33 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
       shares[i] = all.narrow(0, placement_.replicas[i].replica * share, share);
     }
   }
+  refuse_if_failed();
   if (pending_losses_ == options_.loss_log_steps) drain_losses();
-  StepLosses losses;
-  losses.discriminator.resize(reals.size());
-  losses.discriminator_real.resize(reals.size());
-  losses.discriminator_fake.resize(reals.size());
-  losses.generator.resize(reals.size());
-  workers_->run([&](int64_t i) { step_replica(i, reals[i], shares[i], losses); }, averager_.get(), placement_);
+  // Held by the job, which a replica left behind as hung keeps alive (Workers).
+  auto losses = std::make_shared<StepLosses>();
+  losses->discriminator.resize(reals.size());
+  losses->discriminator_real.resize(reals.size());
+  losses->discriminator_fake.resize(reals.size());
+  losses->generator.resize(reals.size());
+  const int64_t step = steps_++;
+  try {
+    workers_->run(
+        [this, losses, reals, shares, step](int64_t i) {
+          if (options_.fault_hook) options_.fault_hook(placement_.replicas[i].replica, step);
+          step_replica(i, reals[i], shares[i], *losses);
+        },
+        averager_.get(), placement_);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) {
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      const std::string what = error != nullptr ? error->what_without_backtrace() : e.what();
+      failure_ = what.substr(0, what.find('\n'));
+    }
+    throw;
+  }
   ++pending_losses_;
-  return losses;
+  return *losses;
 }
 
 torch::Tensor AdversarialTrainer::global_noise(int64_t share, const c10::Device& device) const {
@@ -501,7 +662,8 @@ torch::Tensor AdversarialTrainer::take_losses() {
 
 int64_t AdversarialTrainer::graph_kernel_nodes(int64_t local) const {
   const Replica& r = *replicas_.at(local);
-  return r.graph && r.graph->captured() ? r.graph->kernel_nodes() : 0;
+  if (!r.graph || !r.graph->captured()) return 0;
+  return r.graph->kernel_nodes() + (r.generator_graph ? r.generator_graph->kernel_nodes() : 0);
 }
 
 torch::Tensor AdversarialTrainer::graph_input(int64_t local) const { return replicas_.at(local)->static_real; }
@@ -519,6 +681,61 @@ void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_s
   out.discriminator_real[local] = r.d_loss_real;
   out.discriminator_fake[local] = r.d_loss_fake;
   out.generator[local] = r.g_loss;
+}
+
+void AdversarialTrainer::timed(int64_t local, const c10::Device& device, const std::string& piece, bool compute,
+                               const std::function<void()>& work) {
+  if (!timeline_on_ || !device.is_cuda()) {
+    work();
+    return;
+  }
+  Replica& r = *replicas_[local];
+  PendingSpan span{steps_ - 1, device, piece, compute, c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
+                   c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT)};
+  span.start.record(current_stream(device));
+  work();
+  span.end.record(current_stream(device));
+  r.spans.push_back(std::move(span));
+}
+
+void AdversarialTrainer::record_timeline(bool on) {
+  timeline_on_ = on;
+  if (!on) return;
+  // Time zero on every device at once: each device's stream drained, then one event per device back to back.
+  std::vector<c10::Device> devices;
+  for (const ReplicaDevices& r : placement_.replicas) {
+    for (const c10::Device& d : {r.generator, r.discriminator}) {
+      if (d.is_cuda() && std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
+    }
+  }
+  for (const c10::Device& d : devices) {
+    c10::Event drained(c10::kCUDA);
+    drained.record(current_stream(d));
+    drained.synchronize();
+  }
+  timeline_refs_.clear();
+  for (const c10::Device& d : devices) {
+    auto zero = std::make_shared<c10::Event>(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT);
+    zero->record(current_stream(d));
+    timeline_refs_.emplace_back(d, std::move(zero));
+  }
+}
+
+std::vector<TimelineSpan> AdversarialTrainer::timeline() {
+  std::vector<TimelineSpan> out;
+  for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+    for (PendingSpan& span : replicas_[i]->spans) {
+      span.end.synchronize();
+      const auto ref = std::find_if(timeline_refs_.begin(), timeline_refs_.end(),
+                                    [&](const auto& entry) { return entry.first == span.device; });
+      TORCH_INTERNAL_ASSERT(ref != timeline_refs_.end(), "timeline: no time zero for ", span.device);
+      out.push_back(TimelineSpan{span.step, placement_.replicas[i].replica, span.device, span.piece, span.compute,
+                                 ref->second->elapsedTime(span.start), ref->second->elapsedTime(span.end)});
+    }
+    replicas_[i]->spans.clear();
+  }
+  std::sort(out.begin(), out.end(), [](const TimelineSpan& a, const TimelineSpan& b) { return a.start_ms < b.start_ms; });
+  return out;
 }
 
 void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& real_share,
@@ -548,7 +765,13 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
     r.static_noise.copy_(noise_share, /*non_blocking=*/true);
   }
   if (r.warmup_done < options_.graph_warmup_steps) {
-    r.graph->warm_up([&] { step_body(local, r.static_real, r.static_noise, Phase::eager); });
+    // On each device's side stream, as the capture will run (autograd keeps the streams it first saw).
+    auto body = [&] { step_body(local, r.static_real, r.static_noise, Phase::eager); };
+    if (r.generator_graph) {
+      r.graph->warm_up([&] { r.generator_graph->warm_up(body); });
+    } else {
+      r.graph->warm_up(body);
+    }
     ++r.warmup_done;
     return;
   }
@@ -558,120 +781,216 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
     TORCH_INTERNAL_ASSERT(fused != nullptr, "cuda_graphs runs FusedAdam optimisers");
     fused->sync_learning_rate();
   }
-  // The capture runs nothing (and so averages nothing): every replica captures in the same step, then
-  // all replay it below with the averaging between the segments.
-  if (!r.graph->captured()) r.graph->capture([&] { step_body(local, r.static_real, r.static_noise, Phase::capture); });
-  const int64_t segments = r.graph->segments();
-  for (int64_t s = 0; s < segments; ++s) {
-    r.graph->replay(s);
-    if (s + 1 == segments) break;
-    // Segment 0 ends after D's backward, segment 1 after G's (step_body's averaging points).
-    const bool d_next = s == 0;
-    averager_->average(local, d_next ? Network::discriminator : Network::generator,
-                       gradients_of(d_next ? r.discriminator_parameters : r.generator_parameters));
+  // The capture runs nothing (and so averages and copies nothing): every replica captures in the same step, then
+  // all replay it below.
+  if (r.program.empty()) {
+    std::vector<CapturedStep*> graphs{r.graph.get()};
+    if (r.generator_graph) graphs.push_back(r.generator_graph.get());
+    for (CapturedStep* graph : graphs) graph->begin_capture();
+    try {
+      step_body(local, r.static_real, r.static_noise, Phase::capture);
+    } catch (...) {
+      for (CapturedStep* graph : graphs) graph->abandon_capture();
+      r.program.clear();
+      throw;
+    }
+    for (CapturedStep* graph : graphs) graph->end_capture();
   }
+  for (const ProgramPiece& piece : r.program) timed(local, piece.device, piece.name, piece.compute, piece.run);
 }
 
 void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
                                    Phase phase) {
   Replica& r = *replicas_[local];
   const ReplicaDevices& devices = placement_.replicas[local];
+  const c10::Device& g_device = devices.generator;
+  const c10::Device& d_device = devices.discriminator;
+  const bool two_devices = g_device != d_device;
   const AdversarialLoss& loss = options_.loss;
-  // An averaging point: eagerly the gradients are averaged; in a capture the segment ends there and the
-  // replay averages between segments.
-  auto averaging_point = [&](Network network, const std::vector<torch::Tensor>& parameters) {
-    if (!averager_) return;
-    const auto grads = gradients_of(parameters);
-    if (phase == Phase::capture) {
-      r.graph->split();
-    } else {
-      averager_->average(local, network, grads);
-    }
-  };
   auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.autocast_dtype); };
 
-  const torch::Tensor noise = noise_share.defined() ? noise_share.to(devices.generator, /*non_blocking=*/true)
-                                                    : draw_noise(local, real_share.size(0));
-  torch::Tensor real = real_share.to(devices.discriminator, /*non_blocking=*/true);
-  if (options_.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
-
-  // With overlap_passes, G's forward and D's pass over the fakes run on `fake_stream` (see the header).
-  const std::optional<c10::Stream> fake_stream = fake_pass_stream(local);
-  const c10::Stream main_stream = current_stream(devices.discriminator);
-  AutocastCacheOff autocast_cache_off(fake_stream.has_value() && options_.autocast_dtype.has_value());
-  if (fake_stream) {
-    order(main_stream, *fake_stream);
-    noise.record_stream(*fake_stream);
-  }
-
-  // G's forward is queued first: on a task placement it runs on G's device while D's real pass runs on D's.
-  torch::Tensor fake;
-  {
-    c10::OptionalStreamGuard on_fake_stream(fake_stream);
-    auto scope = autocast(devices.generator);
-    hierpar::nn::BatchNormSyncGuard bn_sync(r.generator_bn_sync.get());
-    fake = r.generator.forward<torch::Tensor>(noise);
-  }
-  torch::Tensor fake_on_d = fake.to(devices.discriminator, /*non_blocking=*/true);  // event-ordered peer copy
-
-  r.discriminator_optimizer->zero_grad();
-  torch::Tensor d_loss_real, d_loss_fake;
-  {
-    auto scope = autocast(devices.discriminator);
-    hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
-    d_loss_real = loss(r.discriminator.forward<torch::Tensor>(real), true);
-    // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
-    if (fake_stream) order(main_stream, *fake_stream);
-    c10::OptionalStreamGuard on_fake_stream(fake_stream);
-    d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(fake_on_d.detach()), false);
-  }
-  if (fake_stream) {
-    // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
-    order(*fake_stream, main_stream);
-    fake_on_d.record_stream(main_stream);
-    d_loss_fake.record_stream(main_stream);
-  }
-  torch::Tensor d_loss = d_loss_real + d_loss_fake;
-  d_loss.backward();
-  // The fakes' branch of the backward ran on `fake_stream`; autograd has made the main stream wait for it
-  // (D's update reads those gradients), and so does a capture's end: made explicit here and after G's.
-  if (fake_stream) order(*fake_stream, main_stream);
-  averaging_point(Network::discriminator, r.discriminator_parameters);
-  r.discriminator_optimizer->step();
-  // Under autocast, the casts of D's weights cached by the forwards above are stale after the update;
-  // the cache is per thread, so each replica's thread clears its own.
-  at::autocast::clear_cache();
-
-  r.generator_optimizer->zero_grad();
-  torch::Tensor g_loss;
-  {
-    FrozenParameters frozen(r.discriminator_parameters);
-    {
-      auto scope = autocast(devices.discriminator);
-      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
-      g_loss = loss(r.discriminator.forward<torch::Tensor>(fake_on_d), true);
+  // The step as pieces. on(device, name, work): work of one device, run now (eager) or captured into the open
+  // segment of that device's CapturedStep, a new segment starting where the step moves to the other device.
+  // between(device, name, work): what runs between segments (copies across devices, averaging), run now or appended
+  // to the replay program. `device` is whose stream the piece runs on, for the timeline.
+  CapturedStep* open = nullptr;
+  std::optional<ProgramPiece> segment;  // the open segment's program entry, its name growing with its pieces
+  auto close_open = [&] {
+    if (open == nullptr) return;
+    open->close_segment();
+    segment->run = [graph = open, index = open->segments() - 1] { graph->replay(index); };
+    r.program.push_back(std::move(*segment));
+    segment.reset();
+    open = nullptr;
+  };
+  auto on = [&](const c10::Device& device, const char* name, const std::function<void()>& work) {
+    if (phase == Phase::eager) {
+      c10::OptionalDeviceGuard device_guard(device);
+      timed(local, device, name, /*compute=*/true, work);
+      return;
     }
-    g_loss.backward();  // the gradient w.r.t. the fake crosses back to G's device by the copy's backward
-  }
-  if (fake_stream) order(*fake_stream, main_stream);  // G's backward ran there
-  averaging_point(Network::generator, r.generator_parameters);
-  r.generator_optimizer->step();
-  at::autocast::clear_cache();
+    CapturedStep* graph = two_devices && device == g_device ? r.generator_graph.get() : r.graph.get();
+    if (open != graph) {
+      close_open();
+      graph->open_segment();
+      open = graph;
+      segment = ProgramPiece{name, device, /*compute=*/true, {}};
+    } else {
+      segment->name += std::string(" + ") + name;
+    }
+    work();
+  };
+  auto between = [&](const c10::Device& device, const char* name, std::function<void()> work) {
+    if (phase == Phase::eager) {
+      timed(local, device, name, /*compute=*/false, work);
+    } else {
+      close_open();
+      r.program.push_back(ProgramPiece{name, device, /*compute=*/false, std::move(work)});
+    }
+  };
+  auto average = [&](Network network) {
+    if (!averager_) return;
+    const bool d = network == Network::discriminator;
+    between(d ? d_device : g_device, d ? "average D" : "average G", [this, local, network, d, &r] {
+      averager_->average(local, network, gradients_of(d ? r.discriminator_parameters : r.generator_parameters));
+    });
+  };
 
-  // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
-  // AccumulateGrad nodes (and, captured, the capture's stream) alive.
-  r.d_loss = d_loss.detach();
-  r.d_loss_real = d_loss_real.detach();
-  r.d_loss_fake = d_loss_fake.detach();
-  r.g_loss = g_loss.detach();
-  {
+  // One device (options.overlap_passes): G's forward and D's pass over the fakes run on `fake_stream` beside D's
+  // pass over the real batch on the device's stream (`main_stream`, under capture the side stream); chosen in the
+  // first piece, where that stream is current.
+  std::optional<c10::Stream> fake_stream, main_stream;
+  std::optional<AutocastCacheOff> autocast_cache_off;
+
+  // G's forward: the fakes, kept with their autograd graph until G's backward (the end of this step).
+  on(g_device, "G forward", [&] {
+    if (!two_devices) {
+      main_stream = current_stream(d_device);
+      fake_stream = fake_pass_stream(local);
+      autocast_cache_off.emplace(fake_stream.has_value() && options_.autocast_dtype.has_value());
+    }
+    const torch::Tensor noise = noise_share.defined() ? noise_share.to(g_device, /*non_blocking=*/true)
+                                                      : draw_noise(local, real_share.size(0));
+    if (fake_stream) {
+      order(*main_stream, *fake_stream);
+      noise.record_stream(*fake_stream);
+    }
+    c10::OptionalStreamGuard on_fake_stream(fake_stream);
+    auto scope = autocast(g_device);
+    hierpar::nn::BatchNormSyncGuard bn_sync(r.generator_bn_sync.get());
+    r.fake = r.generator.forward<torch::Tensor>(noise);
+  });
+
+  // D's pass over the real batch, forward and backward: it needs no fakes, so on a task or hierarchical placement it
+  // runs on D's device while G's device runs G's backward and update of the previous step and its forward.
+  torch::Tensor d_loss_real, d_loss_fake, g_loss;
+  on(d_device, "D real", [&] {
+    torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
+    if (options_.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
+    r.discriminator_optimizer->zero_grad();
+    {
+      auto scope = autocast(d_device);
+      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+      d_loss_real = loss(r.discriminator.forward<torch::Tensor>(real), true);
+    }
+    // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
+    if (fake_stream) order(*main_stream, *fake_stream);
+    if (averager_) averager_->set_final_backward(local, Network::discriminator, false);
+    d_loss_real.backward();
+  });
+
+  // The fakes to D's device (ATen's copy orders both devices' streams with events); on one device, the same memory.
+  if (two_devices) {
+    between(g_device, "copy fakes", [&r, d_device] {
+      if (!r.fake_on_d.defined()) r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+      r.fake_on_d.copy_(r.fake.detach(), /*non_blocking=*/true);
+    });
+  }
+
+  // D's pass over the fakes; its gradients add to the real pass's.
+  on(d_device, "D fakes", [&] {
+    if (!two_devices) {
+      r.fake_on_d = r.fake.detach();
+    } else if (!r.fake_on_d.defined()) {  // captured without a warm-up step: the buffer comes from D's graph pool
+      r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+    }
+    {
+      auto scope = autocast(d_device);
+      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+      c10::OptionalStreamGuard on_fake_stream(fake_stream);
+      d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d.detach()), false);
+    }
+    if (fake_stream) {
+      // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
+      order(*fake_stream, *main_stream);
+      r.fake_on_d.record_stream(*main_stream);
+      d_loss_fake.record_stream(*main_stream);
+    }
+    if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
+    d_loss_fake.backward();
+    // Its nodes ran on `fake_stream`; autograd has made the main stream wait for them (D's update reads those
+    // gradients), and so does a capture's end: made explicit here and after G's backward.
+    if (fake_stream) order(*fake_stream, *main_stream);
+  });
+  average(Network::discriminator);
+
+  // D's update, then G's loss through the updated D (D's weights frozen), back to the fakes on D's device only.
+  on(d_device, "D update + G loss", [&] {
+    r.discriminator_optimizer->step();
+    // Under autocast, the casts of D's weights cached by the forwards above are stale after the update; the cache
+    // is per thread, so each replica's thread clears its own.
+    at::autocast::clear_cache();
+    r.fake_on_d.requires_grad_(true);
+    r.fake_on_d.mutable_grad() = torch::Tensor();
+    {
+      FrozenParameters frozen(r.discriminator_parameters);
+      {
+        auto scope = autocast(d_device);
+        hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+        g_loss = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d), true);
+      }
+      g_loss.backward();
+    }
+    r.fake_on_d.requires_grad_(false);
+    // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
+    // AccumulateGrad nodes (and, captured, the capture's stream) alive.
+    r.d_loss = (d_loss_real + d_loss_fake).detach();
+    r.d_loss_real = d_loss_real.detach();
+    r.d_loss_fake = d_loss_fake.detach();
+    r.g_loss = g_loss.detach();
     torch::NoGradGuard no_grad;
-    const auto row = torch::stack({r.d_loss_real, r.d_loss_fake, r.g_loss})
-                         .to(torch::kFloat)
-                         .unsqueeze(0);
+    const auto row = torch::stack({r.d_loss_real, r.d_loss_fake, r.g_loss}).to(torch::kFloat).unsqueeze(0);
     r.loss_log.index_copy_(0, r.loss_row, row);
     r.loss_row.add_(1);
+  });
+
+  // The gradient w.r.t. the fakes to G's device.
+  if (two_devices) {
+    between(d_device, "copy gradient", [&r, g_device] {
+      if (!r.fake_grad.defined()) r.fake_grad = torch::empty_like(r.fake_on_d.grad(), r.fake.options().device(g_device));
+      r.fake_grad.copy_(r.fake_on_d.grad(), /*non_blocking=*/true);
+    });
   }
+
+  // G's backward from that gradient, its averaging and update.
+  on(g_device, "G backward", [&] {
+    if (!two_devices) {
+      r.fake_grad = r.fake_on_d.grad();
+    } else if (!r.fake_grad.defined()) {
+      r.fake_grad = torch::empty_like(r.fake);
+    }
+    r.generator_optimizer->zero_grad();
+    torch::autograd::backward({r.fake}, {r.fake_grad});
+    if (fake_stream) order(*fake_stream, *main_stream);  // G's backward ran there
+  });
+  average(Network::generator);
+  on(g_device, "G update", [&] {
+    r.generator_optimizer->step();
+    at::autocast::clear_cache();
+    // The fakes' autograd graph is spent: G's activations are freed now, not at the next step's forward.
+    if (phase == Phase::eager) r.fake = r.fake.detach();
+  });
+  close_open();
   r.first_step_done = true;
 }
 

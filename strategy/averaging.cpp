@@ -6,7 +6,11 @@
 // CMakeLists.txt adds the include directories it finds).
 #include "hierpar/strategy/averaging.h"
 
+#include "host_flag.h"
+
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -24,10 +28,19 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <cstdlib>
 #include <mutex>
+#include <random>
+#include <thread>
+
+#include <unistd.h>
 
 namespace hierpar::strategy {
 
@@ -39,6 +52,91 @@ bool gloo_available() {
 #else
   return false;
 #endif
+}
+
+void throw_peer_failure(const std::string& message) {
+  throw PeerFailure({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
+}
+
+namespace {
+
+std::string text_of(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
+std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
+
+// The ranks of one launch agree on a namespace that no earlier attempt of the run used. torchrun's agent store
+// outlives a restart and keeps the failed attempt's keys, and TORCHELASTIC_RESTART_COUNT cannot name the attempt:
+// each agent counts its own restarts, so after one node's worker fails the other node's restarted workers still
+// say 0 (seen with two agents, --nnodes 2). Every key here is answered with fresh random tokens, so a stale
+// value never matches: rank r posts a token; rank 0 answers each posted token with its own; rank r takes rank 0's
+// token from the answer to its token and confirms it; rank 0 waits for every confirmation of its token.
+std::string agree_on_namespace(c10d::Store& store, const Launch& launch, std::chrono::milliseconds timeout) {
+  std::random_device entropy;
+  const std::string token = c10::str(std::hex, entropy(), entropy(), "-", ::getpid());
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string prefix = "hierpar/handshake/";
+  auto key = [&](const char* what, int64_t rank) { return prefix + what + "/" + std::to_string(rank); };
+  auto pause = std::chrono::microseconds(200);
+  auto wait_a_little = [&](const std::string& waiting_for) {
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "rank ", launch.rank, ": ", waiting_for, " within ",
+                timeout.count(), " ms (MASTER_ADDR ", launch.master_addr, ", MASTER_PORT ", launch.master_port, ")");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  };
+  if (launch.rank != 0) {
+    store.set(key("token", launch.rank), bytes_of(token));
+    for (;;) {
+      if (store.check({key("answer", launch.rank)})) {
+        const std::string answer = text_of(store.get(key("answer", launch.rank)));
+        const auto space = answer.find(' ');
+        if (answer.substr(0, space) == token) {
+          const std::string chosen = answer.substr(space + 1);
+          store.set(key("confirmed", launch.rank), bytes_of(chosen));
+          return chosen;
+        }
+      }
+      wait_a_little("rank 0 did not join the run");
+    }
+  }
+  std::vector<std::string> answered(launch.world_size);
+  for (;;) {
+    int64_t confirmed = 1;
+    for (int64_t r = 1; r < launch.world_size; ++r) {
+      if (store.check({key("confirmed", r)}) && text_of(store.get(key("confirmed", r))) == token) {
+        ++confirmed;
+        continue;
+      }
+      if (!store.check({key("token", r)})) continue;
+      const std::string posted = text_of(store.get(key("token", r)));
+      if (posted != answered[r]) {
+        store.set(key("answer", r), bytes_of(posted + " " + token));
+        answered[r] = posted;
+      }
+    }
+    if (confirmed == launch.world_size) return token;
+    wait_a_little(c10::str(launch.world_size - confirmed, " rank(s) did not join the run"));
+  }
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Store> connect_launch_store(const Launch& launch, std::chrono::milliseconds timeout) {
+  if (!launch.multi_process()) return c10::make_intrusive<c10d::HashStore>();
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(launch.master_port);
+  options.isServer = launch.rank == 0 && !launch.agent_store;
+  options.numWorkers = static_cast<size_t>(launch.world_size);
+  options.waitWorkers = false;  // the process groups' own rendezvous waits, with their timeout
+  options.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, options);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    TORCH_CHECK(false, "rank ", launch.rank, ": cannot ", options.isServer ? "serve" : "reach", " the rendezvous store at ",
+                launch.master_addr, ":", launch.master_port, " (MASTER_ADDR, MASTER_PORT) within ", timeout.count(),
+                " ms: ", what.substr(0, what.find('\n')));
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("hierpar/" + agree_on_namespace(*store, launch, timeout), store);
 }
 
 namespace {
@@ -96,25 +194,62 @@ void unflatten_from(const at::Tensor& flat, const std::vector<at::Tensor>& tenso
   }
 }
 
+// The averager's abort: once set, every wait for peers ends with a PeerFailure that names the reason.
+class AbortState {
+ public:
+  // True for the first call.
+  bool set(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (set_.load()) return false;
+    reason_ = reason.empty() ? "aborted" : reason;
+    set_.store(true);
+    return true;
+  }
+  bool is_set() const { return set_.load(); }
+  void check(const std::string& who) const {
+    if (!set_.load()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    throw_peer_failure(c10::str(who, " stopped: ", reason_));
+  }
+
+ private:
+  std::atomic<bool> set_{false};
+  mutable std::mutex mutex_;
+  std::string reason_;
+};
+
 // A barrier for the replica threads of one process that a failing replica can break, and that gives up
-// after a timeout: either way the waiting replicas throw instead of hanging.
+// after a timeout naming the replicas that did not arrive: either way the waiting replicas throw a
+// PeerFailure instead of hanging, and so does every later arrival.
 class ReplicaBarrier {
  public:
-  ReplicaBarrier(int64_t parties, std::chrono::milliseconds timeout) : parties_(parties), timeout_(timeout) {}
+  ReplicaBarrier(std::vector<int64_t> replicas, std::chrono::milliseconds timeout)
+      : replicas_(std::move(replicas)), arrived_(replicas_.size(), false), timeout_(timeout) {}
 
-  void arrive_and_wait(const std::string& who) {
+  void arrive_and_wait(int64_t local, const std::string& who) {
     std::unique_lock<std::mutex> lock(mutex_);
-    TORCH_CHECK(failure_.empty(), who, " stopped: ", failure_);
+    if (!failure_.empty()) throw_peer_failure(c10::str(who, " stopped: ", failure_));
     const uint64_t generation = generation_;
-    if (++arrived_ == parties_) {
-      arrived_ = 0;
+    arrived_[local] = true;
+    if (++count_ == static_cast<int64_t>(replicas_.size())) {
+      std::fill(arrived_.begin(), arrived_.end(), false);
+      count_ = 0;
       ++generation_;
       changed_.notify_all();
       return;
     }
     const bool released = changed_.wait_for(lock, timeout_, [&] { return generation_ != generation || !failure_.empty(); });
-    TORCH_CHECK(released, who, " waited ", timeout_.count(), " ms for the other replicas of this process and gave up");
-    TORCH_CHECK(generation_ != generation, who, " stopped: ", failure_);
+    if (!released) {
+      std::string missing;
+      for (size_t i = 0; i < replicas_.size(); ++i) {
+        if (!arrived_[i]) missing += c10::str(missing.empty() ? "" : ", ", replicas_[i]);
+      }
+      failure_ = c10::str("replica ", missing, " of this process did not arrive within ", timeout_.count(),
+                          " ms (it hangs or is stuck)");
+      changed_.notify_all();
+      throw_peer_failure(c10::str(who, " gave up waiting: ", failure_));
+    }
+    if (generation_ == generation) throw_peer_failure(c10::str(who, " stopped: ", failure_));
   }
 
   void abort(const std::string& reason) {
@@ -124,24 +259,71 @@ class ReplicaBarrier {
   }
 
  private:
-  const int64_t parties_;
+  const std::vector<int64_t> replicas_;  // global index of each local replica
+  std::vector<bool> arrived_;
   const std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  int64_t arrived_ = 0;
+  int64_t count_ = 0;
   uint64_t generation_ = 0;
   std::string failure_;
 };
 
-c10::intrusive_ptr<c10d::Store> make_store(const Placement& placement, std::chrono::milliseconds timeout) {
-  if (!placement.launch.multi_process()) return c10::make_intrusive<c10d::HashStore>();
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(placement.launch.master_port);
-  options.isServer = placement.launch.rank == 0 && !placement.launch.agent_store;
-  options.numWorkers = static_cast<size_t>(placement.launch.world_size);
-  options.waitWorkers = false;  // the process groups' own rendezvous waits, with their timeout
-  options.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(placement.launch.master_addr, options);
+// One thread running posted jobs in order: a replica's host sums, away from the thread that queues its device work.
+class JobThread {
+ public:
+  JobThread() : thread_([this] { loop(); }) {}
+  ~JobThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    posted_.notify_all();
+    thread_.join();
+  }
+
+  void post(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    posted_.notify_all();
+  }
+
+  // Returns once every job posted so far has run.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [&] { return jobs_.empty() && !running_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      posted_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and nothing left to run
+      std::function<void()> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_ = true;
+      lock.unlock();
+      job();  // jobs catch their own errors
+      lock.lock();
+      running_ = false;
+      if (jobs_.empty()) idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable posted_, idle_;
+  std::deque<std::function<void()>> jobs_;
+  bool stopping_ = false, running_ = false;
+  std::thread thread_;  // last: it starts running loop() in the constructor
+};
+
+std::vector<int64_t> global_indices(const Placement& placement) {
+  std::vector<int64_t> indices;
+  for (const ReplicaDevices& r : placement.replicas) indices.push_back(r.replica);
+  return indices;
 }
 
 bool is_loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost" || host == "::1"; }
@@ -179,21 +361,44 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
 #endif
 }
 
-// Waits for a collective, turning a failure or timeout into an error that says what was being averaged.
-// On CUDA tensors NCCL's wait() only makes the current stream wait; given an explicit timeout it would
-// also block the host until the all-reduce ends, so there the process group's own timeout (its watchdog)
-// bounds the wait instead.
+std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// Waits for a collective, turning a failure, a timeout or an abort into a PeerFailure that says what was being
+// averaged. On CPU (Gloo) the host waits, at most `timeout` and only until the averager is aborted (Gloo's own
+// wait cannot be interrupted). On CUDA (NCCL) wait() only makes the current stream wait; given an explicit
+// timeout it would also block the host until the all-reduce ends, so there the process group's timeout or an
+// abort of its communicators bounds the wait instead.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const std::string& who, const char* what,
-              std::chrono::milliseconds timeout, bool device_side = false) {
+              std::chrono::milliseconds timeout, const AbortState& aborted, bool device_side = false) {
   try {
-    if (device_side) {
-      work->wait();
-    } else {
-      work->wait(timeout);
+    aborted.check(who);
+    if (!device_side) {
+      struct Completion {
+        std::mutex mutex;
+        std::condition_variable done;
+        bool completed = false;
+      };
+      auto completion = std::make_shared<Completion>();  // outlives an abandoned wait: the callback may come later
+      work->getFuture()->addCallback([completion](c10::ivalue::Future&) {
+        std::lock_guard<std::mutex> lock(completion->mutex);
+        completion->completed = true;
+        completion->done.notify_all();
+      });
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      std::unique_lock<std::mutex> lock(completion->mutex);
+      while (!completion->done.wait_for(lock, std::chrono::milliseconds(20), [&] { return completion->completed; })) {
+        aborted.check(who);
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw_peer_failure(c10::str(who, ": ", what, " did not complete within ", timeout.count(),
+                                      " ms (a peer replica may hang, have failed or died)"));
+        }
+      }
     }
+    work->wait();  // rethrows the collective's error
+  } catch (const PeerFailure&) {
+    throw;
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, who, ": ", what, " failed or timed out after at most ", timeout.count(),
-                " ms (a peer replica may have failed or died): ", e.what());
+    throw_peer_failure(c10::str(who, ": ", what, " failed (a peer replica may have failed or died): ", first_line(e.what())));
   }
 }
 
@@ -240,13 +445,19 @@ void initialise_nccl_once() {
 class HostAverager final : public GradientAverager {
  public:
   HostAverager(const Placement& placement, const AveragingOptions& options)
-      : placement_(placement), options_(options) {
+      : placement_(placement), options_(options), overlap_(options.host_overlap) {
+    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+      for (Network network : kNetworks) overlap_ = overlap_ && HostFlag::available(device_of(placement, i, network));
+    }
+    if (overlap_) {
+      for (auto& network_states : overlapped_) {
+        for (int64_t i = 0; i < placement.local_replicas(); ++i) network_states.push_back(std::make_unique<Overlapped>());
+      }
+    }
     // One barrier (and one cross-process group) per network: with synchronized BatchNorm on a
     // hierarchical placement, G's and D's sums of one replica run at the same time on their devices'
     // autograd threads, and must not count as each other's arrivals.
-    for (auto& barrier : barriers_) {
-      barrier = std::make_unique<ReplicaBarrier>(placement.local_replicas(), options.timeout);
-    }
+    for (auto& barrier : barriers_) barrier = std::make_unique<ReplicaBarrier>(global_indices(placement), options.timeout);
     for (auto& network_slots : slots_) {
       for (Slot& slot : network_slots) {
         slot.host.resize(placement.local_replicas());
@@ -258,7 +469,7 @@ class HostAverager final : public GradientAverager {
   void connect(int64_t local) override {
     // Across processes the host sums meet through Gloo; in one process the threads share memory.
     if (local == 0 && placement_.launch.multi_process()) {
-      store_ = make_store(placement_, options_.timeout);
+      store_ = options_.store ? options_.store : connect_launch_store(placement_.launch, options_.timeout);
       for (Network network : kNetworks) {
         host_groups_[static_cast<int>(network)] =
             make_backend(c10::make_intrusive<c10d::PrefixStore>(std::string("host-") + to_string(network), store_),
@@ -266,24 +477,41 @@ class HostAverager final : public GradientAverager {
                          options_.timeout);
       }
     }
-    barriers_[0]->arrive_and_wait(c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
+    barriers_[0]->arrive_and_wait(local, c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
+  }
+
+  // The queued sums finish before the replicas go (the last step's updates wait for them).
+  ~HostAverager() override {
+    for (auto& network_states : overlapped_) {
+      for (auto& state : network_states) state->thread.drain();
+    }
   }
 
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
+    entered();
     Slot& slot = slots_[static_cast<int>(network)][kGradients];
     at::Tensor flat = flatten_into(slot.device_flat[local], grads);
-    sum_over_replicas(local, network, slot, flat, where(placement_, local, network));
+    const std::string who = where(placement_, local, network);
+    if (overlap_) {
+      sum_over_replicas_overlapped(local, network, slot, flat, who);
+    } else {
+      sum_over_replicas(local, network, slot, flat, who);
+    }
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }
 
   void sum(int64_t local, Network network, const at::Tensor& tensor) override {
+    entered();
+    drain(local);
     Slot& slot = slots_[static_cast<int>(network)][kStatistics];
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
     sum_over_replicas(local, network, slot, tensor.view({-1}), where(placement_, local, network) + " BatchNorm statistics");
   }
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
+    entered();
+    drain(local);
     const std::string who = where(placement_, local, network) + " broadcast";
     ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     at::Tensor scratch;
@@ -292,23 +520,25 @@ class HostAverager final : public GradientAverager {
       broadcast_ = at::empty({flat.numel()}, flat.options().device(at::kCPU));
       broadcast_.copy_(flat);
     }
-    barrier.arrive_and_wait(who);
+    barrier.arrive_and_wait(local, who);
     if (placement_.launch.multi_process()) {
       if (local == 0) {
         std::vector<at::Tensor> buffers{broadcast_};
         c10d::BroadcastOptions options;
         options.rootRank = 0;
         wait_for(host_groups_[static_cast<int>(network)]->broadcast(buffers, options), who,
-                 "broadcasting replica 0's tensors", options_.timeout);
+                 "broadcasting replica 0's tensors", options_.timeout, aborted_);
       }
-      barrier.arrive_and_wait(who);
+      barrier.arrive_and_wait(local, who);
     }
     flat.copy_(broadcast_);
     unflatten_from(flat, tensors);
-    barrier.arrive_and_wait(who);  // nobody reuses broadcast_ before every replica has read it
+    barrier.arrive_and_wait(local, who);  // nobody reuses broadcast_ before every replica has read it
   }
 
+  // Gloo's host groups have no abort: their waits here end at once, and their threads when Gloo times out.
   void abort(const std::string& reason) override {
+    aborted_.set(reason);
     for (auto& barrier : barriers_) barrier->abort(reason);
   }
 
@@ -320,14 +550,75 @@ class HostAverager final : public GradientAverager {
   };
   static constexpr int kGradients = 0, kStatistics = 1;
 
+  // A replica's overlapped averaging of one network: the thread that sums, the flag its device waits for, the
+  // number of sums queued, and the first failure of a sum (rethrown by every later average()).
+  struct Overlapped {
+    JobThread thread;
+    HostFlag flag;
+    uint32_t queued = 0;
+    std::mutex mutex;
+    std::exception_ptr failure;
+  };
+
+  void drain(int64_t local) {
+    for (auto& network_states : overlapped_) {
+      if (!network_states.empty()) network_states[local]->thread.drain();
+    }
+  }
+
   // Sums `flat` (local replica `local`'s, on its device) over every replica, into `flat`.
   void sum_over_replicas(int64_t local, Network network, Slot& slot, const at::Tensor& flat, const std::string& who) {
-    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     const int64_t numel = flat.numel();
     at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
     host.copy_(flat);  // the host must read the values: this waits for the device, by design
     if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
-    barrier.arrive_and_wait(who);
+    sum_host_buffers(local, network, slot, numel, who);
+    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next (blocking)
+    // device-to-host copy on the same stream, which orders after this one.
+    flat.copy_(slot.sum.narrow(0, 0, numel), /*non_blocking=*/true);
+  }
+
+  // The same with nothing waiting on the host: flat -> pinned memory asynchronously; this replica's thread sums
+  // once that copy has landed and then sets the flag the stream waits for before copying the sum back. `sum` is
+  // next written only after every replica's next copy to the host, which their streams order after this copy back.
+  void sum_over_replicas_overlapped(int64_t local, Network network, Slot& slot, const at::Tensor& flat,
+                                    const std::string& who) {
+    Overlapped& state = *overlapped_[static_cast<int>(network)][local];
+    {
+      std::lock_guard<std::mutex> lock(state.mutex);
+      if (state.failure) std::rethrow_exception(state.failure);
+    }
+    const int64_t numel = flat.numel();
+    at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(true));
+    at::Tensor sum;
+    {
+      std::lock_guard<std::mutex> lock(sum_mutex_);  // the first replica here allocates it for all
+      sum = reserve(slot.sum, numel, host.options());
+    }
+    const c10::Stream stream = c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device());
+    host.copy_(flat, /*non_blocking=*/true);
+    auto copied = std::make_shared<c10::Event>(flat.device().type());
+    copied->record(stream);
+    const uint32_t ticket = ++state.queued;
+    state.thread.post([this, local, network, &slot, numel, who, copied, ticket, &state] {
+      try {
+        copied->synchronize();
+        sum_host_buffers(local, network, slot, numel, who);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(state.mutex);
+        if (!state.failure) state.failure = std::current_exception();
+      }
+      state.flag.set(ticket);  // also after a failure: the stream must not wait for ever
+    });
+    state.flag.enqueue_wait(stream, ticket);
+    flat.copy_(sum, /*non_blocking=*/true);
+  }
+
+  // Sums the replicas' host buffers (the first `numel` elements) into slot.sum, over this process's replicas and
+  // then across processes. Called by every local replica's thread.
+  void sum_host_buffers(int64_t local, Network network, Slot& slot, int64_t numel, const std::string& who) {
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
+    barrier.arrive_and_wait(local, who);
 
     // Each replica's thread sums its own slice over all replicas' buffers (fixed order: replica 0 first).
     const int64_t parties = placement_.local_replicas();
@@ -340,18 +631,15 @@ class HostAverager final : public GradientAverager {
       out.copy_(slot.host[0].narrow(0, begin, length));
       for (int64_t i = 1; i < parties; ++i) out.add_(slot.host[i].narrow(0, begin, length));
     }
-    barrier.arrive_and_wait(who);
+    barrier.arrive_and_wait(local, who);
     if (placement_.launch.multi_process()) {
       if (local == 0) {
         std::vector<at::Tensor> tensors{sum};
         wait_for(host_groups_[static_cast<int>(network)]->allreduce(tensors), who,
-                 "summing the host buffers across processes", options_.timeout);
+                 "summing the host buffers across processes", options_.timeout, aborted_);
       }
-      barrier.arrive_and_wait(who);
+      barrier.arrive_and_wait(local, who);
     }
-    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next
-    // (blocking) device-to-host copy on the same stream, which orders after this one.
-    flat.copy_(sum, /*non_blocking=*/true);
   }
 
   bool pinned_any(Network network) const {
@@ -363,7 +651,11 @@ class HostAverager final : public GradientAverager {
 
   const Placement placement_;
   const AveragingOptions options_;
+  bool overlap_;                                                             // options.host_overlap, where possible
+  std::array<std::vector<std::unique_ptr<Overlapped>>, 2> overlapped_;       // [network][local replica]
+  std::mutex sum_mutex_;
   std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;  // [network]
+  AbortState aborted_;
   std::array<std::array<Slot, 2>, 2> slots_;                 // [network][gradients | statistics]
   at::Tensor broadcast_;
   c10::intrusive_ptr<c10d::Store> store_;
@@ -381,8 +673,14 @@ class HostAverager final : public GradientAverager {
 class BucketReducer {
  public:
   BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes,
-                c10::intrusive_ptr<c10d::Backend> group, ReplicaBarrier& launch_barrier)
-      : parameters_(std::move(parameters)), group_(std::move(group)), launch_barrier_(launch_barrier) {
+                c10::intrusive_ptr<c10d::Backend> group, int64_t local, ReplicaBarrier& launch_barrier,
+                const AbortState& aborted, std::function<void()> entered)
+      : parameters_(std::move(parameters)),
+        group_(std::move(group)),
+        local_(local),
+        launch_barrier_(launch_barrier),
+        aborted_(aborted),
+        entered_(std::move(entered)) {
     bucket_of_.resize(parameters_.size());
     // Reverse registration order: the backward reaches the last layers first.
     for (int64_t i = static_cast<int64_t>(parameters_.size()) - 1; i >= 0; --i) {
@@ -407,8 +705,12 @@ class BucketReducer {
 
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
+  // Whether the hooks of the coming backward count (GradientAverager::set_final_backward).
+  void set_final_backward(bool final) { final_backward_ = final; }
+
   // Autograd's hook: parameter `index` has its gradient for this backward.
   void ready(size_t index, const std::string& who) {
+    if (!final_backward_) return;
     std::lock_guard<std::mutex> lock(mutex_);
     Bucket& bucket = buckets_[bucket_of_[index]];
     TORCH_CHECK(!bucket.launched && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
@@ -426,7 +728,7 @@ class BucketReducer {
                 " attached parameters, got ", grads.size());
     while (next_ < buckets_.size()) launch(buckets_[next_++], who, &grads);
     for (Bucket& bucket : buckets_) {
-      wait_for(bucket.work, who, "all-reducing a gradient bucket", timeout, bucket.flat.is_cuda());
+      wait_for(bucket.work, who, "all-reducing a gradient bucket", timeout, aborted_, bucket.flat.is_cuda());
       bucket.work.reset();
       bucket.flat.div_(replicas);
       int64_t offset = 0;
@@ -461,7 +763,8 @@ class BucketReducer {
       pieces.push_back(grad.reshape({-1}));
     }
     at::cat_out(bucket.flat, pieces, 0);
-    launch_barrier_.arrive_and_wait(who);
+    entered_();
+    launch_barrier_.arrive_and_wait(local_, who);
     std::vector<at::Tensor> buffers{bucket.flat};
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
@@ -471,22 +774,28 @@ class BucketReducer {
 
   std::vector<at::Tensor> parameters_;
   c10::intrusive_ptr<c10d::Backend> group_;
+  const int64_t local_;              // the local replica whose gradients these are
   ReplicaBarrier& launch_barrier_;  // the averager's, for this network
+  const AbortState& aborted_;       // the averager's
+  std::function<void()> entered_;   // counts the averager's progress
   std::vector<int64_t> bucket_of_;
   std::vector<Bucket> buckets_;
   size_t next_ = 0;  // the next bucket to launch
   std::mutex mutex_;
+  std::atomic<bool> final_backward_{true};
 };
 
 class CollectiveAverager final : public GradientAverager {
  public:
   CollectiveAverager(const Placement& placement, const AveragingOptions& options)
-      : placement_(placement), options_(options), store_(make_store(placement, options.timeout)) {
+      : placement_(placement),
+        options_(options),
+        store_(options.store ? options.store : connect_launch_store(placement.launch, options.timeout)) {
     TORCH_CHECK(options.bucket_cap_bytes >= 0 && options.first_bucket_cap_bytes >= 0,
                 "AveragingOptions: bucket caps must be >= 0 (0: no bucketing), got ", options.first_bucket_cap_bytes,
                 " and ", options.bucket_cap_bytes);
     for (auto& groups : groups_) groups.resize(placement.local_replicas());
-    for (auto& barrier : barriers_) barrier = std::make_unique<ReplicaBarrier>(placement.local_replicas(), options.timeout);
+    for (auto& barrier : barriers_) barrier = std::make_unique<ReplicaBarrier>(global_indices(placement), options.timeout);
     for (auto& flats : flats_) flats.resize(placement.local_replicas());
     for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
 #ifdef HIERPAR_C10D_NCCL
@@ -515,13 +824,18 @@ class CollectiveAverager final : public GradientAverager {
     for (Network network : kNetworks) {
       const int n = static_cast<int>(network);
       const c10::Device device = device_of(placement_, local, network);
-      groups_[n][local] = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store_),
-                                       placement_.replicas[local].replica, placement_.global_replicas(),
-                                       device.type(), placement_.launch, options_.timeout);
+      aborted_.check(where(placement_, local, network) + " connect");
+      auto group = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store_),
+                                placement_.replicas[local].replica, placement_.global_replicas(), device.type(),
+                                placement_.launch, options_.timeout);
+      {
+        std::lock_guard<std::mutex> lock(groups_mutex_);  // abort() may read them from another thread
+        groups_[n][local] = group;
+      }
 #ifdef HIERPAR_C10D_NCCL
       // The NCCL communicator is created here, while no replica computes, instead of inside the first
       // step (all ranks of the group are in connect() together, so this needs no other ordering).
-      if (device.is_cuda()) groups_[n][local]->eagerConnectSingleDevice(device);
+      if (device.is_cuda()) group->eagerConnectSingleDevice(device);
 #endif
     }
     issue_first_collectives(local);
@@ -550,7 +864,7 @@ class CollectiveAverager final : public GradientAverager {
       works[n] = groups_[n][local]->allreduce(buffers);
     }
     for (int n = 0; n < 2; ++n) {
-      wait_for(works[n], who, "the groups' first all-reduce", options_.timeout);
+      wait_for(works[n], who, "the groups' first all-reduce", options_.timeout, aborted_);
       // NCCL's wait may only order the stream after the all-reduce: reading the result waits for it on the host.
       (void)probes[n].item<float>();
     }
@@ -559,8 +873,8 @@ class CollectiveAverager final : public GradientAverager {
   void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
     if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
     const int n = static_cast<int>(network);
-    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes,
-                                                   options_.bucket_cap_bytes, groups_[n][local], *barriers_[n]);
+    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes,
+                                                   groups_[n][local], local, *barriers_[n], aborted_, [this] { entered(); });
     const std::string who = where(placement_, local, network);
     for (size_t i = 0; i < parameters.size(); ++i) {
       TORCH_CHECK(parameters[i].is_leaf() && parameters[i].requires_grad(), who, ": parameter ", i,
@@ -573,8 +887,14 @@ class CollectiveAverager final : public GradientAverager {
     reducers_[n][local] = std::move(reducer);
   }
 
+  void set_final_backward(int64_t local, Network network, bool final) override {
+    if (BucketReducer* reducer = reducers_[static_cast<int>(network)][local].get()) reducer->set_final_backward(final);
+  }
+
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
+    entered();
     const std::string who = where(placement_, local, network);
+    aborted_.check(who);
     const int n = static_cast<int>(network);
     if (BucketReducer* reducer = reducers_[n][local].get()) {
       reducer->finish(grads, placement_.global_replicas(), who, options_.timeout);
@@ -586,22 +906,24 @@ class CollectiveAverager final : public GradientAverager {
     // cudaFree (cuDNN's benchmark search freeing the allocator's cache) did not return while that kernel waited:
     // a deadlock (cuda-gdb, batch 4096 on 2 H200s: pt_autograd_1 in cuMemFree_v2, replica 0's all-reduce
     // pending). The bucket reducers meet at the same barrier before each bucket.
-    barriers_[n]->arrive_and_wait(who);
+    barriers_[n]->arrive_and_wait(local, who);
     all_reduce(local, network, flat, who, "all-reducing the gradients");
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }
 
   void sum(int64_t local, Network network, const at::Tensor& tensor) override {
+    entered();
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
     const std::string who = where(placement_, local, network);
     // The same launch barrier as the gradients' (synchronized BatchNorm all-reduced its statistics without it,
     // and its row hung as the gradients' had: 4 H200s, session 6).
-    barriers_[static_cast<int>(network)]->arrive_and_wait(who);
+    barriers_[static_cast<int>(network)]->arrive_and_wait(local, who);
     all_reduce(local, network, tensor, who, "all-reducing BatchNorm statistics");
   }
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
+    entered();
     const std::string who = where(placement_, local, network) + " broadcast";
     at::Tensor scratch;
     at::Tensor flat = flatten_into(scratch, tensors);
@@ -609,16 +931,31 @@ class CollectiveAverager final : public GradientAverager {
     c10d::BroadcastOptions options;
     options.rootRank = 0;
     options.timeout = options_.timeout;
-    barriers_[static_cast<int>(network)]->arrive_and_wait(who);
+    barriers_[static_cast<int>(network)]->arrive_and_wait(local, who);
     wait_for(groups_[static_cast<int>(network)][local]->broadcast(buffers, options), who,
-             "broadcasting replica 0's tensors", options_.timeout);
+             "broadcasting replica 0's tensors", options_.timeout, aborted_);
     unflatten_from(flat, tensors);
   }
 
-  // Local peers waiting at a barrier stop at once; peers blocked in a collective, in this process or another,
-  // end by the collective's timeout.
+  // Local peers waiting at a barrier or on a Gloo collective stop at once. NCCL's communicators are aborted (device
+  // work waiting on a peer ends), on a thread of their own: ProcessGroupNCCL::abort() may take up to its timeout.
+  // Peers in other processes learn of the failure from their RunGuard, or by their collectives' timeout.
   void abort(const std::string& reason) override {
+    if (!aborted_.set(reason)) return;
     for (auto& barrier : barriers_) barrier->abort(reason);
+    std::vector<c10::intrusive_ptr<c10d::Backend>> nccl;
+    std::lock_guard<std::mutex> lock(groups_mutex_);
+    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+      for (Network network : kNetworks) {
+        const auto& group = groups_[static_cast<int>(network)][i];
+        if (group && device_of(placement_, i, network).is_cuda()) nccl.push_back(group);
+      }
+    }
+    if (!nccl.empty()) {
+      std::thread([nccl] {
+        for (const auto& group : nccl) group->abort();
+      }).detach();
+    }
   }
 
  private:
@@ -640,7 +977,7 @@ class CollectiveAverager final : public GradientAverager {
     options.reduceOp = c10d::ReduceOp::SUM;
     options.timeout = options_.timeout;
     // For NCCL, wait() makes the current stream wait for the all-reduce; the host does not.
-    wait_for(groups_[static_cast<int>(network)][local]->allreduce(buffers, options), who, what, options_.timeout,
+    wait_for(groups_[static_cast<int>(network)][local]->allreduce(buffers, options), who, what, options_.timeout, aborted_,
              tensor.is_cuda());
   }
 
@@ -648,7 +985,9 @@ class CollectiveAverager final : public GradientAverager {
   const AveragingOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::array<std::vector<c10::intrusive_ptr<c10d::Backend>>, 2> groups_;  // [network][local replica]
+  std::mutex groups_mutex_;                                               // connect() writes, abort() reads
   std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;               // [network]
+  AbortState aborted_;
   std::array<std::vector<at::Tensor>, 2> flats_;                          // [network][local replica]
   std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;   // [network][local replica]
 };

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <optional>
 #include <vector>
 
 namespace hierpar::strategy {
@@ -37,10 +38,13 @@ AutocastScope::~AutocastScope() {
 bool cuda_graphs_available() { return c10::cuda::device_count() > 0; }
 
 struct CapturedStep::Impl {
+  explicit Impl(c10::cuda::CUDAStream side) : side(side) {}
   c10::cuda::CUDAStream side;
   at::cuda::MempoolId_t pool{0, 0};
   std::vector<std::unique_ptr<at::cuda::CUDAGraph>> graphs;
-  bool capturing = false;
+  bool capturing = false;  // between begin_capture() and the end of capture() / the last close_segment()
+  // While a segment captured piece by piece is open: the side stream made current on the device.
+  std::optional<c10::cuda::CUDAStreamGuard> open_guard;
 
   void begin_segment() {
     graphs.push_back(std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true));
@@ -49,6 +53,20 @@ struct CapturedStep::Impl {
   void end_segment() {
     graphs.back()->capture_end();
     graphs.back()->instantiate();
+  }
+  // Ends a capture that failed, so that the stream is usable again, and drops its segments. The capture must end
+  // with its stream current, on its device.
+  void abandon(c10::Device device) {
+    c10::cuda::CUDAGuard device_guard(device);
+    if (capturing && !graphs.empty()) {
+      try {
+        graphs.back()->capture_end();
+      } catch (...) {
+      }
+    }
+    capturing = false;
+    open_guard.reset();
+    graphs.clear();
   }
 };
 
@@ -71,7 +89,7 @@ void order(const c10::cuda::CUDAStream& producer, const c10::cuda::CUDAStream& w
 }  // namespace
 
 CapturedStep::CapturedStep(c10::Device device, std::optional<c10::Stream> side_stream)
-    : device_(device), impl_(std::make_unique<Impl>(Impl{side_stream_for(device, side_stream)})) {}
+    : device_(device), impl_(std::make_unique<Impl>(side_stream_for(device, side_stream))) {}
 
 CapturedStep::~CapturedStep() = default;
 
@@ -87,40 +105,73 @@ void CapturedStep::warm_up(const std::function<void()>& body) {
 }
 
 void CapturedStep::capture(const std::function<void()>& body) {
+  begin_capture();
   c10::cuda::CUDAGuard device_guard(device_);
-  const auto current = c10::cuda::getCurrentCUDAStream(device_.index());
-  impl_->graphs.clear();
-  impl_->pool = at::cuda::graph_pool_handle();
   // The capture reads what the current stream wrote (parameters, static inputs) only when replayed, but
   // the side stream must not start capturing while earlier work on it is pending.
-  order(current, impl_->side);
+  order(c10::cuda::getCurrentCUDAStream(device_.index()), impl_->side);
   c10::cuda::CUDAStreamGuard stream_guard(impl_->side);
-  impl_->capturing = true;
   try {
     impl_->begin_segment();
     body();
     impl_->end_segment();
   } catch (...) {
-    impl_->capturing = false;
-    if (!impl_->graphs.empty()) {
-      // End the broken capture so that the stream is usable again; the error that stopped it is the one
-      // to report.
-      try {
-        impl_->graphs.back()->capture_end();
-      } catch (...) {
-      }
-    }
-    impl_->graphs.clear();
+    impl_->abandon(device_);
     throw;
   }
   impl_->capturing = false;
 }
 
 void CapturedStep::split() {
-  TORCH_CHECK(impl_->capturing, "CapturedStep: split() is only valid inside capture()");
+  TORCH_CHECK(impl_->capturing && !impl_->open_guard, "CapturedStep: split() is only valid inside capture()");
   impl_->end_segment();
   impl_->begin_segment();
 }
+
+void CapturedStep::begin_capture() {
+  TORCH_CHECK(!impl_->open_guard, "CapturedStep: begin_capture() while a segment is open");
+  impl_->graphs.clear();
+  impl_->pool = at::cuda::graph_pool_handle();
+  impl_->capturing = true;
+}
+
+void CapturedStep::open_segment() {
+  TORCH_CHECK(impl_->capturing && !impl_->open_guard, "CapturedStep: open_segment() needs begin_capture() and no "
+              "open segment");
+  c10::cuda::CUDAGuard device_guard(device_);
+  order(c10::cuda::getCurrentCUDAStream(device_.index()), impl_->side);
+  impl_->open_guard.emplace(impl_->side);
+  try {
+    impl_->begin_segment();
+  } catch (...) {
+    impl_->abandon(device_);
+    throw;
+  }
+}
+
+void CapturedStep::close_segment() {
+  TORCH_CHECK(impl_->open_guard, "CapturedStep: close_segment() without an open segment");
+  // The capture ends on the stream it began on: the side stream, current on this device (the caller may have made
+  // another device current since open_segment()).
+  c10::cuda::CUDAGuard device_guard(device_);
+  try {
+    impl_->end_segment();
+  } catch (...) {
+    impl_->abandon(device_);
+    throw;
+  }
+  impl_->open_guard.reset();
+}
+
+void CapturedStep::end_capture() {
+  TORCH_CHECK(impl_->capturing && !impl_->open_guard, "CapturedStep: end_capture() needs begin_capture() and no "
+              "open segment");
+  impl_->capturing = false;
+}
+
+bool CapturedStep::segment_open() const { return impl_->open_guard.has_value(); }
+
+void CapturedStep::abandon_capture() { impl_->abandon(device_); }
 
 bool CapturedStep::captured() const { return !impl_->graphs.empty() && !impl_->capturing; }
 
@@ -163,6 +214,12 @@ CapturedStep::~CapturedStep() = default;
 void CapturedStep::warm_up(const std::function<void()>&) {}
 void CapturedStep::capture(const std::function<void()>&) {}
 void CapturedStep::split() {}
+void CapturedStep::begin_capture() {}
+void CapturedStep::open_segment() {}
+void CapturedStep::close_segment() {}
+void CapturedStep::end_capture() {}
+bool CapturedStep::segment_open() const { return false; }
+void CapturedStep::abandon_capture() {}
 bool CapturedStep::captured() const { return false; }
 int64_t CapturedStep::segments() const { return 0; }
 void CapturedStep::replay(int64_t) {}

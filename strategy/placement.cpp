@@ -60,6 +60,8 @@ Launch Launch::from_env() {
   if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE"); agent != nullptr) {
     launch.agent_store = std::string(agent) == "True";
   }
+  if (const char* run = std::getenv("TORCHELASTIC_RUN_ID"); run != nullptr && *run != '\0') launch.torchrun = true;
+
   TORCH_CHECK(launch.world_size >= 1, "WORLD_SIZE must be at least 1, got ", launch.world_size);
   TORCH_CHECK(launch.rank >= 0 && launch.rank < launch.world_size, "RANK must be in [0, WORLD_SIZE=",
               launch.world_size, "), got ", launch.rank);
@@ -90,9 +92,12 @@ Placement Placement::make(Scheme scheme, int64_t devices, Reduce reduce, c10::De
               processes, " processes with ", per_replica, " device", per_replica == 1 ? "" : "s",
               " per replica: each process must hold whole replicas");
   const int64_t per_process = devices / processes;
-  const int64_t first = launch.local_rank * per_process;  // this process's first CUDA device
+  int64_t first = launch.local_rank * per_process;  // this process's first CUDA device
   if (device_type == c10::DeviceType::CUDA) {
     const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
+    // CUDA_VISIBLE_DEVICES set per process (two torchrun agents on one host, SLURM's --gpus-per-task): it sees
+    // only its own GPUs, numbered from 0.
+    if (visible == per_process && first + per_process > visible && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr) first = 0;
     TORCH_CHECK(first + per_process <= visible, "--gpus ", devices, " with --strategy ", strategy::to_string(scheme),
                 " needs CUDA devices ", first, "..", first + per_process - 1, " in this process (LOCAL_RANK=",
                 launch.local_rank, "), but only ", visible, " CUDA device", visible == 1 ? " is" : "s are",

@@ -4,18 +4,11 @@
 // ranks as two processes of this binary); CUDA versions skip with a reason when GPUs are missing.
 #include "testing.h"
 
+#include "child_processes.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/averaging.h"
 #include "hierpar/strategy/placement.h"
 #include "hierpar/models/layer_factory.h"
-
-#include <dirent.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <spawn.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -25,8 +18,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-extern char** environ;
 
 namespace hs = hierpar::strategy;
 using hierpar::testing::Tolerance;
@@ -246,123 +237,27 @@ constexpr Tolerance kSyncBatchNormTolerance{1e-5, 7e-5};
     if (static_cast<int64_t>(torch::cuda::device_count()) < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs"; \
   } while (0)
 
-// ---- spawning this test binary as the ranks of a two-process run ----------------------------------
+// ---- this test binary as the ranks of a two-process run ---------------------------------------------
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t length = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
-    if (fd >= 0) ::close(fd);
-    return 29500 + static_cast<int>(::getpid() % 1000);
-  }
-  const int port = ntohs(addr.sin_port);
-  ::close(fd);
-  return port;
-}
+using hierpar::testing::Child;
+using hierpar::testing::exit_code;
+using hierpar::testing::read_text;
+using hierpar::testing::remove_dir;
+using hierpar::testing::temp_dir;
 
-struct Child {
-  pid_t pid = -1;
-  int status = -1;
-  std::string log;
-};
-
-pid_t spawn_rank(int rank, int port, const std::map<std::string, std::string>& extra, const std::string& log) {
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string entry(*e);
-    const std::string key = entry.substr(0, entry.find('='));
-    if (key != "RANK" && key != "WORLD_SIZE" && key != "LOCAL_RANK" && key != "MASTER_ADDR" && key != "MASTER_PORT" &&
-        extra.count(key) == 0) {
-      env_strings.push_back(entry);
-    }
-  }
-  for (const auto& [k, v] : std::map<std::string, std::string>{{"RANK", std::to_string(rank)},
-                                                                {"LOCAL_RANK", std::to_string(rank)},
-                                                                {"WORLD_SIZE", "2"},
-                                                                {"MASTER_ADDR", "127.0.0.1"},
-                                                                {"MASTER_PORT", std::to_string(port)}}) {
-    env_strings.push_back(k + "=" + v);
-  }
-  for (const auto& [k, v] : extra) env_strings.push_back(k + "=" + v);
-  std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string exe(4096, '\0');
-  const ssize_t length = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  exe.resize(length > 0 ? static_cast<size_t>(length) : 0);
-  std::string filter = "--gtest_filter=StrategyWorker.TrainAndSave";
-  std::vector<char*> argv{exe.data(), filter.data(), nullptr};
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// Runs ranks 0 and 1 of StrategyWorker.TrainAndSave; waits at most `limit` for both, killing what is
-// left after it (a hang is a failure, reported as such).
+// Runs ranks 0 and 1 of StrategyWorker.TrainAndSave with `extra` in their environment; waits at most `limit`.
 std::vector<Child> run_two_ranks(const std::map<std::string, std::string>& extra, const std::string& dir,
                                  std::chrono::seconds limit) {
-  const int port = free_port();
-  std::vector<Child> children(2);
+  const int port = hierpar::testing::free_port();
+  std::vector<Child> children;
   for (int rank = 0; rank < 2; ++rank) {
-    children[rank].log = dir + "/rank" + std::to_string(rank) + ".log";
-    children[rank].pid = spawn_rank(rank, port, extra, children[rank].log);
-    EXPECT_GT(children[rank].pid, 0) << "could not spawn rank " << rank;
+    auto env = hierpar::testing::launch_environment(rank, 2, port);
+    env.insert(extra.begin(), extra.end());
+    children.push_back(hierpar::testing::spawn({hierpar::testing::self_executable(), "--gtest_filter=StrategyWorker.TrainAndSave"},
+                                               env, dir + "/rank" + std::to_string(rank) + ".log"));
   }
-  const auto deadline = Clock::now() + limit;
-  for (auto& child : children) {
-    if (child.pid <= 0) continue;
-    for (;;) {
-      const pid_t done = ::waitpid(child.pid, &child.status, WNOHANG);
-      if (done == child.pid) break;
-      if (Clock::now() > deadline) {
-        ::kill(child.pid, SIGKILL);
-        ::waitpid(child.pid, &child.status, 0);
-        ADD_FAILURE() << "a rank hung: killed after " << limit.count() << " s; its log:\n" << read_text(child.log);
-        child.status = -1;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
+  hierpar::testing::wait_all(children, limit);
   return children;
-}
-
-int exit_code(const Child& child) { return WIFEXITED(child.status) ? WEXITSTATUS(child.status) : -1; }
-
-// POSIX calls, not std::filesystem: libtorch.so exports std::filesystem symbols of its own toolchain,
-// which the dynamic linker may pick instead of libstdc++'s (remove_all crashed that way).
-std::string temp_dir(const std::string& name) {
-  std::string pattern = "/tmp/hierpar_strategy_" + name + "_XXXXXX";
-  EXPECT_NE(::mkdtemp(pattern.data()), nullptr) << "mkdtemp " << pattern;
-  return pattern;
-}
-
-void remove_dir(const std::string& dir) {
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* entry = ::readdir(d)) {
-      const std::string name = entry->d_name;
-      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(dir.c_str());
 }
 
 constexpr int64_t kTwoRankBatch = 6;
@@ -725,36 +620,155 @@ TEST(StrategyTrainer, RejectsUnevenBatchAndBadNoise) {
   EXPECT_TRUE(std::isfinite(losses.mean().first));
 }
 
-// A replica that throws (here: its loss) makes the other replicas of its process stop with an error
-// naming it, within the averaging timeout, under both reductions.
-TEST(StrategyTrainer, FailingReplicaStopsItsPeers) {
+namespace {
+
+// The reductions this build can run on the CPU: host, and collective where it has Gloo.
+std::vector<const char*> cpu_reductions() {
+  return hs::gloo_available() ? std::vector<const char*>{"host", "nccl"} : std::vector<const char*>{"host"};
+}
+
+// The tiny pair with BatchNorm as two data-parallel replicas (threads) on the CPU.
+std::unique_ptr<hs::AdversarialTrainer> two_cpu_replicas(const char* reduce, const hs::AdversarialOptions& options) {
+  torch::manual_seed(1);
+  return std::make_unique<hs::AdversarialTrainer>(torch::nn::AnyModule(tiny_generator(true)),
+                                                  torch::nn::AnyModule(tiny_discriminator(true)),
+                                                  hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}),
+                                                  options);
+}
+
+}  // namespace
+
+// A replica that throws (here: its loss) makes the other replicas of its process stop at once (well within the
+// averaging timeout of 60 s) with an error naming it, under both reductions. The error is the replica's own (not
+// a PeerFailure), and the trainer refuses every later step with that cause.
+TEST(StrategyTrainer, FailingReplicaStopsItsPeersAndTheTrainerRefusesLaterSteps) {
   const auto data = make_data(8, hierpar::testing::rng()());
   const auto main_thread = std::this_thread::get_id();
-  for (const char* reduce : {"host", "nccl"}) {
-    if (std::string(reduce) == "nccl" && !hs::gloo_available()) continue;
-    auto options = test_options(std::chrono::seconds(2));
+  for (const char* reduce : cpu_reductions()) {
+    auto options = test_options(std::chrono::seconds(60));
     options.loss = [main_thread](const torch::Tensor& logits, bool real) {
       TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
       return hs::bce_with_logits_loss(logits, real);
     };
-    torch::manual_seed(1);
-    hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(true)),
-                                   torch::nn::AnyModule(tiny_discriminator(true)),
-                                   hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), options);
+    auto trainer_owner = two_cpu_replicas(reduce, options);
+    hs::AdversarialTrainer& trainer = *trainer_owner;
     const auto start = Clock::now();
     testing::internal::CaptureStderr();
-    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0], data.noise[0]), "injected failure in replica 1's loss");
+    std::string message;
+    bool peer_failure = false;
+    try {
+      trainer.step(data.real[0], data.noise[0]);
+      ADD_FAILURE() << reduce << ": the step should have failed";
+    } catch (const c10::Error& e) {
+      message = e.what_without_backtrace();
+      peer_failure = dynamic_cast<const hs::PeerFailure*>(&e) != nullptr;
+    }
     const std::string said = testing::internal::GetCapturedStderr();
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    EXPECT_LT(seconds, 15.0) << reduce << ": the failure took " << seconds << " s to stop the step (timeout 2 s)";
+    EXPECT_NE(message.find("injected failure in replica 1's loss"), std::string::npos) << reduce << ": " << message;
+    EXPECT_LT(seconds, 5.0) << reduce << ": the failure took " << seconds << " s to stop the step";
+    EXPECT_FALSE(peer_failure) << reduce << ": the replica's own error is not a peer's";
     // The cause is said when it happens (a collective library's watchdog may end the process before the step
     // rethrows it).
     EXPECT_NE(said.find("replica 1 (G cpu, D cpu) failed: injected failure in replica 1's loss"), std::string::npos)
         << reduce << ": stderr was:\n" << said;
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]),
+                             "an earlier step failed, so this trainer refuses every later one");
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]), "injected failure in replica 1's loss");
+  }
+}
+
+namespace {
+
+// A fault hook that blocks replica 1 at step `step` until released: a replica that hangs.
+class HangingReplica {
+ public:
+  explicit HangingReplica(int64_t step) : step_(step) {}
+  // Two CPU replicas whose replica 1 hangs so, averaging with `reduce` and giving up after `timeout`.
+  std::unique_ptr<hs::AdversarialTrainer> trainer(const char* reduce, std::chrono::milliseconds timeout) {
+    auto options = test_options(timeout);
+    options.fault_hook = [this](int64_t replica, int64_t step) {
+      if (replica != 1 || step != step_) return;
+      std::unique_lock<std::mutex> lock(mutex_);
+      released_.wait(lock, [&] { return release_; });
+    };
+    return two_cpu_replicas(reduce, options);
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_ = true;
+    released_.notify_all();
+  }
+
+ private:
+  const int64_t step_;
+  std::mutex mutex_;
+  std::condition_variable released_;
+  bool release_ = false;
+};
+
+}  // namespace
+
+// A replica that hangs is named once its peers give up waiting for it (the averaging timeout, 1 s here) and the
+// trainer's grace for a replica to return has passed (3 s), under both reductions: the step never waits longer.
+// The trainer then refuses later steps; once the hung thread returns, it is destroyed normally.
+TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  for (const char* reduce : cpu_reductions()) {
+    HangingReplica hang(1);
+    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(1));
+    hs::AdversarialTrainer& trainer = *trainer_owner;
+    trainer.step(data.real[0], data.noise[0]);
+    const auto start = Clock::now();
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]),
+                             "replica 1 (G cpu, D cpu) hangs: the other replicas stopped waiting for it");
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    EXPECT_GT(seconds, 0.9) << reduce << ": the peers give up after the 1 s timeout, not before";
+    EXPECT_LT(seconds, 10.0) << reduce << ": 1 s timeout + 3 s grace took " << seconds << " s";
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[2], data.noise[2]), "refuses every later one");
+    hang.release();
+  }
+}
+
+// abort() from another thread -- what a RunGuard does when another process failed -- ends a step whose replicas
+// wait on a peer (replica 1, held in its fault hook until then) with a PeerFailure naming the reason, long before
+// the averaging timeout (60 s); the trainer refuses later steps with that reason.
+TEST(StrategyTrainer, AbortEndsAStepWaitingOnPeersWithTheReason) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  for (const char* reduce : cpu_reductions()) {
+    HangingReplica hang(0);
+    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(60));
+    hs::AdversarialTrainer& trainer = *trainer_owner;
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      trainer.abort("rank 3 failed elsewhere");
+      hang.release();
+    });
+    const auto start = Clock::now();
+    std::string message;
+    try {
+      trainer.step(data.real[0], data.noise[0]);
+      ADD_FAILURE() << reduce << ": the step should have stopped";
+    } catch (const hs::PeerFailure& e) {
+      message = e.what_without_backtrace();
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    aborter.join();
+    EXPECT_NE(message.find("rank 3 failed elsewhere"), std::string::npos) << reduce << ": " << message;
+    EXPECT_LT(seconds, 5.0) << reduce << ": the abort took " << seconds << " s to end the step";
+    EXPECT_GT(trainer.progress(), 0) << reduce << ": replica 0 entered collectives";
+    HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]), "rank 3 failed elsewhere");
   }
 }
 
 // ---- two ranks as two processes --------------------------------------------------------------------
+
+namespace {
+void deterministic_cudnn() {
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+}
+}  // namespace
 
 // The worker half of StrategyTwoProcesses.*: one rank of a data placement over WORLD_SIZE processes.
 TEST(StrategyWorker, TrainAndSave) {
@@ -766,7 +780,10 @@ TEST(StrategyWorker, TrainAndSave) {
   const std::string reduce = std::getenv("HIERPAR_STRATEGY_REDUCE");
   const char* fail_rank = std::getenv("HIERPAR_STRATEGY_FAIL_RANK");
   const auto data = make_data(kTwoRankBatch, data_seed);
-  const auto placement = hs::Placement::make(hs::Scheme::data, 2, hs::parse_reduce(reduce), c10::DeviceType::CPU, launch);
+  const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per process (NCCL)
+  if (cuda) deterministic_cudnn();
+  const auto placement = hs::Placement::make(hs::Scheme::data, 2, hs::parse_reduce(reduce),
+                                             cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, launch);
   const int64_t share = kTwoRankBatch / launch.world_size;
   try {
     torch::manual_seed(init_seed + 1000 * launch.rank);  // different on each rank: the broadcast must fix it
@@ -788,34 +805,54 @@ TEST(StrategyWorker, TrainAndSave) {
   }
 }
 
-TEST(StrategyTwoProcesses, AgreeBitForBitWithInProcessReplicas) {
-  HIERPAR_REQUIRE_GLOO();
+namespace {
+
+// Ranks 0 and 1 as two processes (one GPU each on CUDA) end with the parameters of the in-process replicas 0 and 1
+// of the same placement, bit for bit.
+void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device, const char* reduce, bool sync_bn) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
   const auto data = make_data(kTwoRankBatch, data_seed);
+  const std::string what = c10::str(reduce, sync_bn ? " sync BN" : "", " on ", c10::DeviceTypeName(device, true));
+  const std::string dir = temp_dir(std::string("agree_") + reduce + (sync_bn ? "_sync" : ""));
+  std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                         {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
+                                         {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
+                                         {"HIERPAR_STRATEGY_REDUCE", reduce}};
+  if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
+  if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
+  const auto children = run_two_ranks(env, dir, std::chrono::seconds(120));
+  auto options = test_options();
+  options.sync_batch_norm = sync_bn;
+  if (device == c10::DeviceType::CUDA) deterministic_cudnn();
+  const auto in_process = train(hs::Placement::from_flags("data", 2, reduce, device, {}), true, data, init_seed, 0, -1,
+                                options);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(exit_code(children[rank]), 0) << what << " rank " << rank << " failed; its log:\n"
+                                            << read_text(children[rank].log);
+    std::vector<torch::Tensor> saved;
+    torch::load(saved, dir + "/rank" + std::to_string(rank) + ".pt");
+    expect_states_equal(saved, in_process[rank], what + ": process rank " + std::to_string(rank) +
+                                                     " vs in-process replica " + std::to_string(rank));
+  }
+  remove_dir(dir);
+}
+
+}  // namespace
+
+TEST(StrategyTwoProcesses, AgreeBitForBitWithInProcessReplicas) {
+  HIERPAR_REQUIRE_GLOO();
   // Collective averaging is bucketed (the default caps); the third run adds synchronized BatchNorm.
   for (const auto& [reduce, sync_bn] : std::vector<std::pair<const char*, bool>>{{"nccl", false}, {"host", false}, {"nccl", true}}) {
-    const std::string dir = temp_dir(std::string("agree_") + reduce + (sync_bn ? "_sync" : ""));
-    std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
-                                           {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
-                                           {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
-                                           {"HIERPAR_STRATEGY_REDUCE", reduce}};
-    if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
-    const auto children = run_two_ranks(env, dir, std::chrono::seconds(120));
-    auto options = test_options();
-    options.sync_batch_norm = sync_bn;
-    const auto in_process = train(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CPU, {}), true, data,
-                                  init_seed, 0, -1, options);
-    for (int rank = 0; rank < 2; ++rank) {
-      ASSERT_EQ(exit_code(children[rank]), 0) << reduce << (sync_bn ? " sync BN" : "") << " rank " << rank << " failed; its log:\n"
-                                              << read_text(children[rank].log);
-      std::vector<torch::Tensor> saved;
-      torch::load(saved, dir + "/rank" + std::to_string(rank) + ".pt");
-      expect_states_equal(saved, in_process[rank], std::string(reduce) + ": process rank " + std::to_string(rank) +
-                                                       " vs in-process replica " + std::to_string(rank));
-    }
-    remove_dir(dir);
+    expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CPU, reduce, sync_bn);
   }
+}
+
+// One GPU per process, NCCL between the processes (and Gloo for host averaging's sums).
+TEST(StrategyTwoProcessesCuda, AgreeBitForBitWithInProcessReplicas) {
+  HIERPAR_REQUIRE_GPUS(2);
+  expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CUDA, "nccl", false);
+  if (hs::gloo_available()) expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CUDA, "host", false);
 }
 
 TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
@@ -844,12 +881,6 @@ TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
 
 // ---- CUDA ------------------------------------------------------------------------------------------
 
-namespace {
-void deterministic_cudnn() {
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
-}
-}  // namespace
 
 TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
   HIERPAR_REQUIRE_GPUS(2);

@@ -36,5 +36,18 @@ _torch.ops.load_library(library_path)
 from ._functional import batch_norm_act, conv2d, conv_transpose2d, max_pool2d, max_pool2d_with_indices  # noqa: E402
 from . import nn  # noqa: E402
 
-__all__ = ["batch_norm_act", "conv2d", "conv_transpose2d", "max_pool2d", "max_pool2d_with_indices", "nn", "library_path"]
+
+def cuda_arch_list() -> str:
+    """The CUDA architectures the loaded library holds code for, e.g. '7.5 8.0 8.6 9.0 10.0 12.0+PTX'."""
+    return _torch.ops.hierpar.cuda_arch_list()
+
+
+def cuda_code_arch(device: int = 0) -> str:
+    """The code GPU `device` runs hierpar's kernels from: 'sm_90', or 'compute_80 (PTX compiled by the driver
+    for sm_90)'. Raises, naming the GPU and cuda_arch_list(), when the library has no code that GPU can run."""
+    return _torch.ops.hierpar.cuda_code_arch(device)
+
+
+__all__ = ["batch_norm_act", "conv2d", "conv_transpose2d", "cuda_arch_list", "cuda_code_arch", "max_pool2d",
+           "max_pool2d_with_indices", "nn", "library_path"]
 __version__ = "0.1.0"

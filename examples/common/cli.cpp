@@ -93,6 +93,12 @@ Flags& Flags::add(const std::string& name, bool* target, const std::string& help
   return *this;
 }
 
+Flags& Flags::add_optional(const std::string& name, std::string* target, const std::string& implicit,
+                           const std::string& help) {
+  flags_.push_back({name, help, *target, false, [target](const std::string& v) { *target = v; }, implicit});
+  return *this;
+}
+
 bool Flags::parse(int argc, char** argv, int first) {
   for (int i = first; i < argc; ++i) {
     std::string arg = argv[i];
@@ -112,6 +118,9 @@ bool Flags::parse(int argc, char** argv, int first) {
     if (flag == flags_.end()) throw FlagError("unknown flag --" + name + " for '" + command_ + "'");
     if (flag->is_bool) {
       if (has_value) throw FlagError("--" + name + " takes no value");
+    } else if (!has_value && !flag->implicit.empty() &&
+               (i + 1 >= argc || std::string(argv[i + 1]).rfind("--", 0) == 0)) {
+      value = flag->implicit;
     } else if (!has_value) {
       if (i + 1 >= argc) throw FlagError("--" + name + ": missing value");
       value = argv[++i];
@@ -130,7 +139,7 @@ std::string Flags::usage() const {
   std::ostringstream os;
   os << "usage: " << command_ << " [flags]\n";
   for (const auto& f : flags_) {
-    std::string head = "  --" + f.name + (f.is_bool ? "" : " V");
+    std::string head = "  --" + f.name + (f.is_bool ? "" : f.implicit.empty() ? " V" : " [V]");
     os << head << std::string(head.size() < 26 ? 26 - head.size() : 1, ' ') << f.help;
     // A help text that explains its own default is not followed by the raw one.
     if (!f.is_bool && !f.default_text.empty() && f.help.find("default") == std::string::npos)

@@ -38,6 +38,8 @@ class Flags {
   Flags& add(const std::string& name, int64_t* target, const std::string& help, int64_t min_value);
   Flags& add(const std::string& name, double* target, const std::string& help, double min_exclusive);
   Flags& add(const std::string& name, bool* target, const std::string& help);
+  // A flag whose value may be left out ("--name" alone sets `implicit`; "--name V" or "--name=V" sets V).
+  Flags& add_optional(const std::string& name, std::string* target, const std::string& implicit, const std::string& help);
   // argv[first..argc) are the flags. Returns false when --help was given (usage printed to stdout).
   bool parse(int argc, char** argv, int first);
   // True if the flag appeared on the command line.
@@ -49,6 +51,7 @@ class Flags {
     std::string name, help, default_text;
     bool is_bool = false;
     std::function<void(const std::string&)> set;
+    std::string implicit;  // add_optional: the value of the flag given alone
   };
   std::string command_;
   std::vector<Flag> flags_;

@@ -4,6 +4,7 @@
 #include "common/data.h"
 #include "common/images.h"
 #include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/run_guard.h"
 
 #include <torch/csrc/jit/frontend/resolver.h>
 #include <torch/csrc/jit/frontend/sugared_value.h>
@@ -13,12 +14,18 @@
 #include <torch/utils.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <thread>
+
+#include <signal.h>
+#include <unistd.h>
 
 namespace hierpar::examples {
 namespace fs = std::filesystem;
@@ -159,8 +166,6 @@ hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
       (scheme != hs::Scheme::single || config.gpus > 1 || launch.multi_process()))
     throw FlagError("--strategy " + config.strategy + (config.gpus > 0 ? " --gpus " + std::to_string(config.gpus) : "") +
                     " needs CUDA devices and this machine has none; --device cpu runs it on CPU threads (for tests)");
-  if (device.is_cpu() && reduce == hs::Reduce::collective)
-    throw FlagError("--reduce nccl averages over GPUs and this run is on the CPU; use --reduce host");
   const bool indexed = device.is_cuda() && config.device.find(':') != std::string::npos;
   if (indexed && (scheme != hs::Scheme::single || launch.multi_process()))
     throw FlagError("--device " + config.device + " picks one GPU, which only --strategy single in one process "
@@ -280,6 +285,78 @@ void move_adam_state_to_parameters(torch::optim::Adam& optimizer) {
   }
 }
 
+// --inject-fault KIND@STEP[:REPLICA] (a testing aid, DCGANTrainConfig::inject_fault).
+struct InjectedFault {
+  std::string kind;
+  int64_t step = 0, replica = -1;
+};
+
+InjectedFault parse_fault(const std::string& text, int64_t replicas) {
+  InjectedFault fault;
+  if (text.empty()) return fault;
+  const auto at = text.find('@'), colon = text.find(':');
+  auto number = [&](const std::string& digits) {
+    if (digits.empty() || digits.size() > 12 || digits.find_first_not_of("0123456789") != std::string::npos)
+      throw FlagError("--inject-fault: expected KIND@STEP[:REPLICA], got '" + text + "'");
+    return std::stoll(digits);
+  };
+  fault.kind = text.substr(0, at);
+  if (at == std::string::npos ||
+      (fault.kind != "throw" && fault.kind != "hang" && fault.kind != "kill" && fault.kind != "sigint" &&
+       fault.kind != "sigterm"))
+    throw FlagError("--inject-fault: expected KIND@STEP[:REPLICA] with KIND throw, hang, kill, sigint or sigterm, got '" +
+                    text + "'");
+  fault.step = number(text.substr(at + 1, colon == std::string::npos ? std::string::npos : colon - at - 1));
+  fault.replica = colon == std::string::npos ? replicas - 1 : number(text.substr(colon + 1));
+  if (fault.step < 1) throw FlagError("--inject-fault: STEP counts from 1, got '" + text + "'");
+  if (fault.replica >= replicas)
+    throw FlagError("--inject-fault: replica " + std::to_string(fault.replica) + " does not exist (" +
+                    std::to_string(replicas) + " replica(s) in all)");
+  return fault;
+}
+
+// The trainer's fault hook for `fault`, its steps counted from global step `first_step` + 1.
+std::function<void(int64_t, int64_t)> fault_hook(const InjectedFault& fault, int64_t first_step) {
+  if (fault.kind.empty()) return {};
+  return [fault, first_step](int64_t replica, int64_t step) {
+    if (replica != fault.replica || first_step + step + 1 != fault.step) return;
+    // When the fault came, for scripts/fault-check's timings.
+    std::cerr << "hierpar-dcgan: --inject-fault " << fault.kind << " in replica " << replica << " at the start of step "
+              << fault.step << std::endl;
+    if (fault.kind == "throw") {
+      TORCH_CHECK(false, "injected fault (--inject-fault throw@", fault.step, "): replica ", replica,
+                  "'s batch is unusable");
+    } else if (fault.kind == "hang") {
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    } else if (fault.kind == "kill") {
+      ::raise(SIGKILL);
+    } else {
+      ::kill(::getpid(), fault.kind == "sigint" ? SIGINT : SIGTERM);  // as a signal from outside would come
+    }
+  };
+}
+
+// torchrun shows a failed worker's TORCHELASTIC_ERROR_FILE in its summary (instead of "exitcode 1").
+void write_launcher_error(const std::string& line) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (path == nullptr || *path == '\0') return;
+  std::string escaped;
+  for (const char c : line) {
+    if (c == '"' || c == '\\') {
+      escaped += '\\';
+      escaped += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      escaped += ' ';
+    } else {
+      escaped += c;
+    }
+  }
+  std::ofstream(path) << "{\"message\": \"" << escaped << "\", \"timestamp\": "
+                      << std::chrono::duration_cast<std::chrono::seconds>(
+                             std::chrono::system_clock::now().time_since_epoch()).count()
+                      << "}\n";
+}
+
 }  // namespace
 
 int train_dcgan(DCGANTrainConfig config) {
@@ -287,10 +364,12 @@ int train_dcgan(DCGANTrainConfig config) {
   if (config.batch_size < 1) throw FlagError("--batch-size: expected an integer >= 1, got " + std::to_string(config.batch_size));
   if (config.keep_checkpoints < 1)
     throw FlagError("--keep-checkpoints: expected an integer >= 1, got " + std::to_string(config.keep_checkpoints));
+  if (!(config.timeout > 0)) throw FlagError("--timeout: expected a number of seconds > 0, got " + format_double(config.timeout));
   if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
   config.model.validate();
   const hs::Placement placement = dcgan_placement(config);
   const StepSettings step = step_settings(config, placement.replicas[0].discriminator.type());
+  const InjectedFault fault = parse_fault(config.inject_fault, placement.global_replicas());
   const int64_t rank = placement.launch.rank, world = placement.launch.world_size;
   const bool writer = rank == 0;  // only rank 0 prints and writes files
   if (config.batch_size % placement.global_replicas() != 0)
@@ -309,7 +388,8 @@ int train_dcgan(DCGANTrainConfig config) {
   state.history = torch::empty({0, 3});
   // Checked before the (slow) data loading and training, so that a wrong flag or folder costs no work.
   if (writer) require_writable_folder("--out", config.out);
-  if (config.resume) {
+  const bool resume = config.resume || (config.resume_auto && fs::exists(checkpoint));
+  if (resume) {
     if (!fs::exists(checkpoint)) throw Error("--resume: no checkpoint at " + checkpoint);
     const auto found = read_checkpoint_state(checkpoint);
     require_config(checkpoint, found.config, state.config);
@@ -321,175 +401,208 @@ int train_dcgan(DCGANTrainConfig config) {
       return 0;
     }
   } else if (fs::exists(checkpoint)) {
-    throw Error(checkpoint + " exists: pass --resume to continue that run, or choose another --out");
+    throw Error(checkpoint + " exists: pass --resume to continue that run (--resume auto: continue one if it is "
+                "there, as restarts under torchrun --max-restarts need), or choose another --out");
   }
 
-  const Dataset data = load_training_data(config);
-  const auto images = prepare_images(data.images, config.model.image_size, config.model.channels);
-  say("data: " + data.description + " -> " + std::to_string(images.size(0)) + " images " +
-      std::to_string(config.model.channels) + "x" + std::to_string(config.model.image_size) + "x" +
-      std::to_string(config.model.image_size));
+  // Every rank stops together: on a failure, death or hang anywhere, and on an interrupt after one agreed step.
+  hs::RunGuardOptions guard_options;
+  guard_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.timeout * 1000));
+  hs::RunGuard guard(placement.launch, guard_options);
+  std::unique_ptr<hs::AdversarialTrainer> trainer;
+  try {
+    const Dataset data = load_training_data(config);
+    const auto images = prepare_images(data.images, config.model.image_size, config.model.channels);
+    say("data: " + data.description + " -> " + std::to_string(images.size(0)) + " images " +
+        std::to_string(config.model.channels) + "x" + std::to_string(config.model.image_size) + "x" +
+        std::to_string(config.model.image_size));
 
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
-  if (data_device.is_cuda()) {
-    torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
-    at::globalContext().setBenchmarkCuDNN(config.cudnn_benchmark);
-    at::globalContext().setDeterministicCuDNN(!config.cudnn_benchmark);
-    at::globalContext().setAllowTF32CuDNN(step.tf32);
-    at::globalContext().setAllowTF32CuBLAS(step.tf32);
-  }
-  // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
-  models::Generator generator(config.model);
-  models::Discriminator discriminator(config.model);
-
-  // Every rank draws the same global batches (same seed) and keeps its own rows of each.
-  BatchLoader loader(images, data_device, config.batch_size, parse_placement(config.placement),
-                     static_cast<uint64_t>(config.seed));
-  const int64_t share = config.batch_size / world;
-  auto fixed_noise = torch::randn({config.samples, config.model.nz},
-                                  at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
-                         .to(noise_device);
-
-  // Replica 0's state, read on the CPU before the trainer copies it to every replica (here and, by its
-  // broadcast, in the other processes); the optimisers' state and the RNG states are loaded below, once
-  // the trainer exists: cloning replicas re-runs the modules' initialisation, which draws random numbers.
-  if (config.resume) {
-    auto loaded = load_checkpoint(checkpoint, state.config,
-                                  {{"generator", generator.get()}, {"discriminator", discriminator.get()}}, {},
-                                  noise_device, /*restore_rng=*/false);
-    state.epoch = loaded.epoch;
-    state.epoch_step = loaded.epoch_step;
-    state.global_step = loaded.global_step;
-    if (loaded.history.size(0) != loaded.global_step || (loaded.history.numel() > 0 && loaded.history.size(1) != 3))
-      throw Error(checkpoint + ": entry history has " + std::to_string(loaded.history.size(0)) + " rows of " +
-                  std::to_string(loaded.history.size(1)) + " losses, expected " + std::to_string(loaded.global_step) +
-                  " rows (one per step) of 3");
-    state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
-  }
-
-  hs::AdversarialOptions options;
-  options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
-  options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
-  options.noise_shape = {config.model.nz};
-  options.fused_adam = step.fused_adam;
-  options.cuda_graphs = step.graphs;
-  options.overlap_passes = step.overlap;
-  options.autocast_dtype = step.autocast_dtype;
-  options.channels_last = step.channels_last;
-  options.loss_log_steps = config.log_every;
-  options.sync_batch_norm = config.sync_batch_norm;
-  hs::AdversarialTrainer trainer(torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator), placement,
-                                 options);
-  if (config.resume) {
-    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
-      load_checkpoint(checkpoint, state.config, {},
-                      {{"generator", &trainer.generator_optimizer(i)},
-                       {"discriminator", &trainer.discriminator_optimizer(i)}},
-                      noise_device, /*restore_rng=*/i == 0);
-      move_adam_state_to_parameters(trainer.generator_optimizer(i));
-      move_adam_state_to_parameters(trainer.discriminator_optimizer(i));
+    torch::manual_seed(static_cast<uint64_t>(config.seed));
+    if (data_device.is_cuda()) {
+      torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
+      at::globalContext().setBenchmarkCuDNN(config.cudnn_benchmark);
+      at::globalContext().setDeterministicCuDNN(!config.cudnn_benchmark);
+      at::globalContext().setAllowTF32CuDNN(step.tf32);
+      at::globalContext().setAllowTF32CuBLAS(step.tf32);
     }
-    // Every G device draws the global batch's noise from its own generator (AdversarialTrainer): all take
-    // the restored state of replica 0's.
-    at::Generator restored = at::globalContext().defaultGenerator(noise_device);
-    for (const auto& r : placement.replicas) {
-      at::Generator target = at::globalContext().defaultGenerator(r.generator);  // a handle to the device's
-      if (r.generator != noise_device) target.set_state(restored.get_state());
+    // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
+    models::Generator generator(config.model);
+    models::Discriminator discriminator(config.model);
+
+    // Every rank draws the same global batches (same seed) and keeps its own rows of each.
+    BatchLoader loader(images, data_device, config.batch_size, parse_placement(config.placement),
+                       static_cast<uint64_t>(config.seed));
+    const int64_t share = config.batch_size / world;
+    auto fixed_noise = torch::randn({config.samples, config.model.nz},
+                                    at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
+                           .to(noise_device);
+
+    // Replica 0's state, read on the CPU before the trainer copies it to every replica (here and, by its
+    // broadcast, in the other processes); the optimisers' state and the RNG states are loaded below, once
+    // the trainer exists: cloning replicas re-runs the modules' initialisation, which draws random numbers.
+    if (resume) {
+      auto loaded = load_checkpoint(checkpoint, state.config,
+                                    {{"generator", generator.get()}, {"discriminator", discriminator.get()}}, {},
+                                    noise_device, /*restore_rng=*/false);
+      state.epoch = loaded.epoch;
+      state.epoch_step = loaded.epoch_step;
+      state.global_step = loaded.global_step;
+      if (loaded.history.size(0) != loaded.global_step || (loaded.history.numel() > 0 && loaded.history.size(1) != 3))
+        throw Error(checkpoint + ": entry history has " + std::to_string(loaded.history.size(0)) + " rows of " +
+                    std::to_string(loaded.history.size(1)) + " losses, expected " +
+                    std::to_string(loaded.global_step) + " rows (one per step) of 3");
+      state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
     }
-    say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
-        std::to_string(state.global_step));
-  }
-  // What a checkpoint saves: replica 0 (every replica holds the same networks after each step).
-  const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
-  const NamedOptimizers optimizers{{"generator", &trainer.generator_optimizer(0)},
-                                   {"discriminator", &trainer.discriminator_optimizer(0)}};
 
-  say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " +
-      std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
-      std::to_string(count_parameters(*discriminator)) + "; data " +
-      (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));
-  say("strategy: " + placement.to_string() + "; global batch " + std::to_string(config.batch_size) + " = " +
-      std::to_string(placement.global_replicas()) + " replica(s) x " +
-      std::to_string(config.batch_size / placement.global_replicas()));
-  say("step: " + (trainer.graph_fallback().empty() ? step.describe() : trainer.graph_fallback()) +
-      "; losses read every " + std::to_string(config.log_every) + " steps");
-  say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
-
-  int64_t unread = 0;  // steps whose losses are still on the device
-  auto flush_losses = [&] {
-    if (unread == 0) return;
-    state.history = torch::cat({state.history, trainer.take_losses()});
-    unread = 0;
-  };
-  auto save = [&] {
-    flush_losses();
-    if (!writer) return;
-    save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
-                    config.keep_checkpoints);
-    write_losses(config.out, state.history, loader.batches_per_epoch());
-  };
-  bool stopped = false, interrupted = false;
-  const int64_t steps_per_epoch = loader.batches_per_epoch();
-  while (state.epoch < config.epochs && !stopped) {
-    loader.start_epoch(state.epoch, state.epoch_step);
-    std::unique_ptr<Progress> progress;
-    if (!config.quiet && writer)
-      progress = std::make_unique<Progress>("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(config.epochs),
-                                            steps_per_epoch, config.batch_size, 10.0, state.epoch_step);
-    const auto epoch_start = std::chrono::steady_clock::now();
-    const int64_t first_step = state.epoch_step;
-    for (auto batch = loader.next(); batch.defined(); batch = loader.next()) {
-      // Every rank draws the same global batch and keeps its rows; the trainer does the same with the noise
-      // (the same seed everywhere), inside the step.
-      trainer.step(batch.narrow(0, rank * share, share));
-      ++unread;
-      ++state.epoch_step;
-      ++state.global_step;
-      const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
-      interrupted = config.should_stop && config.should_stop();
-      stopped = budget_spent || interrupted;
-      if (unread >= config.log_every || stopped || state.epoch_step == steps_per_epoch) {
-        flush_losses();
-        if (progress) {
-          auto last = state.history[-1];
-          progress->update(state.epoch_step, {{"loss_d_real", last[0].item<double>()},
-                                              {"loss_d_fake", last[1].item<double>()},
-                                              {"loss_g", last[2].item<double>()}});
-        }
+    hs::AdversarialOptions options;
+    options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
+    options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
+    options.noise_shape = {config.model.nz};
+    options.fused_adam = step.fused_adam;
+    options.cuda_graphs = step.graphs;
+    options.overlap_passes = step.overlap;
+    options.autocast_dtype = step.autocast_dtype;
+    options.channels_last = step.channels_last;
+    options.loss_log_steps = config.log_every;
+    options.sync_batch_norm = config.sync_batch_norm;
+    // The guard names a hung rank after --timeout; the collectives wait longer, so that it acts first.
+    options.averaging.timeout = guard_options.timeout + (placement.launch.multi_process() ? guard_options.heartbeat_timeout
+                                                                                          : std::chrono::milliseconds(0));
+    options.averaging.store = guard.store();
+    options.report_failures = false;  // said once, by the line this function throws
+    if (!resume) options.fault_hook = fault_hook(fault, state.global_step);  // a resumed run (a restart) recovers
+    trainer = std::make_unique<hs::AdversarialTrainer>(torch::nn::AnyModule(generator),
+                                                       torch::nn::AnyModule(discriminator), placement, options);
+    guard.watch([t = trainer.get()](const std::string& why) { t->abort(why); },
+                [t = trainer.get()] { return t->progress(); });
+    if (resume) {
+      for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+        load_checkpoint(checkpoint, state.config, {},
+                        {{"generator", &trainer->generator_optimizer(i)},
+                         {"discriminator", &trainer->discriminator_optimizer(i)}},
+                        noise_device, /*restore_rng=*/i == 0);
+        move_adam_state_to_parameters(trainer->generator_optimizer(i));
+        move_adam_state_to_parameters(trainer->discriminator_optimizer(i));
       }
-      if (stopped) break;
-      if (config.checkpoint_every > 0 && state.global_step % config.checkpoint_every == 0 &&
-          state.epoch_step < steps_per_epoch)
-        save();
+      // Every G device draws the global batch's noise from its own generator (AdversarialTrainer): all take
+      // the restored state of replica 0's.
+      at::Generator restored = at::globalContext().defaultGenerator(noise_device);
+      for (const auto& r : placement.replicas) {
+        at::Generator target = at::globalContext().defaultGenerator(r.generator);  // a handle to the device's
+        if (r.generator != noise_device) target.set_state(restored.get_state());
+      }
+      say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
+          std::to_string(state.global_step));
     }
-    if (progress) progress->finish();
-    for (const auto& r : placement.replicas) {
-      for (const torch::Device& d : {r.generator, r.discriminator})
-        if (d.is_cuda()) torch::cuda::synchronize(d.index());
+    // What a checkpoint saves: replica 0 (every replica holds the same networks after each step).
+    const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
+    const NamedOptimizers optimizers{{"generator", &trainer->generator_optimizer(0)},
+                                     {"discriminator", &trainer->discriminator_optimizer(0)}};
+
+    say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " +
+        std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
+        std::to_string(count_parameters(*discriminator)) + "; data " +
+        (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));
+    const bool gloo_for_nccl = data_device.is_cpu() && placement.reduce == hs::Reduce::collective;
+    say("strategy: " + placement.to_string() + (gloo_for_nccl ? " (Gloo's collectives on the CPU)" : "") +
+        "; global batch " + std::to_string(config.batch_size) + " = " + std::to_string(placement.global_replicas()) +
+        " replica(s) x " + std::to_string(config.batch_size / placement.global_replicas()));
+    say("step: " + (trainer->graph_fallback().empty() ? step.describe() : trainer->graph_fallback()) +
+        "; losses read every " + std::to_string(config.log_every) + " steps");
+    say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
+
+    int64_t unread = 0;  // steps whose losses are still on the device
+    auto flush_losses = [&] {
+      if (unread == 0) return;
+      state.history = torch::cat({state.history, trainer->take_losses()});
+      unread = 0;
+    };
+    auto save = [&] {
+      flush_losses();
+      if (!writer) return;
+      save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
+                      config.keep_checkpoints);
+      write_losses(config.out, state.history, loader.batches_per_epoch());
+    };
+    bool stopped = false, interrupted = false;
+    const int64_t steps_per_epoch = loader.batches_per_epoch();
+    while (state.epoch < config.epochs && !stopped) {
+      loader.start_epoch(state.epoch, state.epoch_step);
+      std::unique_ptr<Progress> progress;
+      if (!config.quiet && writer)
+        progress = std::make_unique<Progress>("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(config.epochs),
+                                              steps_per_epoch, config.batch_size, 10.0, state.epoch_step);
+      const auto epoch_start = std::chrono::steady_clock::now();
+      const int64_t first_step = state.epoch_step;
+      for (auto batch = loader.next(); batch.defined(); batch = loader.next()) {
+        // Every rank draws the same global batch and keeps its rows; the trainer does the same with the noise
+        // (the same seed everywhere), inside the step.
+        guard.begin_step(state.global_step + 1);
+        trainer->step(batch.narrow(0, rank * share, share));
+        ++unread;
+        ++state.epoch_step;
+        ++state.global_step;
+        const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
+        if (config.should_stop && config.should_stop()) guard.request_stop("an interrupt");
+        interrupted = guard.end_step(state.global_step);  // the same answer on every rank
+        if (interrupted) say("stopping after step " + std::to_string(state.global_step) + ": " + guard.stop_reason());
+        stopped = budget_spent || interrupted;
+        if (unread >= config.log_every || stopped || state.epoch_step == steps_per_epoch) {
+          flush_losses();
+          if (progress) {
+            auto last = state.history[-1];
+            progress->update(state.epoch_step, {{"loss_d_real", last[0].item<double>()},
+                                                {"loss_d_fake", last[1].item<double>()},
+                                                {"loss_g", last[2].item<double>()}});
+          }
+        }
+        if (stopped) break;
+        if (config.checkpoint_every > 0 && state.global_step % config.checkpoint_every == 0 &&
+            state.epoch_step < steps_per_epoch)
+          save();
+      }
+      if (progress) progress->finish();
+      for (const auto& r : placement.replicas) {
+        for (const torch::Device& d : {r.generator, r.discriminator})
+          if (d.is_cuda()) torch::cuda::synchronize(d.index());
+      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
+      const int64_t steps_done = state.epoch_step - first_step;
+      std::string grid;
+      if (state.epoch_step == steps_per_epoch) {
+        grid = sample_path(config.out, "epoch", state.epoch + 1);
+        ++state.epoch;
+        state.epoch_step = 0;
+      } else {
+        grid = sample_path(config.out, "step", state.global_step);
+      }
+      if (writer) write_samples(*generator, fixed_noise, grid);
+      save();
+      std::ostringstream line;
+      line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")
+           << (state.epoch_step == 0 ? state.epoch : state.epoch + 1) << ": " << steps_done << " steps in " << seconds
+           << " s (" << (seconds > 0 ? steps_done / seconds : 0.0) << " steps/s"
+           << (state.epoch_step == 0 && first_step == 0 ? ", " + format_double(seconds) + " s per epoch" : "")
+           << "); samples " << grid;
+      say(line.str());
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
-    const int64_t steps_done = state.epoch_step - first_step;
-    std::string grid;
-    if (state.epoch_step == steps_per_epoch) {
-      grid = sample_path(config.out, "epoch", state.epoch + 1);
-      ++state.epoch;
-      state.epoch_step = 0;
-    } else {
-      grid = sample_path(config.out, "step", state.global_step);
-    }
-    if (writer) write_samples(*generator, fixed_noise, grid);
-    save();
-    std::ostringstream line;
-    line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")
-         << (state.epoch_step == 0 ? state.epoch : state.epoch + 1) << ": " << steps_done << " steps in " << seconds
-         << " s (" << (seconds > 0 ? steps_done / seconds : 0.0) << " steps/s"
-         << (state.epoch_step == 0 && first_step == 0 ? ", " + format_double(seconds) + " s per epoch" : "")
-         << "); samples " << grid;
-    say(line.str());
+    // After rank 0's checkpoint: with an interrupt, the other ranks wait for it before they exit.
+    guard.finish(interrupted);
+    say("done: " + std::to_string(state.global_step) + " steps; loss curve " + config.out + "/loss.png, losses " +
+        config.out + "/losses.csv, checkpoint " + checkpoint);
+    if (!interrupted) return 0;
+    write_launcher_error("interrupted (" + guard.stop_reason() + "): every rank stopped after step " +
+                         std::to_string(state.global_step) + ", and rank 0 saved " + checkpoint);
+    return 130;
+  } catch (const std::exception& e) {
+    const std::string line = guard.fail(e);
+    // Its process groups may wait on dead peers (ProcessGroupNCCL's destructor joins its watchdog, Gloo's its
+    // threads): the trainer is left to the process's end, which the caller makes immediate.
+    (void)trainer.release();
+    write_launcher_error(line);
+    if (dynamic_cast<const Error*>(&e) != nullptr && !placement.launch.multi_process()) throw;
+    throw Error(line);
   }
-  say("done: " + std::to_string(state.global_step) + " steps; loss curve " + config.out + "/loss.png, losses " +
-      config.out + "/losses.csv, checkpoint " + checkpoint);
-  return interrupted ? 130 : 0;
 }
 
 models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device) {

@@ -39,8 +39,17 @@ struct DCGANTrainConfig {
   int64_t checkpoint_every = 500;      // steps between checkpoints (besides every epoch end and the stop)
   int64_t samples = 64;                // images in each per-epoch grid
   std::string out = "runs/dcgan";
-  bool resume = false;
+  bool resume = false;                 // continue from <out>/checkpoint.pt, which must exist
+  bool resume_auto = false;            // continue from it when it exists, start otherwise (torchrun restarts)
   int64_t keep_checkpoints = 1;        // checkpoints kept: checkpoint.pt, and the last K as checkpoint-<step>.pt
+  // Seconds a step may go without progress while ranks or replicas wait for each other before the run stops
+  // as hung (the RunGuard's and the averaging's timeout); failures and deaths stop it within seconds anyway.
+  double timeout = 60;
+  // A testing aid (--inject-fault KIND@STEP[:REPLICA]): global replica REPLICA (default: the last) throws, hangs,
+  // is killed (SIGKILL) or sends its process SIGINT or SIGTERM at the start of global step STEP; KIND is
+  // throw | hang | kill | sigint | sigterm. It fires only in a run that did not resume, so that a restart
+  // (torchrun --max-restarts with --resume auto) shows the recovery.
+  std::string inject_fault;
   // The training step (hierpar::strategy::AdversarialTrainer): CUDA graphs auto (on for CUDA) | on | off;
   // precision fp32 | tf32 (TF32 convolutions and matmuls) | bf16 (autocast to bf16, channels_last end to
   // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused;
@@ -53,7 +62,8 @@ struct DCGANTrainConfig {
   bool cudnn_benchmark = true;         // false: deterministic cuDNN algorithms (tests comparing two runs)
   int64_t log_every = 50;              // steps between reading the losses back (the progress bar's values)
   bool quiet = false;                  // no progress bar or messages (tests)
-  // Polled after every step; returning true stops like an interrupt: checkpoint, then return 130.
+  // Polled on the training thread after every step; returning true stops like an interrupt (every rank at
+  // one agreed step): checkpoint, then return 130.
   std::function<bool()> should_stop;
 };
 
@@ -61,11 +71,15 @@ struct DCGANTrainConfig {
 // optimisation (not the layer set, device, epochs, step budget or output folder, which may change on resume).
 Config checkpoint_config(const DCGANTrainConfig& config);
 
-// Trains; returns 0, or 130 when should_stop() ended it early. Throws Error for bad input.
+// Trains; returns 0, or 130 when should_stop() or a stop signal (RunGuard::install_signal_handlers) ended it
+// early, after the checkpoint. Throws Error for bad input and for a failure, with one line naming the first
+// failed rank and its cause.
 // Under a launcher (torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) every process calls
 // it with the same flags: each reads its share of the same global batches, and only rank 0 prints and
 // writes samples, losses and checkpoints. A checkpoint holds replica 0's networks and optimisers, so
-// it resumes under any strategy and device count.
+// it resumes under any strategy and device count. A hierpar::strategy::RunGuard keeps the ranks stopping
+// together: on a failure, death or hang anywhere within seconds (a failed process's process groups are left
+// to its end, which should then come at once: std::_Exit), and on an interrupt after one agreed step.
 int train_dcgan(DCGANTrainConfig config);
 
 // How the step runs, resolved from the flags for the placement's device type: throws FlagError naming the

@@ -4,26 +4,28 @@
 //                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
 //                          [--overlap on|off]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
+//                          [--resume auto --timeout S --inject-fault KIND@STEP[:REPLICA]]
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
 //   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv
 #include "common/cli.h"
 #include "common/dcgan_app.h"
 #include "common/images.h"
+#include "hierpar/strategy/run_guard.h"
 
+#include <c10/util/Logging.h>
 #include <torch/cuda.h>
 
-#include <atomic>
-#include <csignal>
+#include <algorithm>
+
+#include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <sstream>
 
 namespace {
 
 using namespace hierpar::examples;
-
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_interrupt(int) { g_interrupted = true; }
 
 constexpr const char* kUsage =
     "usage: hierpar-dcgan <command> [flags]\n"
@@ -35,7 +37,7 @@ constexpr const char* kUsage =
 
 int train(int argc, char** argv) {
   DCGANTrainConfig config;
-  std::string layers = "hierpar";
+  std::string layers = "hierpar", resume = "off";
   int64_t image_size = 64, channels = 0, nz = 100;
   double width = 1.0;
   Flags flags("hierpar-dcgan train");
@@ -63,9 +65,14 @@ int train(int argc, char** argv) {
       .add("samples", &config.samples, "images in each sample grid", 1)
       .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
       .add("out", &config.out, "output folder")
-      .add("resume", &config.resume, "continue from <out>/checkpoint.pt")
+      .add_optional("resume", &resume, "on", "continue from <out>/checkpoint.pt; auto: continue from it if it exists "
+                    "(torchrun --max-restarts)")
       .add("keep-checkpoints", &config.keep_checkpoints,
            "checkpoints kept: the newest as checkpoint.pt, and with K > 1 the last K as checkpoint-<step>.pt", 1)
+      .add("timeout", &config.timeout, "seconds a step may go without progress while ranks or replicas wait for "
+           "each other before the run stops as hung", 0.0)
+      .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
+           "or sigterm: that replica (default: the last) fails so at the start of that step (not in a resumed run)")
       .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
       .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
       .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
@@ -88,11 +95,22 @@ int train(int argc, char** argv) {
   if (channels != 0 && channels != 1 && channels != 3)
     throw FlagError("--channels: expected 1 or 3, got " + std::to_string(channels));
   parse_placement(config.placement);
-  std::signal(SIGINT, on_interrupt);
-  std::signal(SIGTERM, on_interrupt);
-  config.should_stop = [] { return g_interrupted.load(); };
+  if (resume != "off" && resume != "on" && resume != "auto")
+    throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
+  config.resume = resume == "on";
+  config.resume_auto = resume == "auto";
+  // The first SIGINT/SIGTERM stops every rank after one agreed step, with a checkpoint; a second exits at once.
+  hierpar::strategy::RunGuard::install_signal_handlers("hierpar-dcgan");
+  // c10d warns, with a backtrace, about every store connection that a stopping or dead peer closes; the run says
+  // what failed in its own line. TORCH_CPP_LOG_LEVEL still chooses.
+  if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr && hierpar::strategy::Launch::from_env().multi_process()) {
+    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);  // errors only
+  }
   const int status = train_dcgan(config);
-  if (status == 130) std::cerr << "hierpar-dcgan: interrupted; the checkpoint is saved, --resume continues\n";
+  if (status == 130) {
+    std::cerr << "hierpar-dcgan: interrupted: every rank stopped after the same step, and rank 0 saved the checkpoint "
+                 "(--resume continues)\n";
+  }
   return status;
 }
 
@@ -154,7 +172,7 @@ int export_generator(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return run_reporting_errors("hierpar-dcgan", [&]() -> int {
+  const int status = run_reporting_errors("hierpar-dcgan", [&]() -> int {
     const std::string command = argc > 1 ? argv[1] : "";
     if (command == "train") return train(argc, argv);
     if (command == "generate") return generate(argc, argv);
@@ -167,4 +185,12 @@ int main(int argc, char** argv) {
     throw FlagError(command.empty() ? "missing command (train, generate, export or plot)"
                                     : "unknown command '" + command + "' (train, generate, export or plot)");
   });
+  // After a failure, threads may still wait on peers that are gone (a failed run leaves its process groups and
+  // any hung replica behind): the line is printed, so the process ends now instead of in their destructors.
+  hierpar::strategy::RunGuard::exiting();
+  if (status == 1) {
+    std::fflush(nullptr);
+    std::_Exit(status);
+  }
+  return status;
 }

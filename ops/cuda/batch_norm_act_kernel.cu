@@ -34,6 +34,8 @@
 //    not evict input rows not yet re-read.
 #include "batch_norm_act_shape.h"
 #include "common.h"
+#include "cuda/arch_guard.cuh"
+#include "cuda/device_caps.h"
 
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
@@ -136,21 +138,36 @@ __device__ __forceinline__ void for_rows(int j0, int j1, Load load, Add add) {
 template <typename VecT>
 constexpr bool kStageable = sizeof(VecT) == 4 || sizeof(VecT) == 8 || sizeof(VecT) == 16;
 
+// cp.async exists from sm_80 on; sm_75 code never stages (stageable_rows is 0 there), so it traps.
 template <typename VecT>
 __device__ __forceinline__ void copy_async(VecT* dst, const VecT* src) {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
   const auto s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if constexpr (sizeof(VecT) == 16) {  // .cg: through L2 only (no reuse from L1)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
   } else {
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(sizeof(VecT)) : "memory");
   }
+#endif
 }
 
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copy_async_commit() {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
 
 template <int kPending>
 __device__ __forceinline__ void copy_async_wait() {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
 }
 
 // Requests the staged rows [0, jc) (stage(j) issues row j's copies) in four commit groups, so that their
@@ -878,16 +895,17 @@ int blocks_per_sm(Kernel kernel) {
 // Rows per thread a block of `kernel` can stage in shared memory (split path) for `streams` tensors of
 // `vec_bytes`-byte vectors: what the SM's shared memory leaves per block at the kernel's occupancy without
 // it, so that staging never lowers the blocks per SM (the split path's grid is sized from that occupancy).
-// 0 where cp.async cannot move the vectors (2 bytes).
+// 0 where cp.async cannot move the vectors (2 bytes) or the code has no cp.async (built for sm_75).
 template <typename Kernel>
 int stageable_rows(Kernel kernel, int occupancy, int streams, int vec_bytes) {
   if (vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16) return 0;
+  if (!current_device_caps().ampere_instructions()) return 0;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   cudaFuncAttributes attr;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const int64_t per_block = static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / occupancy -
                             static_cast<int64_t>(prop->reservedSharedMemPerBlock);
-  const int64_t available = std::min<int64_t>(per_block, prop->sharedMemPerBlockOptin) -
+  const int64_t available = std::min<int64_t>(per_block, current_device_caps().max_smem_per_block) -
                             static_cast<int64_t>(attr.sharedSizeBytes);
   const int64_t row_bytes = static_cast<int64_t>(streams) * kThreads * vec_bytes;
   int rows = static_cast<int>(std::max<int64_t>(available, 0) / row_bytes);
@@ -954,18 +972,18 @@ struct ClusterFacts {
   int active_clusters(int cluster, int rows) const { return active[(cluster - 2) * (max_rows + 1) + rows]; }
 };
 
-// No cluster path before sm_90 or for 2-byte vectors (cp.async cannot stage them). Asked once per kernel (on
-// the first call's device), not at each call: a call may be inside a CUDA graph capture.
+// No cluster path in code built for an architecture before sm_90 (a compute_80 build on an H100 included), or for
+// 2-byte vectors (cp.async cannot stage them). Asked once per kernel (on the first call's device), not at each
+// call: a call may be inside a CUDA graph capture.
 template <typename Kernel>
 ClusterFacts cluster_facts(Kernel kernel, int streams, int vec_bytes, size_t acc_bytes) {
   ClusterFacts f;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  if (prop->major < 9 || (vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16)) return f;
+  if (!current_device_caps().clusters() || (vec_bytes != 4 && vec_bytes != 8 && vec_bytes != 16)) return f;
   cudaFuncAttributes attr;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const size_t exchange = exchange_bytes(kMaxCluster, kMaxChannelsPerBlock, acc_bytes);
   const int64_t row_bytes = static_cast<int64_t>(streams) * kThreads * vec_bytes;
-  const int64_t available = static_cast<int64_t>(prop->sharedMemPerBlockOptin) -
+  const int64_t available = static_cast<int64_t>(current_device_caps().max_smem_per_block) -
                             static_cast<int64_t>(attr.sharedSizeBytes + exchange);
   const int max_rows = static_cast<int>(std::max<int64_t>(available, 0) / row_bytes);
   if (max_rows == 0) return f;
@@ -1154,6 +1172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
   Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
                              num_batches_tracked);
   c10::cuda::CUDAGuard guard(input_.device());
+  check_device_code(input_.get_device());
   auto layout = layout_of(input_);
   // With H*W == 1 both layouts are the row-major [N, C] matrix: address it as channels_last (coalesced).
   const bool cl = layout == c10::MemoryFormat::ChannelsLast || g.l == 1;
@@ -1249,6 +1268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
   Geometry g = check_backward(grad_output_, output_, input_, weight, bias, save_mean, save_invstd, eps, act, slope);
   c10::cuda::CUDAGuard guard(output_.device());
+  check_device_code(output_.get_device());
   auto layout = layout_of(output_);
   const bool cl = layout == c10::MemoryFormat::ChannelsLast || g.l == 1;
   at::Tensor output = output_.contiguous(layout);

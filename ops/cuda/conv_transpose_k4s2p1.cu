@@ -54,6 +54,7 @@
 // HIERPAR_K4S2P1_SPLIT_TARGET=n plans K splits for n CTAs per SM, for same-process timings.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/device_caps.h"
 #include "cuda/mma.cuh"
 #include "cuda/permute_copy.h"
 
@@ -67,6 +68,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -543,7 +545,12 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
           const int64_t rbase = row_base[r0 + r];
           if (rbase >= 0 && n + 4 <= a.N) {
             const float* v = scratch + r * 16 + cc;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
             atomicAdd(reinterpret_cast<float4*>(c_acc + rbase + n), make_float4(v[0], v[1], v[2], v[3]));
+#else  // 16-byte atomics exist from sm_90 on
+#pragma unroll
+            for (int e = 0; e < 4; ++e) atomicAdd(c_acc + rbase + n + e, v[e]);
+#endif
           }
         }
       } else if (a.c_sC == 1) {  // 16 lanes cover 16 consecutive channels of a row (coalesced stores/atomics)
@@ -575,6 +582,26 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int pick_bn(int n) { return n > 64 ? 128 : n > 32 ? 64 : n > 16 ? 32 : 16; }
+
+// The most shared memory an mma.sync tile of width BN takes, over the dtypes and GEMMs.
+template <int BN>
+constexpr int mma_tile_smem() {
+  int bytes = std::max({Tile<float, BN, false>::SMEM_BYTES, Tile<float, BN, true>::SMEM_BYTES,
+                        Tile<at::BFloat16, BN, false>::SMEM_BYTES, Tile<at::BFloat16, BN, true>::SMEM_BYTES});
+  if constexpr (BN >= 32) bytes = std::max(bytes, Tile<float, BN, false, true>::SMEM_BYTES);  // K-major B: BN >= 32
+  return bytes;
+}
+static_assert(mma_tile_smem<128>() == 110592 && mma_tile_smem<64>() == 82944, "tile sizes the docs quote");
+int mma_tile_smem(int bn) {
+  return bn == 128 ? mma_tile_smem<128>() : bn == 64 ? mma_tile_smem<64>() : bn == 32 ? mma_tile_smem<32>()
+                                                                                      : mma_tile_smem<16>();
+}
+
+// The mma.sync kernels' tile width for a GEMM of N columns: 128-column tiles (up to 108 KB of shared memory)
+// where a block may have that much (A100, H100), else at most 64 (<= 81 KB: the 99 KB of sm_86, sm_89, sm_120).
+int pick_mma_bn(int n) {
+  return std::min(pick_bn(n), current_device_caps().max_smem_per_block >= mma_tile_smem<128>() ? 128 : 64);
+}
 
 // ---- sm_90a: the convolution GEMMs (forward, grad_input) on wgmma ---------------------------------------------
 // Same GEMMs and gather as implicit_gemm_kernel<scalar_t, BN, false, true>, for bf16 / fp16 with 16-byte
@@ -1461,7 +1488,7 @@ bool wgmma_available() {
   if (known >= 0) return known == 1;
   // HIERPAR_DISABLE_WGMMA=1 keeps the mma.sync kernels (same-process before / after timings, bisecting).
   const char* disable = std::getenv("HIERPAR_DISABLE_WGMMA");
-  if (at::cuda::getCurrentDeviceProperties()->major != 9 || (disable && disable[0] == '1')) {
+  if (current_device_caps().compute_capability != 90 || (disable && disable[0] == '1')) {
     state = 0;
     return false;
   }
@@ -1622,11 +1649,17 @@ void launch_wgmma(const GemmArgs& a, int phases, bool direct_b) {
 template <typename scalar_t>
 bool plan_splits(GemmArgs& a, int phases, bool always_split) {
   constexpr int BK = 128 / int(sizeof(scalar_t));
-  const int64_t tiles = int64_t((a.M + 127) / 128) * ((a.N + pick_bn(a.N) - 1) / pick_bn(a.N)) * phases;
+  const int bn = pick_mma_bn(a.N);
+  const int64_t tiles = int64_t((a.M + 127) / 128) * ((a.N + bn - 1) / bn) * phases;
   const int ktiles = (a.K + BK - 1) / BK;
   const char* env = std::getenv("HIERPAR_K4S2P1_SPLIT_TARGET");
-  const int per_sm = env && env[0] >= '1' && env[0] <= '4' ? env[0] - '0' : std::is_same_v<scalar_t, float> ? 1 : 2;
-  const int64_t target = per_sm * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const DeviceCaps& caps = current_device_caps();
+  // Never more CTAs per SM than its shared memory holds (one 128-wide tile per SM on an A100).
+  const int per_sm = std::max(1, std::min(env && env[0] >= '1' && env[0] <= '4' ? env[0] - '0'
+                                          : std::is_same_v<scalar_t, float>     ? 1
+                                                                                : 2,
+                                          caps.smem_per_multiprocessor / mma_tile_smem(bn)));
+  const int64_t target = per_sm * int64_t(caps.multiprocessors);
   int splits = 1;
   if (2 * tiles <= target || always_split)
     splits = int(std::max<int64_t>(1, std::min<int64_t>(target / tiles, std::max(1, ktiles / 4))));
@@ -1662,8 +1695,9 @@ void launch_tile(const GemmArgs& a, const dim3& grid, cudaStream_t stream, bool 
 template <typename scalar_t, bool kWgrad>
 void launch(const GemmArgs& a, int phases, bool b_kmajor = false) {
   auto stream = at::cuda::getCurrentCUDAStream();
-  const dim3 grid((a.M + 127) / 128, (a.N + pick_bn(a.N) - 1) / pick_bn(a.N), phases * a.splits);
-  switch (pick_bn(a.N)) {
+  const int bn = pick_mma_bn(a.N);
+  const dim3 grid((a.M + 127) / 128, (a.N + bn - 1) / bn, phases * a.splits);
+  switch (bn) {
     case 128: launch_tile<scalar_t, 128, kWgrad>(a, grid, stream, b_kmajor); break;
     case 64: launch_tile<scalar_t, 64, kWgrad>(a, grid, stream, b_kmajor); break;
     case 32: launch_tile<scalar_t, 32, kWgrad>(a, grid, stream, b_kmajor); break;
@@ -1896,6 +1930,9 @@ bool k4s2p1_fast_path_applies(const ConvTranspose2dGeometry& g, at::ScalarType d
   // C_out < 16: the forward's GEMM N is under one 16-wide tile and the general path measured faster
   // (32->3 at batch 1024 bf16: 1035 us general vs 1881 us here; batch 64 fp32: 116 vs 213 us).
   if (!shape || g.out_channels < 16) return false;
+  // mma.sync and cp.async (code for sm_80+), and room for the 64-wide tiles.
+  const DeviceCaps& caps = current_device_caps();
+  if (!caps.ampere_instructions() || caps.max_smem_per_block < mma_tile_smem<64>()) return false;
   // 32-bit element indices within a tensor (offsets are 64-bit, pixel and channel counts are int).
   const int64_t biggest = std::max(g.in_pixels() * g.in_channels, g.in_pixels() * 4 * g.out_channels);
   if (biggest >= INT_MAX || 16 * std::max(g.in_channels, g.out_channels) >= INT_MAX) return false;

@@ -28,6 +28,7 @@
 #include "conv_transpose_backends.h"
 #include "conv_transpose_shape.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/device_caps.h"
 #include "cuda/permute_copy.h"
 #include "cuda/side_stream.h"
 
@@ -193,6 +194,7 @@ void run_conv_transpose2d_forward_cuda(const ConvTranspose2dGeometry& g, const a
                                        const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& out) {
   if (out.numel() == 0) return;
   c10::cuda::CUDAGuard device_guard(input4.device());
+  check_device_code(input4.get_device());
   // Where out's strides are those of both layouts (one channel, or 1x1), the one that spares converting the input.
   const bool out_cl = out.is_contiguous(c10::MemoryFormat::ChannelsLast) &&
                       (!out.is_contiguous() || layout_of(input4) == c10::MemoryFormat::ChannelsLast);
@@ -381,6 +383,8 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
                                         const at::Tensor& input4, const at::Tensor& weight,
                                         const at::Tensor& grad_input, const at::Tensor& grad_weight,
                                         std::optional<double> grad_input_leaky_relu_slope) {
+  c10::cuda::CUDAGuard device_guard(grad_output4.device());
+  check_device_code(grad_output4.get_device());
   if (!grad_input.defined() || !grad_weight.defined() || !gradients_computed_apart(g, grad_output4.scalar_type())) {
     backward_on_current_stream(g, grad_output4, input4, weight, grad_input, grad_weight, grad_input_leaky_relu_slope);
     return;
@@ -390,7 +394,6 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
   // Each half is exactly the call that computes that gradient alone, so the values are those of a
   // one-gradient call. The implicit GEMMs of both read grad_output channels_last, grad_weight's the input too:
   // converted here, on the current stream, by one launch (no-ops when they already are), not once per half.
-  c10::cuda::CUDAGuard device_guard(grad_output4.device());
   const std::array<at::Tensor, 2> activations =
       k4s2p1_small_cout_applies(g, grad_output4.scalar_type())
           ? std::array<at::Tensor, 2>{grad_output4, input4}

@@ -24,6 +24,7 @@
 //    bf16 against stock's 227.
 #include "common.h"
 #include "cuda/conv_transpose_k4s2p1.h"
+#include "cuda/device_caps.h"
 #include "cuda/mma.cuh"
 
 #include <ATen/Context.h>
@@ -856,12 +857,27 @@ void dispatch_small(at::ScalarType dtype, int cout, F&& f) {
   }
 }
 
+// Shared memory of each tensor-core kernel, by dtype (fp16 as bf16): the fp32 (TF32) grad_input and grad_weight
+// tiles exceed the 99 KB a block may have on sm_86/89/120, whose fp32 calls take the other kernels.
+int forward_mma_smem(at::ScalarType dtype) {
+  return dtype == at::kFloat ? ForwardTile<float, 16>::kSmemBytes : ForwardTile<at::BFloat16, 32>::kSmemBytes;
+}
+int grad_input_mma_smem(at::ScalarType dtype) {
+  return dtype == at::kFloat ? GradInputTile<float>::kSmemBytes : GradInputTile<at::BFloat16>::kSmemBytes;
+}
+int grad_weight_mma_smem(at::ScalarType dtype) {
+  return dtype == at::kFloat ? WgradTile<float>::kRawSmemBytes : WgradTile<at::BFloat16>::kRawSmemBytes;
+}
+
 // The tensor-core kernels take 16-bit dtypes, and fp32 where stock's convolutions would use TF32
 // (at::globalContext().allowTF32CuDNN(CONV), on by default; with it off fp32 keeps the CUDA-core kernels' true fp32
-// arithmetic), and whole 16-channel chunks.
-bool mma_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype) {
+// arithmetic), and whole 16-channel chunks; and code built for sm_80 or newer (mma.sync, cp.async, TF32) on a GPU
+// that gives a block `smem_bytes`.
+bool mma_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype, int smem_bytes) {
   const bool tf32 = dtype == at::kFloat && at::globalContext().allowTF32CuDNN(at::Float32Op::CONV);
-  return (dtype == at::kBFloat16 || dtype == at::kHalf || tf32) && g.in_channels % 16 == 0;
+  const DeviceCaps& caps = current_device_caps();
+  return (dtype == at::kBFloat16 || dtype == at::kHalf || tf32) && g.in_channels % 16 == 0 &&
+         caps.ampere_instructions() && caps.max_smem_per_block >= smem_bytes;
 }
 
 // The 16-byte copies' element count of t's dtype.
@@ -930,7 +946,7 @@ void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tenso
   a.out = out.mutable_data_ptr();
   a.os = strides_of(out);
   auto stream = at::cuda::getCurrentCUDAStream();
-  if (mma_applies(g, input4.scalar_type()) && reads_by_vectors(input4)) {
+  if (mma_applies(g, input4.scalar_type(), forward_mma_smem(input4.scalar_type())) && reads_by_vectors(input4)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
     dispatch_small(input4.scalar_type(), a.cout, [&](auto tag, auto co) {
       using scalar_t = decltype(tag);
@@ -976,7 +992,7 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
   // fp32 (TF32) takes the tensor-core kernel where grad_output's channels are innermost (one channel always is):
   // reading an NCHW one element by element (a pixel's channels in C_out planes), it measured 39.7 us against the
   // CUDA-core kernel's 18.6 (batch 64, 32 -> 3, H200).
-  if (mma_applies(g, dtype) && (dtype != at::kFloat || a.gos.c == 1 || a.cout == 1)) {
+  if (mma_applies(g, dtype, grad_input_mma_smem(dtype)) && (dtype != at::kFloat || a.gos.c == 1 || a.cout == 1)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
     const int chunks = (a.cin + kCiChunk - 1) / kCiChunk;
     const int64_t vec = vec_of(grad_input);
@@ -1010,7 +1026,8 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
 }
 
 bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, const at::Tensor& input4) {
-  return k4s2p1_small_cout_applies(g, input4.scalar_type()) && mma_applies(g, input4.scalar_type()) &&
+  return k4s2p1_small_cout_applies(g, input4.scalar_type()) &&
+         mma_applies(g, input4.scalar_type(), grad_weight_mma_smem(input4.scalar_type())) &&
          reads_by_vectors(input4);
 }
 

@@ -11,6 +11,7 @@
 // metadata to copy, so a launch can be captured into a CUDA graph): up to kMaxTensors tensors per launch, more
 // tensors take more launches.
 #include "common.h"
+#include "cuda/device_caps.h"
 #include "fused_adam_shape.h"
 
 #include <ATen/Dispatch.h>
@@ -146,6 +147,7 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
             at::TensorList max_exp_avg_sqs, at::TensorList steps, const AdamHyper& hyper, bool amsgrad) {
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
+  check_device_code(params[0].get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, params[0].scalar_type(), "hierpar::fused_adam_", [&] {
     launch_all<scalar_t>(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, amsgrad);
   });

@@ -8,6 +8,7 @@
 //   NCHW: 4 adjacent windows of one output row per thread (two 8-element input row segments);
 //   channels_last: 16 bytes of channels of one window per thread (4 vectors, one per tap).
 #include "common.h"
+#include "cuda/device_caps.h"
 #include "max_pool_shape.h"
 
 #include <ATen/Dispatch.h>
@@ -327,6 +328,7 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::
                                                    at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_device_code(input.get_device());
   const auto layout = layout_of(input);
   const at::Tensor x = input.contiguous(layout);
   at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
@@ -370,6 +372,7 @@ at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Ten
   const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
                                               dilation, ceil_mode);
   const c10::cuda::CUDAGuard guard(grad_output.device());
+  check_device_code(grad_output.get_device());
   // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
   const auto layout = layout_of(indices);
   const at::Tensor go = grad_output.contiguous(layout);

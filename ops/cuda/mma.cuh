@@ -1,8 +1,12 @@
-// The warp-level tensor-core building blocks of hierpar's CUDA kernels (sm_80+ PTX, used on sm_90): 16-byte
-// asynchronous copies, ldmatrix, and mma.sync for bf16 / fp16 (m16n8k16) and TF32 (m16n8k8), all with fp32
-// accumulation; and, for sm_90a code, wgmma (bf16 / fp16, operands in shared memory) and TMA tile loads.
+// The warp-level tensor-core building blocks of hierpar's CUDA kernels (sm_80+ PTX): 16-byte asynchronous copies,
+// ldmatrix, and mma.sync for bf16 / fp16 (m16n8k16) and TF32 (m16n8k8), all with fp32 accumulation; and, for sm_90a
+// code, wgmma (bf16 / fp16, operands in shared memory) and TMA tile loads.
+// Code for sm_75 (the oldest architecture torch supports) has no cp.async, TF32 or m16n8k16: there these helpers
+// compile to a trap, and the host never launches a kernel that uses them (DeviceCaps::ampere_instructions()).
 // Private to hierpar_ops.
 #pragma once
+
+#include "cuda/arch_guard.cuh"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -16,13 +20,27 @@ __device__ inline uint32_t smem_addr(const void* p) { return uint32_t(__cvta_gen
 
 // 16-byte global -> shared copy; with `pred` false nothing is read and the 16 bytes are zero-filled.
 __device__ inline void cp_async16(void* dst, const void* src, bool pred) {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(pred ? 16 : 0));
+#endif
 }
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ inline void cp_async_commit() {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
 __device__ inline void cp_async_wait() {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 // Four 8x8 16-bit matrices; lanes 8i..8i+7 give the row addresses of matrix i.
@@ -38,9 +56,14 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 }
 
 __device__ inline uint32_t to_tf32(uint32_t bits) {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+  return bits;
+#else
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(bits)));
   return r;
+#endif
 }
 
 // d += a * b on one 16 x 8 tile (K = 16 for 16-bit, 8 for TF32). Fragments as the PTX ISA lays them out:
@@ -48,6 +71,9 @@ __device__ inline uint32_t to_tf32(uint32_t bits) {
 // same K rows, and C rows g, g + 8 at columns 2 * t4, 2 * t4 + 1.
 template <typename scalar_t>
 __device__ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef HIERPAR_PRE_SM80_CODE
+  __trap();
+#else
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -68,6 +94,7 @@ __device__ inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+#endif
 }
 
 // ---- sm_90a only: warpgroup MMAs (wgmma) with both operands read from shared memory ----------------------

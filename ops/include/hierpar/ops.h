@@ -8,6 +8,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace hierpar::ops {
@@ -85,5 +86,14 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList max_exp_avg_sqs, at::TensorList steps, const at::Tensor& lr, double beta1,
                  double beta2, double weight_decay, double eps, bool amsgrad);
+
+// The CUDA architectures this build of the operators holds code for, as TORCH_CUDA_ARCH_LIST spelled them when it
+// was built, space-separated (e.g. "7.5 8.0 8.6 9.0 10.0 12.0+PTX"); empty for a build without CUDA kernels.
+std::string cuda_arch_list();
+
+// The code CUDA device `device` runs hierpar's kernels from: "sm_90" (machine code built for it), or
+// "compute_80 (PTX compiled by the driver for sm_90)". Throws one line naming the GPU's compute capability and
+// cuda_arch_list() when the build holds no code that GPU can run.
+std::string cuda_code_arch(int64_t device);
 
 }  // namespace hierpar::ops

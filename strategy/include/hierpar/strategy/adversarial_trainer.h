@@ -1,29 +1,31 @@
 // Two-network adversarial training (a generator G and a discriminator D, any modules) under a Placement.
 // One step is the standard DCGAN recipe, per replica on its share of the batch:
-//   fake = G(z); D on real; D on fake.detach(); D loss backward; average D's gradients; D update;
-//   D on fake (D's updated weights) for G's loss; G loss backward; average G's gradients; G update.
-// Under task/hierarchical placements the fakes are copied to D's device and their gradient back by
-// ATen's device-to-device copies, which order the two devices' current streams with CUDA events; the
-// host never waits inside a step except where host averaging must read the gradients.
-//
+//   fake = G(z); D on real, and its backward; D on fake.detach(), and its backward (D's gradients are the sum
+//   of the two); average D's gradients; D update; D on fake (D's updated weights, frozen) for G's loss, backward
+//   to the fakes; G's backward from that gradient; average G's gradients; G update.
+// G's part (forward, backward, update) runs on G's device and D's part on D's. Under task/hierarchical
+// placements the fakes go to D's device and their gradient back by ATen's device-to-device copies, which order
+// the two devices' streams with CUDA events; the host never waits inside a step except where host averaging must
+// read the gradients. D's pass over the real batch needs no fakes, so D's device runs it while G's device runs
+// G's backward and update of the previous step and G's forward: the two devices overlap by as much as the recipe
+// allows, with the numbers of a single-device step.
 // Each step writes its losses into a small buffer on the device; take_losses() reads them back (one host
 // sync), and step() does so itself only when `loss_log_steps` steps are pending. Nothing else reads a value
 // on the host.
 //
-// CUDA graphs (options.cuda_graphs, with options.fused_adam): each replica's step is captured once, on its
-// device, and replayed every step. The first `graph_warmup_steps` steps run eagerly on a side stream (they
-// are real steps); the next is captured and replayed; from then on a step is a copy of the batch into a
-// static input buffer and the replays. The noise is drawn inside the graph from the device's default CUDA
-// generator (graph-safe: the same numbers as an eager step would draw), the optimisers are FusedAdam
-// (capturable), the losses go to the device buffer. With gradient averaging (data parallelism) the step is
-// captured as three graphs replayed in order, with the averaging of D's and G's gradients run eagerly
-// between them: host averaging reads gradients on CPU threads and NCCL collectives are not captured here.
-// Task and hierarchical placements keep G and D on two devices and run one autograd backward across them,
-// which a per-device capture cannot split: they run eagerly (graph_fallback() says why).
+// CUDA graphs (options.cuda_graphs, with options.fused_adam): each replica's step is captured once and replayed
+// every step. The first `graph_warmup_steps` steps run eagerly on side streams (they are real steps); the next
+// is captured and replayed; from then on a step is a copy of the batch into a static input buffer and the
+// replays. The noise is drawn inside the graph from G's device's default CUDA generator (graph-safe: the same
+// numbers as an eager step would draw), the optimisers are FusedAdam (capturable), the losses go to the device
+// buffer. Each device's part is captured on that device as segments (graphs) that end where the step averages
+// gradients or moves to the other device; the replay runs them in the step's order with the averaging (host
+// averaging reads gradients on CPU threads; NCCL collectives are not captured here) and the copies between
+// devices in between, eagerly. Synchronized BatchNorm is not captured (graph_fallback() says so).
 //
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
-// D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch, and the two
-// branches of D's backward overlap likewise (autograd runs a node's backward on its forward's stream). The
+// D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
+// (autograd runs a node's backward on its forward's stream). The
 // fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
 // first, as one stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's
 // weights itself (no cast shared across the streams), which sums D's two weight gradients in fp32. The
@@ -44,12 +46,14 @@
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/placement.h"
 
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/optim/adam.h>
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -103,6 +107,14 @@ struct AdversarialOptions {
   // Used where one CUDA device runs both networks and no averager hooks into the backward (eager data
   // parallelism averages buckets as gradients become ready, on the stream that finished them).
   bool overlap_passes = true;
+  // A failing replica's own error is printed on stderr when it happens (TORCH_WARN), before step() rethrows
+  // it: a collective library may end the process first. Off for a caller that reports failures itself.
+  bool report_failures = true;
+  // A testing aid: called in each local replica's thread at the start of each step, with the replica's
+  // global index and the step's index (0 for this trainer's first); throwing or blocking there is how the
+  // tests and hierpar-dcgan's --inject-fault make one replica fail or hang, whatever the step runs
+  // (eager or CUDA graphs).
+  std::function<void(int64_t replica, int64_t step)> fault_hook;
 };
 
 // Converts the 4-d parameters of `module` (and its submodules) to channels_last, in place (set_data).
@@ -119,6 +131,16 @@ struct StepLosses {
   std::pair<double, double> mean() const;
 };
 
+// One piece of a replica's step as its device's stream ran it (AdversarialTrainer::record_timeline).
+struct TimelineSpan {
+  int64_t step = 0;     // the trainer's step count when it ran (0-based)
+  int64_t replica = 0;  // global replica index
+  c10::Device device = c10::Device(c10::kCUDA, 0);
+  std::string piece;  // e.g. "G forward", "D real", "copy fakes", "average D"; captured segments join their pieces' names with " + "
+  bool compute = false;  // one network's work (an eager piece or a captured segment), not a copy or an averaging
+  double start_ms = 0, end_ms = 0;  // from the moment record_timeline(true) was called (devices aligned then)
+};
+
 class AdversarialTrainer {
  public:
   // `generator` and `discriminator` become local replica 0 (moved to its devices); replicas 1.. are
@@ -132,7 +154,11 @@ class AdversarialTrainer {
 
   // One step on `real` (this process's share of the global batch, any device; split evenly over the
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
-  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails.
+  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails:
+  // a PeerFailure when the replicas only waited for a failed, dead or hung peer in another process. A
+  // replica that does not return within seconds after its peers stopped is named as hung. A failed step
+  // may have updated some replicas and not others, so the trainer then refuses every later step (and
+  // broadcast) with the original cause: build a new one, e.g. from the last checkpoint.
   StepLosses step(const torch::Tensor& real, const torch::Tensor& noise = {});
   // The same with each local replica's share given by the caller (reals[i] for local replica i, ideally
   // already on its D device, so that no share crosses devices inside the step); `noises` empty or one
@@ -143,8 +169,8 @@ class AdversarialTrainer {
   // D loss on fake, G loss, each the mean over this process's replicas. One host sync.
   torch::Tensor take_losses();
 
-  // Whether steps run as CUDA graphs, and if options.cuda_graphs was asked for but cannot be used for
-  // this placement, why (one line; empty otherwise).
+  // Whether steps run as CUDA graphs, and if options.cuda_graphs was asked for but cannot be used
+  // (synchronized BatchNorm over several replicas), why (one line; empty otherwise).
   bool graphs() const { return graphs_; }
   const std::string& graph_fallback() const { return graph_fallback_; }
   // Kernel nodes of local replica `local`'s captured graphs (0 before the capture).
@@ -155,9 +181,23 @@ class AdversarialTrainer {
   // copy and a batch's worth of device memory.
   torch::Tensor graph_input(int64_t local = 0) const;
 
+  // From record_timeline(true) on, every piece of every step on a CUDA device runs between two timing events on
+  // its device's stream: when the stream started and finished it, cross-device waits enqueued in the piece (the
+  // copies') included. timeline() waits for the devices and returns the spans recorded since the last call. For
+  // traces and idle fractions (hierpar-bench strategy); it costs two events per piece.
+  void record_timeline(bool on);
+  std::vector<TimelineSpan> timeline();
+
   // Makes every replica (here and in other processes) equal to global replica 0: parameters and
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.
   void broadcast_from_replica0();
+
+  // From any thread (a RunGuard's watchdog): the run failed elsewhere. The averager is aborted (waits for
+  // peers end, NCCL communicators are aborted), a step in progress ends with a PeerFailure naming `reason`
+  // within seconds, and the trainer refuses every later step. Never blocks.
+  void abort(const std::string& reason);
+  // Collectives this process's replicas have entered (GradientAverager::progress; 0 with one replica in all).
+  int64_t progress() const;
 
   const Placement& placement() const { return placement_; }
   // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
@@ -171,8 +211,12 @@ class AdversarialTrainer {
 
  private:
   struct Replica;
+  struct ProgramPiece;
   class Workers;
   enum class Phase { eager, capture };
+  // Runs `work` (a piece of local replica `local`'s step on `device`) between timing events when the timeline is on.
+  void timed(int64_t local, const c10::Device& device, const std::string& piece, bool compute,
+             const std::function<void()>& work);
   StepLosses run_step(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises);
   void step_replica(int64_t local, const torch::Tensor& real, const torch::Tensor& noise, StepLosses& out);
   void graph_step_replica(int64_t local, const torch::Tensor& real, const torch::Tensor& noise);
@@ -184,16 +228,22 @@ class AdversarialTrainer {
   // The stream for G's forward and D's pass over the fakes (options.overlap_passes), or none: one stream.
   std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
   void drain_losses();
+  void refuse_if_failed() const;
 
   Placement placement_;
   AdversarialOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<GradientAverager> averager_;
   std::unique_ptr<Workers> workers_;
+  mutable std::mutex failure_mutex_;
+  std::string failure_;   // why an earlier step failed: every later one is refused
+  int64_t steps_ = 0;     // steps run (the fault hook's step index)
   bool graphs_ = false;
   std::string graph_fallback_;
   bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)
   int64_t pending_losses_ = 0;              // steps whose losses are still only on the devices
+  bool timeline_on_ = false;
+  std::vector<std::pair<c10::Device, std::shared_ptr<c10::Event>>> timeline_refs_;  // per device: time zero
   std::vector<torch::Tensor> drained_losses_;  // read back by step() itself, not yet taken
 };
 

@@ -1,7 +1,8 @@
 // Gradient averaging across the replicas of a placement, behind one interface with two implementations:
-//  - host: each replica flattens a network's gradients into one pinned host buffer; the replicas' own
-//    threads (one per replica, like seed 000's OpenMP threads) each sum one slice over all replicas;
-//    the sum goes back to every replica's device (across processes the host sums meet through Gloo);
+//  - host: each replica flattens a network's gradients into one pinned host buffer; one thread per replica
+//    (like seed 000's OpenMP threads) each sum one slice over all replicas; the sum goes back to every
+//    replica's device (across processes the host sums meet through Gloo). On CUDA the thread that queues a
+//    replica's step never waits for its device meanwhile (AveragingOptions::host_overlap);
 //  - collective: a c10d process group (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU) all-reduces
 //    the gradients, either in buckets launched by autograd hooks while the backward still runs (the
 //    default, like PyTorch DDP's reducer) or, with bucket_cap_bytes = 0, as ONE flat buffer per network
@@ -14,15 +15,35 @@
 #include "hierpar/strategy/placement.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace hierpar::strategy {
 
 enum class Network { generator = 0, discriminator = 1 };
 const char* to_string(Network network);
+
+// A wait for other replicas that ended without a result: a peer failed, died or did not arrive in time, or the
+// averager was aborted. An error of this replica's own is a plain c10::Error; a caller coordinating many processes
+// (RunGuard) looks for the cause of a PeerFailure elsewhere before reporting it.
+class PeerFailure : public c10::Error {
+ public:
+  using c10::Error::Error;
+};
+[[noreturn]] void throw_peer_failure(const std::string& message);
+
+// The store the processes of `launch` meet in: torchrun's agent store when it serves one
+// (TORCHELASTIC_USE_AGENT_STORE), otherwise a TCPStore at MASTER_ADDR:MASTER_PORT served by rank 0, under a
+// namespace that every rank of this launch agrees on at connection and that no earlier attempt used (the agent
+// store outlives torchrun's restarts, and TORCHELASTIC_RESTART_COUNT differs between agents, so neither it nor a
+// fixed prefix can keep a restarted attempt from reading a failed one's keys). Call it on every rank.
+c10::intrusive_ptr<c10d::Store> connect_launch_store(const Launch& launch, std::chrono::milliseconds timeout);
 
 class GradientAverager {
  public:
@@ -39,8 +60,10 @@ class GradientAverager {
   // 0's values (initial parameters, a resumed checkpoint).
   virtual void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) = 0;
 
-  // Called once by a failing replica's thread so that the others stop waiting for it (in-process waits
-  // end at once; collectives with other processes end by their timeout).
+  // Called by a failing replica's thread, or from any thread when the run failed elsewhere: every wait for
+  // peers in this process ends with a PeerFailure naming `reason` (in-process barriers and Gloo waits at
+  // once; NCCL communicators are aborted, so device work waiting on a dead peer ends), and so does every
+  // later call. Never blocks.
   virtual void abort(const std::string& reason) = 0;
 
   // Called by every local replica's thread before its first average(): collectives may rendezvous here.
@@ -53,17 +76,35 @@ class GradientAverager {
   // connect(). The default keeps average() doing all the work.
   virtual void attach(int64_t /*local*/, Network /*network*/, const std::vector<at::Tensor>& /*parameters*/) {}
 
+  // Bucketed averaging counts each parameter's gradient once per step. A step that runs several backward passes
+  // through `network` (D's: the real half, then the fake half) says before each whether it is the last, so that
+  // the hooks start buckets only during the last one. Default: every backward is the last.
+  virtual void set_final_backward(int64_t /*local*/, Network /*network*/, bool /*final*/) {}
+
   // Sums `tensor` (local replica `local`'s, on its device for `network`) over all replicas, in place:
   // synchronized BatchNorm's per-channel statistics (forward) and gradient sums (backward). Every
   // replica must call it in the same order relative to its other calls for `network`; it may be called
   // from the autograd engine's thread of the replica's device.
   virtual void sum(int64_t local, Network network, const at::Tensor& tensor) = 0;
+
+  // Calls of average(), sum() and broadcast_from_first() entered so far by this process's replicas: a process
+  // whose count stops below its peers' while they wait is the one that hangs (RunGuard names it so).
+  int64_t progress() const { return entered_.load(std::memory_order_relaxed); }
+
+ protected:
+  void entered() { entered_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> entered_{0};
 };
 
 struct AveragingOptions {
   // Bound on every wait for a peer replica (in-process barriers and c10d collectives): a replica that
-  // dies or throws makes the others fail with an error after at most this long, never hang.
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // dies, throws or hangs makes the others fail with a PeerFailure after at most this long, never hang.
+  std::chrono::milliseconds timeout{std::chrono::minutes(1)};
+  // Where the processes of a multi-process placement meet (a RunGuard's store, so that its heartbeats and the
+  // process groups share one namespace); null: connect_launch_store(placement.launch, timeout).
+  c10::intrusive_ptr<c10d::Store> store;
   // Collective averaging only (host averaging always moves one flat buffer per network): gradients are
   // grouped into buckets of at most this many bytes, in reverse registration order (the backward
   // produces the last layers' gradients first); a bucket's all-reduce starts, asynchronously, as soon as
@@ -73,6 +114,15 @@ struct AveragingOptions {
   // the backward (session 1's path, kept for comparison).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   int64_t first_bucket_cap_bytes = 1024 * 1024;
+  // Host averaging of CUDA gradients without the host waiting for the device: each replica's gradients go to
+  // pinned memory by an asynchronous copy, a thread of the replica's sums them when the copy has landed, and the
+  // device's stream waits for that thread's flag (cuStreamWaitValue32) before copying the average back. The
+  // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
+  // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
+  // Off (or without stream memory operations, or with synchronized BatchNorm, whose sums share the replicas'
+  // barriers): the host waits for the copy, sums, and returns. Off by default: its first GPU run (2 and 4 H100s)
+  // failed the host-averaging tests, and the cause is not found yet.
+  bool host_overlap = false;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).

@@ -3,8 +3,10 @@
 //  - AutocastScope: torch.autocast as a C++ scope;
 //  - CapturedStep: one step of work on one device captured as a sequence of CUDA graphs ("segments")
 //    that share one private memory pool and are replayed in capture order, with host work in between
-//    (e.g. gradient averaging that cannot be captured) -- the recipe of torch.cuda.graph: warm-up steps on
-//    a side stream, capture on that stream, replay on the current stream.
+//    (e.g. gradient averaging that cannot be captured, copies to another device) -- the recipe of
+//    torch.cuda.graph: warm-up steps on a side stream, capture on that stream, replay on the current stream.
+//    A step that moves between devices has one CapturedStep per device and captures it piece by piece
+//    (open_segment / close_segment), in the order the step runs.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -56,6 +58,17 @@ class CapturedStep {
   // a data loader) may keep calling CUDA while this one captures. Replaces an earlier capture.
   void capture(const std::function<void()>& body);
   void split();
+
+  // The same piece by piece: begin_capture() drops earlier segments; open_segment() starts capturing the next
+  // segment on the side stream, which stays the device's current stream until close_segment(); end_capture()
+  // after the last. Only one segment of a CapturedStep is open at a time. abandon_capture() ends an open segment
+  // after a failure (the error that stopped it is the one to report) and drops every segment.
+  void begin_capture();
+  void open_segment();
+  void close_segment();
+  void end_capture();
+  bool segment_open() const;
+  void abandon_capture();
 
   bool captured() const;
   int64_t segments() const;

@@ -38,6 +38,8 @@ struct Launch {
   // torchrun's agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT and says so with
   // TORCHELASTIC_USE_AGENT_STORE=True: then every rank connects to it as a client (rank 0 must not bind).
   bool agent_store = false;
+  // Started by torchrun (TORCHELASTIC_RUN_ID is set): its agent is this process's parent.
+  bool torchrun = false;
 
   static Launch from_env();  // the variables above; missing ones keep the defaults
   bool multi_process() const { return world_size > 1; }
@@ -59,8 +61,9 @@ struct Placement {
   int64_t global_replicas() const { return local_replicas() * launch.world_size; }
 
   // The placement for `devices` devices of `device_type` in all (over every process of `launch`):
-  // CUDA devices are numbered from 0 within each process (LOCAL_RANK picks this process's share);
-  // CPU "devices" are all the CPU, which lets tests run every scheme without a GPU.
+  // CUDA devices are numbered from 0 within each process (LOCAL_RANK picks this process's share, unless
+  // CUDA_VISIBLE_DEVICES leaves the process exactly its share, as SLURM's --gpus-per-task does: then it takes
+  // them all); CPU "devices" are all the CPU, which lets tests run every scheme without a GPU.
   // Throws with a message naming the flag for an impossible request: unknown names, too few
   // visible GPUs, an odd count for hierarchical, a device count that does not fit the processes.
   static Placement make(Scheme scheme, int64_t devices, Reduce reduce,
