@@ -3,6 +3,7 @@
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/env.h>
+#include <c10/util/strides.h>
 
 #include <limits>
 
@@ -15,6 +16,8 @@ bool poison_outputs() {
 
 bool switched_on(const char* name) { return c10::utils::check_env(name) != false; }
 
+bool cpu_aten_route() { return switched_on("HIERPAR_CPU_ATEN"); }
+
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c10::MemoryFormat memory_format) {
   at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
   if (poison_outputs() && out.numel() > 0) {
@@ -26,6 +29,16 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c
       out.fill_(-1);
     }
   }
+  return out;
+}
+
+at::Tensor with_layout_strides(const at::Tensor& t, c10::MemoryFormat layout) {
+  const bool channels_last = layout == c10::MemoryFormat::ChannelsLast && t.dim() == 4;
+  const bool canonical = channels_last ? t.strides() == at::IntArrayRef(c10::get_channels_last_strides_2d(t.sizes()))
+                                       : t.strides() == at::IntArrayRef(c10::contiguous_strides(t.sizes()));
+  if (canonical) return t;
+  at::Tensor out = at::empty(t.sizes(), t.options().memory_format(channels_last ? layout : c10::MemoryFormat::Contiguous));
+  out.copy_(t);
   return out;
 }
 

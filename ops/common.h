@@ -21,6 +21,16 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options,
 // (HIERPAR_SIDE_STREAM=0, HIERPAR_BN_CLUSTER=0, ...). Read at each call, so a benchmark may flip one between rows.
 bool switched_on(const char* name);
 
+// True unless HIERPAR_CPU_ATEN=0: the CPU kernels then run the common cases on ATen's CPU kernels (vectorised,
+// multi-threaded), with hierpar's semantics around them; otherwise, and for the other cases, hierpar's own CPU
+// kernels, the float64/opmath reference that the CUDA kernels are tested against. docs/cpu.md has the figures.
+bool cpu_aten_route();
+
+// `t` with exactly the strides new_output gives a tensor of its sizes in `layout` (copied when they differ): ATen's
+// kernels may return the layout asked for with other strides on size-1 dimensions, which the Meta kernels, and so
+// torch.compile's traced strides, would not match.
+at::Tensor with_layout_strides(const at::Tensor& t, c10::MemoryFormat layout);
+
 // The memory format a 4-d input is laid out in (ChannelsLast or Contiguous); outputs follow it.
 c10::MemoryFormat layout_of(const at::Tensor& t);
 

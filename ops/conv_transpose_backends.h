@@ -8,7 +8,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 
 namespace hierpar::detail {
 
@@ -32,5 +34,17 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
                                         const at::Tensor& input4, const at::Tensor& weight,
                                         const at::Tensor& grad_input, const at::Tensor& grad_weight,
                                         std::optional<double> grad_input_leaky_relu_slope);
+
+// The CPU kernels run float32/float64 on ATen's (cpu_aten_route(); the reference above computes in the same
+// precision, 1.3-3.5x slower on the DCGAN's layers, docs/cpu.md), half types on the reference (float32 arithmetic).
+bool cpu_conv_on_aten(const at::Tensor& input);
+
+// ATen's convolution backward for hierpar::conv_transpose2d (transposed, `g` its geometry) or hierpar::conv2d
+// (`g` the dual geometry, conv2d_shape.h), with hierpar's conventions: 3-d (unbatched) inputs, grad_input in the
+// input's layout and grad_weight in the weight's.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const ConvTranspose2dGeometry& g,
+                                                                        bool transposed, const at::Tensor& grad_output,
+                                                                        const at::Tensor& input, const at::Tensor& weight,
+                                                                        std::array<bool, 3> output_mask);
 
 }  // namespace hierpar::detail

@@ -19,11 +19,12 @@ hierpar_setup() {  # installs what is missing; sets HIERPAR_PYTHON and puts its 
 hierpar_build() {  # configure (once) and build the given targets (all when none)
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
-  [ -f "$HIERPAR_BUILD_DIR/CMakeCache.txt" ] && generator=()  # an existing build keeps its generator
+  local first=" (a first build of everything: ~11 min on 2 cores, docs/build.md)"
+  [ -f "$HIERPAR_BUILD_DIR/CMakeCache.txt" ] && generator=() first=""  # an existing build keeps its generator
   echo "[build] configuring $HIERPAR_BUILD_DIR" >&2
   cmake -S "$HIERPAR_ROOT" -B "$HIERPAR_BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DHIERPAR_PYTHON="$HIERPAR_PYTHON" -DTORCH_CUDA_ARCH_LIST="$TORCH_CUDA_ARCH_LIST" "${HIERPAR_CMAKE_ARGS[@]}" >&2
-  echo "[build] building ${*:-everything} with $HIERPAR_JOBS jobs (first build: ~7 min on 2 cores)" >&2
+  echo "[build] building ${*:-everything} with $HIERPAR_JOBS jobs$first" >&2
   local targets=()
   for t in "$@"; do targets+=(--target "$t"); done
   cmake --build "$HIERPAR_BUILD_DIR" -j "$HIERPAR_JOBS" "${targets[@]}" >&2

@@ -9,6 +9,8 @@
 #include "common/dcgan_app.h"
 #include "common/images.h"
 
+#include <torch/optim/adam.h>
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <stb/stb_image.h>
 #include <stb/stb_image_write.h>
@@ -18,8 +20,12 @@
 #include <ftw.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
 
 namespace {
 
@@ -114,6 +120,54 @@ hierpar::models::Generator trained_generator(const std::string& checkpoint) {
   return load_generator(checkpoint, hierpar::LayerSet::stock, torch::kCPU);
 }
 
+// ---- running hierpar-dcgan ------------------------------------------------------------------------------------
+
+struct ProgramResult {
+  int status;
+  std::vector<std::string> stderr_lines;
+};
+
+ProgramResult run_dcgan(const std::string& args, const TempDir& dir) {
+  const std::string err = dir / "stderr.txt";
+  const std::string command = std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " > /dev/null 2> " + err;
+  const int raw = std::system(command.c_str());
+  ProgramResult r{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, {}};
+  std::ifstream in(err);
+  for (std::string line; std::getline(in, line);) r.stderr_lines.push_back(line);
+  return r;
+}
+
+// What `hierpar-dcgan <args>` prints on stdout.
+std::string dcgan_stdout(const std::string& args) {
+  std::string out;
+  FILE* pipe = ::popen((std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " 2>/dev/null").c_str(), "r");
+  if (pipe == nullptr) return out;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0;) out.append(buffer, n);
+  ::pclose(pipe);
+  return out;
+}
+
+// Bad data, files or folders: one line and exit status 1.
+void expect_one_line_error(const ProgramResult& r, const std::string& substring, const std::string& what,
+                           int status = 1) {
+  EXPECT_EQ(r.status, status) << what;
+  ASSERT_EQ(r.stderr_lines.size(), 1u) << what << ": stderr was:\n"
+                                       << c10::Join("\n", r.stderr_lines);
+  EXPECT_EQ(r.stderr_lines[0].rfind("hierpar-dcgan: error: ", 0), 0u) << r.stderr_lines[0];
+  EXPECT_NE(r.stderr_lines[0].find(substring), std::string::npos) << what << ": " << r.stderr_lines[0];
+}
+
+// A bad flag or combination of flags: one line pointing at --help, and exit status 2.
+void expect_flag_error(const ProgramResult& r, const std::string& substring, const std::string& what) {
+  expect_one_line_error(r, substring, what, 2);
+  if (r.stderr_lines.size() == 1) {
+    const std::string& line = r.stderr_lines[0];
+    const std::string tail = "(see hierpar-dcgan --help)";
+    EXPECT_TRUE(line.size() >= tail.size() && line.compare(line.size() - tail.size(), tail.size(), tail) == 0) << line;
+  }
+}
+
 // ---- IDX / Fashion-MNIST -------------------------------------------------------------------------------
 
 TEST(Data, IdxGzipRoundTrip) {
@@ -169,6 +223,35 @@ TEST(Data, IdxTruncatedGzip) {
   // A complete gzip stream whose header promises more items than it holds.
   write_gz(dir / "short.gz", idx_bytes({50, 28, 28}, random_bytes(10 * 28 * 28)));
   EXPECT_ERROR_MSG(read_idx_gz(dir / "short.gz", 3), "short.gz: truncated while reading the data");
+}
+
+// Damaged bytes that still inflate (here in stored blocks, as deflate keeps incompressible data) show only in the
+// gzip trailer's CRC-32, which the whole file is read for, also when fewer items are kept.
+TEST(Data, IdxCorruptGzipIsRefused) {
+  TempDir dir;
+  // Large enough that the data is read before zlib reaches the trailer (its buffers hold a few kB).
+  const std::string bytes = idx_bytes({400, 28, 28}, random_bytes(400 * 28 * 28));
+  gzFile f = gzopen((dir / "stored.gz").c_str(), "wb0");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+  gzclose(f);
+  std::ifstream in(dir / "stored.gz", std::ios::binary);
+  std::string gz((std::istreambuf_iterator<char>(in)), {});
+  gz[gz.size() * 3 / 4] = static_cast<char>(gz[gz.size() * 3 / 4] ^ 0x5a);
+  std::ofstream(dir / "damaged.gz", std::ios::binary) << gz;
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "damaged.gz", 3), "damaged.gz: corrupt while reading the data (incorrect data check)");
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "damaged.gz", 3, 1), "damaged.gz: corrupt while reading the data (incorrect data check)");
+  EXPECT_NO_THROW(read_idx_gz(dir / "stored.gz", 3));
+  // More data than the header describes.
+  write_gz(dir / "long.gz", idx_bytes({2, 28, 28}, random_bytes(3 * 28 * 28)));
+  EXPECT_ERROR_MSG(read_idx_gz(dir / "long.gz", 3), "long.gz: 784 bytes past the data its IDX header describes");
+  // The program refuses such a data set before training, in one line.
+  fs::create_directories(dir.path / "mnist");
+  fs::copy_file(dir / "damaged.gz", dir / "mnist/train-images-idx3-ubyte.gz");
+  write_gz(dir / "mnist/train-labels-idx1-ubyte.gz", idx_bytes({400}, random_bytes(400, 9)));
+  expect_one_line_error(run_dcgan("train --device cpu --out " + (dir / "out") + " --fashion-mnist-dir " + (dir / "mnist"), dir),
+                        "train-images-idx3-ubyte.gz: corrupt while reading the data (incorrect data check)", "damaged data set");
+  EXPECT_FALSE(fs::exists(dir / "out/checkpoint.pt"));
 }
 
 // ---- image folders ---------------------------------------------------------------------------------------
@@ -317,6 +400,49 @@ TEST(Examples, FlagsGiveOneLineErrors) {
   EXPECT_ERROR_MSG(parse({"--data"}), "--data: missing value");
 }
 
+// A help text that states its default is not followed by "(default ...)" too; the others get it once.
+TEST(Examples, UsageShowsEachDefaultOnce) {
+  int64_t gpus = 0;
+  std::string graphs = "auto", data = "fashion-mnist";
+  Flags flags("test");
+  flags.add("gpus", &gpus, "devices (0: the strategy's own count)", 0)
+      .add("graphs", &graphs, "on or off (default: on for CUDA)")
+      .add("data", &data, "what to train on");
+  const std::string usage = flags.usage();
+  EXPECT_NE(usage.find("devices (0: the strategy's own count) (default 0)\n"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("on or off (default: on for CUDA)\n"), std::string::npos) << usage;
+  EXPECT_EQ(usage.find("(default auto)"), std::string::npos) << usage;
+  EXPECT_NE(usage.find("what to train on (default fashion-mnist)\n"), std::string::npos) << usage;
+  const std::string help = dcgan_stdout("train --help");
+  ASSERT_NE(help.find("--keep-checkpoints"), std::string::npos) << help;
+  std::istringstream lines(help);
+  for (std::string line; std::getline(lines, line);) {
+    const auto first = line.find("default");
+    EXPECT_TRUE(first == std::string::npos || line.find("default", first + 1) == std::string::npos) << line;
+  }
+}
+
+// After a resume the rates count the steps of this run, not those the checkpoint had done.
+TEST(Examples, ProgressRatesCountOnlyThisRunsSteps) {
+  std::ostringstream captured;
+  auto* old = std::cerr.rdbuf(captured.rdbuf());
+  const auto start = std::chrono::steady_clock::now();
+  {
+    Progress progress("epoch 1/1", 100, 1, 0.0, /*first_step=*/90);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    progress.update(100, {});
+  }
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cerr.rdbuf(old);
+  const std::string line = captured.str();
+  const auto at = line.find("100/100  ");
+  ASSERT_NE(at, std::string::npos) << line;
+  const double rate = std::stod(line.substr(at + 9));
+  // 10 steps in 0.2 s at most: at most 50 steps/s, and at least 10 steps over the whole measured time.
+  EXPECT_LE(rate, 10 / 0.2 + 0.01) << line;
+  EXPECT_GE(rate, 10 / elapsed - 0.01) << line;
+}
+
 // ---- training, checkpoints, resume, export -----------------------------------------------------------------------
 
 TEST(Examples, TrainingStepsOnRealDataChangeTheWeights) {
@@ -387,8 +513,147 @@ TEST(Examples, CheckpointFromAnotherConfigurationIsRejected) {
   config.model.image_size = 64;
   config.batch_size = 8;
   EXPECT_ERROR_MSG(train_dcgan(config), "is from another configuration (checkpoint vs this run: batch_size 16 vs 8, image_size 32 vs 64)");
+}
+
+// A truncated, garbage or foreign file is one short line naming it, from the library and from the program.
+TEST(Checkpoint, TruncatedOrForeignFilesAreOneShortLine) {
+  TempDir dir;
+  auto config = tiny_training(dir / "out");
+  config.data = "synthetic";
+  config.max_steps = 1;
+  ASSERT_EQ(train_dcgan(config), 0);
+  std::ifstream in(dir / "out/checkpoint.pt", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  std::ofstream(dir / "cut.pt", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   std::ofstream(dir / "junk.pt") << "not a checkpoint";
-  EXPECT_ERROR_MSG(read_checkpoint_state(dir / "junk.pt"), "junk.pt: not a readable hierpar checkpoint");
+  torch::save(torch::ones({3}), dir / "foreign.pt");
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"cut.pt", "cut.pt: truncated or damaged checkpoint (LibTorch cannot read the archive)"},
+      {"junk.pt", "junk.pt: not a hierpar checkpoint (not a LibTorch archive)"},
+      {"foreign.pt", "foreign.pt: not a hierpar checkpoint (a LibTorch archive of something else)"}};
+  for (const auto& [file, message] : cases) {
+    try {
+      read_checkpoint_state(dir / file);
+      ADD_FAILURE() << file << " was read";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), (dir / file) + message.substr(file.size())) << file;
+    }
+    expect_one_line_error(run_dcgan("generate --device cpu --checkpoint " + (dir / file) + " --output " + (dir / "g.png"), dir),
+                          message, file);
+  }
+}
+
+// Every parameter, buffer and Adam state tensor is checked against the model on load, naming the entry.
+TEST(Checkpoint, EveryTensorIsCheckedAgainstTheModel) {
+  TempDir dir;
+  hierpar::models::DCGANOptions small;
+  small.image_size = 32;
+  small.width = 0.25;
+  small.channels = 1;
+  auto wide = small;
+  wide.width = 0.5;
+  hierpar::models::Generator g(small), other(wide);
+  torch::optim::Adam adam(g->parameters());
+  g->forward(torch::randn({2, 100})).sum().backward();
+  adam.step();
+  CheckpointState state;
+  state.history = torch::zeros({0, 3});
+  save_checkpoint(dir / "g.pt", state, {{"generator", g.get()}}, {{"generator", &adam}}, torch::kCPU);
+
+  EXPECT_ERROR_MSG(load_checkpoint(dir / "g.pt", {}, {{"generator", other.get()}}, {}, torch::kCPU),
+                   "g.pt: entry module/generator/deconv1.weight is [100, 32, 4, 4] Float, the model's is [100, 64, 4, 4] "
+                   "Float (a checkpoint of another model)");
+  hierpar::models::Generator as_double(small);
+  as_double->to(torch::kDouble);
+  EXPECT_ERROR_MSG(load_checkpoint(dir / "g.pt", {}, {{"generator", as_double.get()}}, {}, torch::kCPU),
+                   "entry module/generator/deconv1.weight is [100, 32, 4, 4] Float, the model's is [100, 32, 4, 4] Double");
+  EXPECT_ERROR_MSG(load_checkpoint(dir / "g.pt", {}, {{"discriminator", g.get()}}, {}, torch::kCPU),
+                   "g.pt: the checkpoint has no entry module/discriminator");
+  torch::optim::Adam other_adam(other->parameters());
+  EXPECT_ERROR_MSG(load_checkpoint(dir / "g.pt", {}, {}, {{"generator", &other_adam}}, torch::kCPU),
+                   "g.pt: entry optimizer/generator parameter 0 exp_avg is [100, 32, 4, 4] Float, the parameter is "
+                   "[100, 64, 4, 4] Float");
+  // The matching model and optimiser load, values and all.
+  hierpar::models::Generator same(small);
+  torch::optim::Adam same_adam(same->parameters());
+  EXPECT_NO_THROW(load_checkpoint(dir / "g.pt", {}, {{"generator", same.get()}}, {{"generator", &same_adam}}, torch::kCPU));
+  for (const auto& p : same->named_parameters()) EXPECT_TRUE(p.value().equal(g->named_parameters()[p.key()])) << p.key();
+}
+
+// The configuration is stored as a dictionary: a --data path with spaces (and '=') resumes.
+TEST(Checkpoint, ConfigurationWithSpacesResumes) {
+  TempDir dir;
+  const std::string images = dir / "my images=1";
+  fs::create_directories(images);
+  for (int i = 0; i < 32; ++i) write_png(images + "/" + std::to_string(100 + i) + ".png", 8, 8, 1, random_bytes(64));
+  auto config = tiny_training(dir / "out");
+  config.data = images;
+  config.limit = 32;
+  config.max_steps = 1;
+  ASSERT_EQ(train_dcgan(config), 0);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").config.at("data"), images);
+  config.resume = true;
+  config.max_steps = 2;
+  ASSERT_EQ(train_dcgan(config), 0);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 2);
+}
+
+// --keep-checkpoints K keeps the newest as checkpoint.pt and the last K as checkpoint-<step>.pt; no temporary
+// files stay behind.
+TEST(Checkpoint, KeepsTheLastK) {
+  TempDir dir;
+  auto config = tiny_training(dir / "out");
+  config.data = "synthetic";
+  config.keep_checkpoints = 2;
+  config.checkpoint_every = 1;
+  config.max_steps = 5;
+  ASSERT_EQ(train_dcgan(config), 0);
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(dir.path / "out"))
+    if (entry.path().extension() == ".pt" || entry.path().string().find(".tmp") != std::string::npos)
+      files.push_back(entry.path().filename().string());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"checkpoint-00000004.pt", "checkpoint-00000005.pt", "checkpoint.pt"}));
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 5);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint-00000004.pt").global_step, 4);
+  EXPECT_EQ(numbered_checkpoint(dir / "out/checkpoint.pt", 4), dir / "out/checkpoint-00000004.pt");
+
+  auto one = tiny_training(dir / "one");
+  one.data = "synthetic";
+  one.checkpoint_every = 1;
+  one.max_steps = 3;
+  ASSERT_EQ(train_dcgan(one), 0);
+  int entries = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path / "one")) entries += entry.path().extension() == ".pt";
+  EXPECT_EQ(entries, 1) << "the default keeps checkpoint.pt alone";
+}
+
+// An --out that cannot be written is refused before any data is read or any step trained.
+TEST(Examples, UnusableOutFolderIsRefusedBeforeTraining) {
+  TempDir dir;
+  const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 ";
+  expect_one_line_error(run_dcgan(tiny + "--out /proc/hierpar-test-no-such-folder", dir),
+                        "--out /proc/hierpar-test-no-such-folder: cannot create this folder", "--out under /proc");
+  std::ofstream(dir / "a-file") << "x";
+  expect_one_line_error(run_dcgan(tiny + "--out " + (dir / "a-file"), dir), "cannot create this folder", "--out is a file");
+}
+
+// --resume of a finished run says so and how to go on, trains nothing and exits 0; more --epochs go on.
+TEST(Examples, ResumingAFinishedRunSaysHowToGoOn) {
+  TempDir dir;
+  const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 "
+                           "--samples 4 --out " + (dir / "out") + " ";
+  const auto first = run_dcgan(tiny + "--epochs 1", dir);
+  ASSERT_EQ(first.status, 0) << c10::Join("\n", first.stderr_lines);
+  const auto again = run_dcgan(tiny + "--epochs 1 --resume", dir);
+  EXPECT_EQ(again.status, 0);
+  ASSERT_EQ(again.stderr_lines.size(), 1u) << c10::Join("\n", again.stderr_lines);
+  EXPECT_EQ(again.stderr_lines[0].rfind("nothing to train: " + (dir / "out/checkpoint.pt") +
+                                        " has done 2 steps (1 of --epochs 1 epochs); pass a larger --epochs or "
+                                        "--max-steps to train on", 0), 0u) << again.stderr_lines[0];
+  const auto more = run_dcgan(tiny + "--epochs 2 --resume", dir);
+  EXPECT_EQ(more.status, 0) << c10::Join("\n", more.stderr_lines);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
 }
 
 TEST(Examples, TorchScriptExportGivesTheSameOutput) {
@@ -429,29 +694,6 @@ TEST(Examples, TorchScriptExportGivesTheSameOutput) {
 
 // ---- the program: bad input gives one line on stderr and a non-zero exit -------------------------------------
 
-struct ProgramResult {
-  int status;
-  std::vector<std::string> stderr_lines;
-};
-
-ProgramResult run_dcgan(const std::string& args, const TempDir& dir) {
-  const std::string err = dir / "stderr.txt";
-  const std::string command = std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " > /dev/null 2> " + err;
-  const int raw = std::system(command.c_str());
-  ProgramResult r{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, {}};
-  std::ifstream in(err);
-  for (std::string line; std::getline(in, line);) r.stderr_lines.push_back(line);
-  return r;
-}
-
-void expect_one_line_error(const ProgramResult& r, const std::string& substring, const std::string& what) {
-  EXPECT_NE(r.status, 0) << what;
-  ASSERT_EQ(r.stderr_lines.size(), 1u) << what << ": stderr was:\n"
-                                       << c10::Join("\n", r.stderr_lines);
-  EXPECT_EQ(r.stderr_lines[0].rfind("hierpar-dcgan: error: ", 0), 0u) << r.stderr_lines[0];
-  EXPECT_NE(r.stderr_lines[0].find(substring), std::string::npos) << what << ": " << r.stderr_lines[0];
-}
-
 TEST(Examples, ProgramReportsBadInputInOneLine) {
   TempDir dir;
   const std::string base = "train --device cpu --out " + (dir / "out") + " ";
@@ -470,12 +712,15 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   fs::create_directories(dir.path / "bad");
   std::ofstream(dir / "bad/a.png") << "garbage";
   expect_one_line_error(run_dcgan(base + "--data " + (dir / "bad"), dir), "a.png: cannot read image", "unreadable image");
-  expect_one_line_error(run_dcgan(base + "--batch-size 0", dir), "--batch-size: expected an integer >= 1, got 0", "batch 0");
-  expect_one_line_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
-  expect_one_line_error(run_dcgan(base + "--layers fast", dir), "layers: expected 'stock' or 'hierpar', got 'fast'", "layer set");
-  expect_one_line_error(run_dcgan(base + "--epochs", dir), "--epochs: missing value", "missing value");
-  expect_one_line_error(run_dcgan(base + "--colour red", dir), "unknown flag --colour", "unknown flag");
-  expect_one_line_error(run_dcgan("frobnicate", dir), "unknown command 'frobnicate'", "unknown command");
+  expect_flag_error(run_dcgan(base + "--batch-size 0", dir), "--batch-size: expected an integer >= 1, got 0", "batch 0");
+  expect_flag_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
+  expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
+  expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
+  expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
+  expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");
+  expect_flag_error(run_dcgan(base + "--epochs", dir), "--epochs: missing value", "missing value");
+  expect_flag_error(run_dcgan(base + "--colour red", dir), "unknown flag --colour", "unknown flag");
+  expect_flag_error(run_dcgan("frobnicate", dir), "unknown command 'frobnicate'", "unknown command");
 
   // A checkpoint from another configuration.
   const std::string tiny = base + "--data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 --max-steps 1 ";
@@ -504,7 +749,7 @@ TEST(Examples, StrategyFlagsParseAndValidate) {
   EXPECT_EQ(dcgan_placement(config).to_string(), "data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu; reduce=host");
   config.strategy = "task";
   config.gpus = 0;  // the scheme's own count
-  config.reduce = "nccl";
+  config.reduce = "nccl";  // Gloo's collectives with --device cpu: how the tests run the collective averaging
   EXPECT_EQ(dcgan_placement(config).to_string(), "task: replica 0: G cpu, D cpu; reduce=nccl");
   config.strategy = "hierarchical";
   EXPECT_EQ(dcgan_placement(config).global_replicas(), 1);
@@ -512,15 +757,44 @@ TEST(Examples, StrategyFlagsParseAndValidate) {
   EXPECT_EQ(dcgan_placement(config).global_replicas(), 2);
 
   const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
-  expect_one_line_error(run_dcgan(base + "--strategy model", dir), "--strategy must be one of single, task, data, hierarchical; got \"model\"", "strategy name");
-  expect_one_line_error(run_dcgan(base + "--reduce mpi", dir), "--reduce must be host or nccl; got \"mpi\"", "reduce name");
-  expect_one_line_error(run_dcgan(base + "--strategy hierarchical --gpus 3", dir), "needs an even --gpus", "odd hierarchical");
-  expect_one_line_error(run_dcgan(base + "--strategy task --gpus 3", dir), "uses exactly 2 devices", "task on 3");
-  expect_one_line_error(run_dcgan(base + "--strategy single --gpus 2", dir), "uses exactly 1 device", "single on 2");
-  expect_one_line_error(run_dcgan(base + "--gpus -1", dir), "--gpus: expected an integer >= 0, got -1", "negative gpus");
-  expect_one_line_error(run_dcgan(base + "--strategy data --gpus 4 --batch-size 18", dir),
+  expect_flag_error(run_dcgan(base + "--strategy model", dir), "--strategy: expected single, task, data or hierarchical, got 'model'", "strategy name");
+  expect_flag_error(run_dcgan(base + "--reduce mpi", dir), "--reduce: expected host or nccl, got 'mpi'", "reduce name");
+  expect_flag_error(run_dcgan(base + "--strategy hierarchical --gpus 3", dir), "needs an even --gpus", "odd hierarchical");
+  expect_flag_error(run_dcgan(base + "--strategy task --gpus 3", dir), "uses exactly 2 devices", "task on 3");
+  expect_flag_error(run_dcgan(base + "--strategy single --gpus 2", dir), "uses exactly 1 device", "single on 2");
+  expect_flag_error(run_dcgan(base + "--gpus -1", dir), "--gpus: expected an integer >= 0, got -1", "negative gpus");
+  expect_flag_error(run_dcgan(base + "--strategy data --gpus 4 --batch-size 18", dir),
                         "--batch-size 18 does not split evenly over the 4 replicas", "uneven split");
   EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+}
+
+// Several CPU "devices" are threads standing in for GPUs, for tests: without --device cpu a placement needs GPUs.
+TEST(Examples, CpuPlacementsNeedDeviceCpu) {
+  TempDir dir;
+  auto config = tiny_training(dir / "out");
+  config.device = "";  // as given by no --device flag
+  for (const auto& [strategy, gpus] : std::vector<std::pair<std::string, int64_t>>{{"hierarchical", 4}, {"data", 2}, {"task", 0}}) {
+    config.strategy = strategy;
+    config.gpus = gpus;
+    if (hierpar::testing::cuda_available()) {
+      // With GPUs the same flags place on them (or say how many are missing).
+      try {
+        EXPECT_TRUE(dcgan_placement(config).replicas[0].generator.is_cuda()) << strategy;
+      } catch (const FlagError& e) {
+        EXPECT_NE(std::string(e.what()).find("--gpus"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    EXPECT_ERROR_MSG(dcgan_placement(config), "needs CUDA devices and this machine has none; --device cpu runs it on CPU threads");
+  }
+  if (!hierpar::testing::cuda_available()) {
+    expect_flag_error(run_dcgan("train --data synthetic --strategy hierarchical --gpus 4 --out " + (dir / "out"), dir),
+                      "--strategy hierarchical --gpus 4 needs CUDA devices and this machine has none", "hierarchical without GPUs");
+    EXPECT_FALSE(fs::exists(dir / "out/checkpoint.pt"));
+  }
+  config.strategy = "single";  // one device: the CPU when there is no GPU, as --device's default says
+  config.gpus = 0;
+  EXPECT_EQ(dcgan_placement(config).replicas[0].generator.is_cuda(), hierpar::testing::cuda_available());
 }
 
 // Two replicas of the program on CPU "devices" (threads, host averaging): the checkpoint (replica 0's
@@ -616,17 +890,17 @@ std::vector<torch::Tensor> checkpoint_networks(const std::string& path, const hi
 TEST(Examples, StepFlagsGiveOneLineErrors) {
   TempDir dir;
   const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
-  expect_one_line_error(run_dcgan(base + "--graphs sometimes", dir), "--graphs: expected on or off, got 'sometimes'", "graphs value");
-  expect_one_line_error(run_dcgan(base + "--precision fp16", dir), "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value");
-  expect_one_line_error(run_dcgan(base + "--overlap maybe", dir), "--overlap: expected on or off, got 'maybe'", "overlap value");
-  expect_one_line_error(run_dcgan(base + "--optimizer sgd", dir), "--optimizer: expected adam or fused, got 'sgd'", "optimizer value");
-  expect_one_line_error(run_dcgan(base + "--graphs on", dir), "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU");
-  expect_one_line_error(run_dcgan(base + "--precision bf16", dir), "--precision bf16 needs a CUDA device", "bf16 on CPU");
-  expect_one_line_error(run_dcgan(base + "--log-every 0", dir), "--log-every: expected an integer >= 1, got 0", "log interval");
-  expect_one_line_error(run_dcgan(base + "--channels-last=yes", dir), "--channels-last takes no value", "boolean flag");
+  expect_flag_error(run_dcgan(base + "--graphs sometimes", dir), "--graphs: expected on or off, got 'sometimes'", "graphs value");
+  expect_flag_error(run_dcgan(base + "--precision fp16", dir), "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value");
+  expect_flag_error(run_dcgan(base + "--overlap maybe", dir), "--overlap: expected on or off, got 'maybe'", "overlap value");
+  expect_flag_error(run_dcgan(base + "--optimizer sgd", dir), "--optimizer: expected adam or fused, got 'sgd'", "optimizer value");
+  expect_flag_error(run_dcgan(base + "--graphs on", dir), "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU");
+  expect_flag_error(run_dcgan(base + "--precision bf16", dir), "--precision bf16 needs a CUDA device", "bf16 on CPU");
+  expect_flag_error(run_dcgan(base + "--log-every 0", dir), "--log-every: expected an integer >= 1, got 0", "log interval");
+  expect_flag_error(run_dcgan(base + "--channels-last=yes", dir), "--channels-last takes no value", "boolean flag");
   EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
-  expect_one_line_error(run_dcgan("plot --output " + (dir / "p.png"), dir), "--runs: give at least one LABEL=PATH", "no runs");
-  expect_one_line_error(run_dcgan("plot --runs nolabel --output " + (dir / "p.png"), dir), "--runs: expected LABEL=PATH, got 'nolabel'", "run without label");
+  expect_flag_error(run_dcgan("plot --output " + (dir / "p.png"), dir), "--runs: give at least one LABEL=PATH", "no runs");
+  expect_flag_error(run_dcgan("plot --runs nolabel --output " + (dir / "p.png"), dir), "--runs: expected LABEL=PATH, got 'nolabel'", "run without label");
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "none.csv") + " --output " + (dir / "p.png"), dir), "none.csv: cannot read the losses", "missing csv");
   std::ofstream(dir / "junk.csv") << "a,b\n1,2\n";
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "junk.csv") + " --output " + (dir / "p.png"), dir), "junk.csv: not a hierpar-dcgan losses.csv", "wrong csv");

@@ -187,6 +187,21 @@ TEST(MaxPool, WindowEntirelyInPaddingGivesMinusInfinityAndNoGradient) {
   }
 }
 
+// An offset that names no element of its window (indices max_pool2d did not make) sends that window's gradient
+// nowhere, on either CPU route (the ATen route hands such indices to the reference).
+TEST(MaxPool, BackwardIgnoresOffsetsOutsideTheWindow) {
+  PoolCase c{{2, 3, 6, 6}, {2, 2}, {2, 2}, {0, 0}, {1, 1}, false};
+  const auto x = random_tensor(c.shape, torch::kFloat);
+  auto [out, idx] = pool(x, c);
+  const auto grad_output = random_tensor(out.sizes(), torch::kFloat);
+  auto expected = pool_backward(grad_output, idx, c);
+  const int64_t flat = decode_indices(idx, c)[1][2][1][0].item<int64_t>();
+  expected[1][2][flat / 6][flat % 6] = 0;
+  auto bad = idx.clone();
+  bad[1][2][1][0] = 200;  // a 2x2 window has offsets 0-3
+  expect_close(pool_backward(grad_output, bad, c), expected, kExact, "grad_input");
+}
+
 TEST(MaxPool, AutogradMatchesAten) {
   for (int trial = 0; trial < 6; ++trial) {
     const auto c = random_case();

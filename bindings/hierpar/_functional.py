@@ -5,7 +5,7 @@ registered backward op), written so TorchScript compiles it: BroadcastingList2 l
 as in torch.nn.functional.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -135,14 +135,32 @@ def conv2d(
     weight: Tensor,
     bias: Optional[Tensor] = None,
     stride: BroadcastingList2[int] = 1,
-    padding: BroadcastingList2[int] = 0,
+    padding: Union[str, List[int], int] = 0,
     dilation: BroadcastingList2[int] = 1,
     groups: int = 1,
     leaky_relu_slope: Optional[float] = None,
 ) -> Tensor:
-    """Like torch.nn.functional.conv2d (weight [C_out, C_in/groups, kH, kW], integer padding), on hierpar::conv2d:
-    the transposed convolution's kernels run backwards, fastest for few input channels. With leaky_relu_slope
-    (>= 0) the output is leaky_relu(conv2d(...), leaky_relu_slope), fused."""
-    return torch.ops.hierpar.conv2d(
-        input, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups, leaky_relu_slope
-    )
+    """Like torch.nn.functional.conv2d (weight [C_out, C_in/groups, kH, kW]; padding an int, a pair, "same" or
+    "valid"), on hierpar::conv2d: the transposed convolution's kernels run backwards, fastest for few input channels.
+    With leaky_relu_slope (>= 0) the output is leaky_relu(conv2d(...), leaky_relu_slope), fused."""
+    stride_ = _pair(stride)
+    dilation_ = _pair(dilation)
+    if isinstance(padding, str):
+        if padding == "valid":
+            padding_ = [0, 0]
+        elif padding == "same":
+            if stride_[0] != 1 or stride_[1] != 1:
+                raise ValueError("padding='same' is not supported for strided convolutions")
+            # torch's rule: half the window on each side, the odd element of an even window at the bottom/right.
+            total_h = dilation_[0] * (weight.shape[-2] - 1)
+            total_w = dilation_[1] * (weight.shape[-1] - 1)
+            padding_ = [total_h // 2, total_w // 2]
+            if total_h % 2 != 0 or total_w % 2 != 0:
+                input = torch.nn.functional.pad(input, [0, total_w % 2, 0, total_h % 2])
+        else:
+            raise ValueError("padding: expected an int, a pair, 'same' or 'valid', got '" + padding + "'")
+    elif isinstance(padding, int):
+        padding_ = [padding, padding]
+    else:
+        padding_ = list(padding)
+    return torch.ops.hierpar.conv2d(input, weight, bias, stride_, padding_, dilation_, groups, leaky_relu_slope)

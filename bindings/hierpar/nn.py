@@ -143,4 +143,5 @@ class Conv2d(torch.nn.Conv2d):
             input = torch.nn.functional.pad(input, self._reversed_padding_repeated_twice, mode=mode)
             return conv2d(input, self.weight, self.bias, self.stride, [0, 0], self.dilation, self.groups,
                           negative_slope)
-        return conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups, negative_slope)
+        return conv2d(input, self.weight, self.bias, self.stride, [padding[0], padding[1]], self.dilation, self.groups,
+                      negative_slope)

@@ -31,7 +31,7 @@ int run(int argc, char** argv) {
       .add("fashion-mnist-dir", &dir, "where the Fashion-MNIST .gz files are")
       .add("device", &device_name, "cpu, cuda or cuda:N (default: cuda when available)");
   if (!flags.parse(argc, argv, 1)) return 0;
-  const auto set = hierpar::parse_layer_set(layers);
+  const auto set = parse_layers(layers);
   const auto device = parse_device(device_name);
 
   auto train = load_fashion_mnist(dir, true, limit), test = load_fashion_mnist(dir, false);

@@ -1,6 +1,7 @@
 // Training checkpoints: modules, optimisers, progress counters, RNG states and the configuration that
-// produced them, written atomically (temporary file + rename) so an interrupted write leaves the previous
-// checkpoint intact.
+// produced them. Written to a fresh temporary file, flushed to the disk (file and folder) and renamed over
+// the previous one, so a crash or a concurrent writer never leaves a partial checkpoint under the name.
+// Loading checks every tensor's shape and dtype against the modules it fills; any failure is one line.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -14,9 +15,8 @@
 
 namespace hierpar::examples {
 
-// A configuration as ordered key=value pairs; compared field by field when resuming.
+// A configuration as key=value pairs (values may hold any characters); compared field by field when resuming.
 using Config = std::map<std::string, std::string>;
-std::string to_string(const Config& config);  // "key=value key=value"
 
 struct CheckpointState {
   Config config;
@@ -30,8 +30,13 @@ using NamedModules = std::vector<std::pair<std::string, torch::nn::Module*>>;
 using NamedOptimizers = std::vector<std::pair<std::string, torch::optim::Optimizer*>>;
 
 // Writes `path` atomically. Also stores the CPU RNG state and, when `device` is CUDA, that device's.
+// keep > 1 also keeps the last `keep` checkpoints as checkpoint-<global step>.pt beside `path` (hard links
+// of the same files, so no extra disk for the newest) and removes older ones.
 void save_checkpoint(const std::string& path, const CheckpointState& state, const NamedModules& modules,
-                     const NamedOptimizers& optimizers, torch::Device device);
+                     const NamedOptimizers& optimizers, torch::Device device, int64_t keep = 1);
+
+// Where save_checkpoint keeps the checkpoint of `global_step` beside `path` when keep > 1.
+std::string numbered_checkpoint(const std::string& path, int64_t global_step);
 
 // Reads the state of the checkpoint at `path` without touching modules (config, counters, history).
 CheckpointState read_checkpoint_state(const std::string& path);
@@ -41,8 +46,9 @@ CheckpointState read_checkpoint_state(const std::string& path);
 void require_config(const std::string& path, const Config& found, const Config& expected);
 
 // Loads the named modules and optimisers (and RNG states unless `restore_rng` is false) from `path`.
-// Tensors are read onto the CPU: a module's parameters on another device take the CPU values' device
-// (load into CPU modules and move them), and optimiser state tensors are CPU tensors.
+// Every parameter and buffer must be in the checkpoint with the module's shape and dtype, and every Adam
+// state tensor with its parameter's, else Error names the entry. Values are copied into the modules'
+// tensors (on their devices); optimiser state tensors are read onto the CPU.
 // Checks the configuration with require_config; throws Error if the file cannot be read.
 CheckpointState load_checkpoint(const std::string& path, const Config& expected, const NamedModules& modules,
                                 const NamedOptimizers& optimizers, torch::Device device, bool restore_rng = true);

@@ -7,8 +7,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace hierpar::examples {
@@ -29,6 +32,21 @@ int run_reporting_errors(const std::string& program, const std::function<int()>&
     std::cerr << program << ": error: " << first_line(e.what()) << "\n";
   }
   return 1;
+}
+
+void require_writable_folder(const std::string& flag, const std::string& folder) {
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  if (ec) throw Error(flag + " " + folder + ": cannot create this folder (" + ec.message() + ")");
+  const std::string probe = folder + "/.write-test-" + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const bool written = fd >= 0 && ::write(fd, "x", 1) == 1;
+  const int saved = errno;
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+  if (!written) throw Error(flag + " " + folder + ": cannot write files there (" + std::strerror(saved) + ")");
 }
 
 Flags& Flags::add(const std::string& name, std::string* target, const std::string& help) {
@@ -123,16 +141,20 @@ std::string Flags::usage() const {
   for (const auto& f : flags_) {
     std::string head = "  --" + f.name + (f.is_bool ? "" : f.implicit.empty() ? " V" : " [V]");
     os << head << std::string(head.size() < 26 ? 26 - head.size() : 1, ' ') << f.help;
-    if (!f.is_bool && !f.default_text.empty()) os << " (default " << f.default_text << ")";
+    // A help text that explains its own default is not followed by the raw one.
+    if (!f.is_bool && !f.default_text.empty() && f.help.find("default") == std::string::npos)
+      os << " (default " << f.default_text << ")";
     os << "\n";
   }
   return os.str();
 }
 
-Progress::Progress(std::string label, int64_t total_steps, int64_t images_per_step, double plain_interval_s)
+Progress::Progress(std::string label, int64_t total_steps, int64_t images_per_step, double plain_interval_s,
+                   int64_t first_step)
     : label_(std::move(label)),
       total_(total_steps),
       images_per_step_(images_per_step),
+      first_step_(first_step),
       plain_interval_s_(plain_interval_s),
       tty_(isatty(fileno(stderr)) != 0),
       start_(std::chrono::steady_clock::now()),
@@ -141,7 +163,7 @@ Progress::Progress(std::string label, int64_t total_steps, int64_t images_per_st
 std::string Progress::render(int64_t step, const std::vector<std::pair<std::string, double>>& values,
                              bool bar) const {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  const double steps_per_s = seconds > 0 ? step / seconds : 0.0;
+  const double steps_per_s = seconds > 0 ? (step - first_step_) / seconds : 0.0;
   char buf[160];
   std::string out = label_ + " ";
   if (bar && total_ > 0) {

@@ -26,6 +26,9 @@ struct FlagError : Error {
   using Error::Error;
 };
 
+// Creates `folder` if needed and checks that a file can be written there; throws Error naming `flag` otherwise.
+void require_writable_folder(const std::string& flag, const std::string& folder);
+
 // "--name value" or "--name=value"; booleans are "--name". parse() throws FlagError naming the flag for an
 // unknown flag, a missing value or one that does not parse or is out of range.
 class Flags {
@@ -59,8 +62,10 @@ class Flags {
 // a terminal, printed as plain lines (at most every `plain_interval_s`) otherwise.
 class Progress {
  public:
-  Progress(std::string label, int64_t total_steps, int64_t images_per_step, double plain_interval_s = 10.0);
-  // `step` counts from the start of this Progress (1-based); values are shown as name=value.
+  // `first_step` steps were done before this Progress started (a resumed epoch): the rates count from there.
+  Progress(std::string label, int64_t total_steps, int64_t images_per_step, double plain_interval_s = 10.0,
+           int64_t first_step = 0);
+  // `step` counts from the start of the epoch (1-based); values are shown as name=value.
   void update(int64_t step, const std::vector<std::pair<std::string, double>>& values);
   // Ends the line (terminal) and prints the summary of the last update.
   void finish();
@@ -68,7 +73,7 @@ class Progress {
  private:
   std::string render(int64_t step, const std::vector<std::pair<std::string, double>>& values, bool bar) const;
   std::string label_;
-  int64_t total_, images_per_step_;
+  int64_t total_, images_per_step_, first_step_;
   double plain_interval_s_;
   bool tty_;
   std::chrono::steady_clock::time_point start_, last_plain_;

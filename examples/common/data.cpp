@@ -34,22 +34,45 @@ struct GzCloser {
   void operator()(gzFile f) const { gzclose(f); }
 };
 
-// Reads exactly n bytes or throws naming the file: a short read is a truncated or corrupt file.
+// Throws naming the file and what was being read: a read that ends early is a truncated file, a zlib error
+// (a bad deflate block, or the trailer's CRC-32 or length) a corrupt one.
+[[noreturn]] void gzip_failure(gzFile file, const std::string& path, int got, const char* what) {
+  int code = Z_OK;
+  const char* msg = gzerror(file, &code);
+  std::string reason = msg && *msg ? msg : "unexpected end of file";
+  if (reason.rfind(path + ": ", 0) == 0) reason = reason.substr(path.size() + 2);  // zlib repeats the path
+  const bool eof = got == 0 || code == Z_BUF_ERROR;
+  throw Error(path + ": " + (eof ? "truncated" : "corrupt") + " while reading the " + what + " (" + reason + ")");
+}
+
+// Reads exactly n bytes or throws naming the file.
 void read_exact(gzFile file, const std::string& path, void* out, size_t n, const char* what) {
   auto* dst = static_cast<unsigned char*>(out);
   while (n > 0) {
     const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n, 1u << 30));
     const int got = gzread(file, dst, chunk);
-    if (got <= 0) {
-      int code = 0;
-      const char* msg = gzerror(file, &code);
-      const bool eof = got == 0 || code == Z_BUF_ERROR;
-      throw Error(path + ": " + (eof ? "truncated" : "corrupt") + " while reading the " + what + " (" +
-                  (code != Z_OK && msg && *msg ? msg : "unexpected end of file") + ")");
-    }
+    if (got <= 0) gzip_failure(file, path, got, what);
     dst += got;
     n -= static_cast<size_t>(got);
   }
+}
+
+// Reads the stream to its end: `expected` more bytes, then nothing. Only there does zlib check the gzip
+// trailer (CRC-32 and length), the one sign of damaged bytes that still inflate (e.g. in stored blocks).
+void read_to_end(gzFile file, const std::string& path, int64_t expected) {
+  std::vector<unsigned char> buffer(1 << 16);
+  int64_t got_total = 0;
+  for (;;) {
+    const int got = gzread(file, buffer.data(), static_cast<unsigned>(buffer.size()));
+    int code = Z_OK;
+    gzerror(file, &code);
+    if (got < 0 || code != Z_OK) gzip_failure(file, path, got < 0 ? -1 : 1, "data");
+    if (got == 0) break;
+    got_total += got;
+  }
+  if (got_total < expected) throw Error(path + ": truncated while reading the data (unexpected end of file)");
+  if (got_total > expected)
+    throw Error(path + ": " + std::to_string(got_total - expected) + " bytes past the data its IDX header describes");
 }
 
 uint32_t big_endian(const unsigned char* b) {
@@ -84,9 +107,11 @@ torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items) 
     if (sizes[d] == 0 || sizes[d] > (int64_t{1} << 28))
       throw Error(path + ": implausible IDX dimension " + std::to_string(d) + " of size " + std::to_string(sizes[d]));
   }
+  const int64_t items = sizes[0];
   if (max_items > 0) sizes[0] = std::min(sizes[0], max_items);
   auto out = torch::empty(sizes, torch::kUInt8);
   read_exact(file.get(), path, out.data_ptr<uint8_t>(), static_cast<size_t>(out.numel()), "data");
+  read_to_end(file.get(), path, (items - sizes[0]) * (out.numel() / std::max<int64_t>(1, sizes[0])));
   return out;
 }
 

@@ -26,7 +26,8 @@ struct Dataset {
 };
 
 // A gzip-compressed IDX file of unsigned bytes (magic 0x0000080N, N = number of dimensions, which must be
-// `dims`). Reads at most `max_items` items (0: all). Returns a uint8 tensor of the file's dimensions.
+// `dims`). Keeps at most `max_items` items (0: all), but always reads the whole file: its length and gzip
+// checksum are checked, so a truncated or damaged file is refused. Returns a uint8 tensor of the file's dimensions.
 torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items = 0);
 
 // Fashion-MNIST's train (60000) or test (10000) split from `dir`, at most `max_items` (0: all).

@@ -125,10 +125,15 @@ torch::Device parse_device(const std::string& name) {
     }
     const int64_t count = torch::cuda::device_count();
     if (index >= count)
-      throw Error("--device " + name + ": this machine has " + std::to_string(count) + " CUDA device(s)");
+      throw FlagError("--device " + name + ": this machine has " + std::to_string(count) + " CUDA device(s)");
     return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
   }
   throw FlagError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
+}
+
+LayerSet parse_layers(const std::string& name) {
+  if (name != "stock" && name != "hierpar") throw FlagError("--layers: expected stock or hierpar, got '" + name + "'");
+  return hierpar::parse_layer_set(name);
 }
 
 Config checkpoint_config(const DCGANTrainConfig& config) {
@@ -147,16 +152,20 @@ Config checkpoint_config(const DCGANTrainConfig& config) {
 
 hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
   namespace hs = hierpar::strategy;
-  hs::Scheme scheme;
-  hs::Reduce reduce;
-  try {
-    scheme = hs::parse_scheme(config.strategy);
-    reduce = hs::parse_reduce(config.reduce);
-  } catch (const c10::Error& e) {
-    throw FlagError(e.what_without_backtrace());
-  }
+  if (config.strategy != "single" && config.strategy != "task" && config.strategy != "data" &&
+      config.strategy != "hierarchical")
+    throw FlagError("--strategy: expected single, task, data or hierarchical, got '" + config.strategy + "'");
+  if (config.reduce != "host" && config.reduce != "nccl")
+    throw FlagError("--reduce: expected host or nccl, got '" + config.reduce + "'");
+  const hs::Scheme scheme = hs::parse_scheme(config.strategy);
+  const hs::Reduce reduce = hs::parse_reduce(config.reduce);
   const hs::Launch launch = hs::Launch::from_env();
   const torch::Device device = parse_device(config.device);
+  // Several replicas or G/D devices on the CPU are threads standing in for GPUs (tests, CI): only on request.
+  if (device.is_cpu() && config.device.empty() &&
+      (scheme != hs::Scheme::single || config.gpus > 1 || launch.multi_process()))
+    throw FlagError("--strategy " + config.strategy + (config.gpus > 0 ? " --gpus " + std::to_string(config.gpus) : "") +
+                    " needs CUDA devices and this machine has none; --device cpu runs it on CPU threads (for tests)");
   const bool indexed = device.is_cuda() && config.device.find(':') != std::string::npos;
   if (indexed && (scheme != hs::Scheme::single || launch.multi_process()))
     throw FlagError("--device " + config.device + " picks one GPU, which only --strategy single in one process "
@@ -167,7 +176,7 @@ hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
   try {
     placement = hs::Placement::make(scheme, gpus, reduce, device.type(), launch);
   } catch (const c10::Error& e) {
-    throw Error(e.what_without_backtrace());
+    throw FlagError(e.what_without_backtrace());  // each names the flag (--gpus, --strategy) it is about
   }
   if (indexed) placement.replicas[0] = {0, device, device};  // --device cuda:N with single
   return placement;
@@ -191,7 +200,7 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
   if (s.graphs && config.optimizer == "adam")
     throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
   s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
-  s.tf32 = config.precision != "fp32";
+  s.tf32 = cuda && config.precision != "fp32";  // TF32 is a CUDA matmul mode; the CPU computes fp32
   if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
   s.channels_last = config.channels_last || config.precision == "bf16";
   s.overlap = config.overlap == "on" && cuda;
@@ -352,7 +361,9 @@ void write_launcher_error(const std::string& line) {
 
 int train_dcgan(DCGANTrainConfig config) {
   namespace hs = hierpar::strategy;
-  if (config.batch_size < 1) throw Error("batch size must be at least 1, got " + std::to_string(config.batch_size));
+  if (config.batch_size < 1) throw FlagError("--batch-size: expected an integer >= 1, got " + std::to_string(config.batch_size));
+  if (config.keep_checkpoints < 1)
+    throw FlagError("--keep-checkpoints: expected an integer >= 1, got " + std::to_string(config.keep_checkpoints));
   if (!(config.timeout > 0)) throw FlagError("--timeout: expected a number of seconds > 0, got " + format_double(config.timeout));
   if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
   config.model.validate();
@@ -362,7 +373,7 @@ int train_dcgan(DCGANTrainConfig config) {
   const int64_t rank = placement.launch.rank, world = placement.launch.world_size;
   const bool writer = rank == 0;  // only rank 0 prints and writes files
   if (config.batch_size % placement.global_replicas() != 0)
-    throw Error("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over the " +
+    throw FlagError("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over the " +
                 std::to_string(placement.global_replicas()) + " replicas of " + placement.to_string());
   // This process's replica 0: its D device receives the batches, its G device draws the noise.
   const torch::Device data_device = placement.replicas[0].discriminator;
@@ -375,11 +386,20 @@ int train_dcgan(DCGANTrainConfig config) {
   CheckpointState state;
   state.config = checkpoint_config(config);
   state.history = torch::empty({0, 3});
-  // Checked before the (slow) data loading so that a wrong flag fails at once.
+  // Checked before the (slow) data loading and training, so that a wrong flag or folder costs no work.
+  if (writer) require_writable_folder("--out", config.out);
   const bool resume = config.resume || (config.resume_auto && fs::exists(checkpoint));
   if (resume) {
     if (!fs::exists(checkpoint)) throw Error("--resume: no checkpoint at " + checkpoint);
-    require_config(checkpoint, read_checkpoint_state(checkpoint).config, state.config);
+    const auto found = read_checkpoint_state(checkpoint);
+    require_config(checkpoint, found.config, state.config);
+    if (found.epoch >= config.epochs || (config.max_steps > 0 && found.global_step >= config.max_steps)) {
+      say("nothing to train: " + checkpoint + " has done " + std::to_string(found.global_step) + " steps (" +
+          std::to_string(found.epoch) + " of --epochs " + std::to_string(config.epochs) + " epochs" +
+          (config.max_steps > 0 ? ", --max-steps " + std::to_string(config.max_steps) : std::string()) +
+          "); pass a larger --epochs or --max-steps to train on, or another --out for a new run");
+      return 0;
+    }
   } else if (fs::exists(checkpoint)) {
     throw Error(checkpoint + " exists: pass --resume to continue that run (--resume auto: continue one if it is "
                 "there, as restarts under torchrun --max-restarts need), or choose another --out");
@@ -427,6 +447,10 @@ int train_dcgan(DCGANTrainConfig config) {
       state.epoch = loaded.epoch;
       state.epoch_step = loaded.epoch_step;
       state.global_step = loaded.global_step;
+      if (loaded.history.size(0) != loaded.global_step || (loaded.history.numel() > 0 && loaded.history.size(1) != 3))
+        throw Error(checkpoint + ": entry history has " + std::to_string(loaded.history.size(0)) + " rows of " +
+                    std::to_string(loaded.history.size(1)) + " losses, expected " +
+                    std::to_string(loaded.global_step) + " rows (one per step) of 3");
       state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
     }
 
@@ -479,9 +503,10 @@ int train_dcgan(DCGANTrainConfig config) {
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
         std::to_string(count_parameters(*discriminator)) + "; data " +
         (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));
-    say("strategy: " + placement.to_string() + "; global batch " + std::to_string(config.batch_size) + " = " +
-        std::to_string(placement.global_replicas()) + " replica(s) x " +
-        std::to_string(config.batch_size / placement.global_replicas()));
+    const bool gloo_for_nccl = data_device.is_cpu() && placement.reduce == hs::Reduce::collective;
+    say("strategy: " + placement.to_string() + (gloo_for_nccl ? " (Gloo's collectives on the CPU)" : "") +
+        "; global batch " + std::to_string(config.batch_size) + " = " + std::to_string(placement.global_replicas()) +
+        " replica(s) x " + std::to_string(config.batch_size / placement.global_replicas()));
     say("step: " + (trainer->graph_fallback().empty() ? step.describe() : trainer->graph_fallback()) +
         "; losses read every " + std::to_string(config.log_every) + " steps");
     say("output: " + config.out + " (samples/, losses.csv, loss.png, checkpoint.pt)");
@@ -495,7 +520,8 @@ int train_dcgan(DCGANTrainConfig config) {
     auto save = [&] {
       flush_losses();
       if (!writer) return;
-      save_checkpoint(checkpoint, state, modules, optimizers, noise_device);  // the noise's RNG state
+      save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
+                      config.keep_checkpoints);
       write_losses(config.out, state.history, loader.batches_per_epoch());
     };
     bool stopped = false, interrupted = false;
@@ -505,7 +531,7 @@ int train_dcgan(DCGANTrainConfig config) {
       std::unique_ptr<Progress> progress;
       if (!config.quiet && writer)
         progress = std::make_unique<Progress>("epoch " + std::to_string(state.epoch + 1) + "/" + std::to_string(config.epochs),
-                                              steps_per_epoch, config.batch_size);
+                                              steps_per_epoch, config.batch_size, 10.0, state.epoch_step);
       const auto epoch_start = std::chrono::steady_clock::now();
       const int64_t first_step = state.epoch_step;
       for (auto batch = loader.next(); batch.defined(); batch = loader.next()) {

@@ -41,6 +41,7 @@ struct DCGANTrainConfig {
   std::string out = "runs/dcgan";
   bool resume = false;                 // continue from <out>/checkpoint.pt, which must exist
   bool resume_auto = false;            // continue from it when it exists, start otherwise (torchrun restarts)
+  int64_t keep_checkpoints = 1;        // checkpoints kept: checkpoint.pt, and the last K as checkpoint-<step>.pt
   // Seconds a step may go without progress while ranks or replicas wait for each other before the run stops
   // as hung (the RunGuard's and the averaging's timeout); failures and deaths stop it within seconds anyway.
   double timeout = 60;
@@ -109,6 +110,7 @@ enum class ExportOps { as_built, aten, hierpar };
 // ...); hierpar layers become torch.ops.hierpar calls.
 torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops = ExportOps::as_built);
 
-torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; Error when not available
+torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; FlagError when not available
+LayerSet parse_layers(const std::string& name);        // --layers: stock or hierpar; FlagError otherwise
 
 }  // namespace hierpar::examples

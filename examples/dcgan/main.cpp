@@ -67,6 +67,8 @@ int train(int argc, char** argv) {
       .add("out", &config.out, "output folder")
       .add_optional("resume", &resume, "on", "continue from <out>/checkpoint.pt; auto: continue from it if it exists "
                     "(torchrun --max-restarts)")
+      .add("keep-checkpoints", &config.keep_checkpoints,
+           "checkpoints kept: the newest as checkpoint.pt, and with K > 1 the last K as checkpoint-<step>.pt", 1)
       .add("timeout", &config.timeout, "seconds a step may go without progress while ranks or replicas wait for "
            "each other before the run stops as hung", 0.0)
       .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
@@ -78,8 +80,12 @@ int train(int argc, char** argv) {
       .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)")
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
-  if (config.beta1 >= 1.0) throw FlagError("--beta1: expected a number in [0, 1), got " + std::to_string(config.beta1));
-  config.model.layers = hierpar::parse_layer_set(layers);
+  if (config.beta1 >= 1.0) {
+    std::ostringstream os;
+    os << "--beta1: expected a number in [0, 1), got " << config.beta1;
+    throw FlagError(os.str());
+  }
+  config.model.layers = parse_layers(layers);
   config.model.image_size = image_size;
   config.model.channels = channels;
   config.model.width = width;
@@ -120,7 +126,7 @@ int generate(int argc, char** argv) {
       .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)");
   if (!flags.parse(argc, argv, 2)) return 0;
   const auto dev = parse_device(device);
-  auto generator = load_generator(checkpoint, hierpar::parse_layer_set(layers), dev);
+  auto generator = load_generator(checkpoint, parse_layers(layers), dev);
   auto noise = torch::randn({count, generator->options.nz}, at::make_generator<at::CPUGeneratorImpl>(seed)).to(dev);
   torch::NoGradGuard no_grad;
   write_image_grid(generator->forward(noise), output);
@@ -155,7 +161,7 @@ int export_generator(int argc, char** argv) {
       .add("output", &output, "TorchScript file to write")
       .add("layers", &layers, "stock (aten ops) or hierpar (torch.ops.hierpar where hierpar layers are built)");
   if (!flags.parse(argc, argv, 2)) return 0;
-  auto generator = load_generator(checkpoint, hierpar::parse_layer_set(layers), torch::kCPU);
+  auto generator = load_generator(checkpoint, parse_layers(layers), torch::kCPU);
   auto module = hierpar::examples::export_generator(*generator);
   module.save(output);
   std::cout << "wrote " << output << ": in Python, torch.ops.load_library('<build>/libhierpar_ops.so'); "

@@ -1,7 +1,11 @@
-// CPU kernels of hierpar::conv2d and its backward: conv_transpose2d's CPU backend with the dual arguments
-// (conv2d_shape.h, conv2d_dual.h).
+// CPU kernels of hierpar::conv2d and its backward: float32/float64 on ATen's kernels (cpu_conv_on_aten), else
+// conv_transpose2d's CPU backend with the dual arguments (conv2d_shape.h, conv2d_dual.h).
+#include "common.h"
 #include "conv2d_dual.h"
+#include "conv2d_shape.h"
 
+#include <ATen/ops/conv2d.h>
+#include <ATen/ops/leaky_relu.h>
 #include <torch/library.h>
 
 namespace hierpar::detail {
@@ -18,6 +22,15 @@ constexpr ConvTranspose2dBackend kCpu{&run_conv_transpose2d_forward_cpu, &run_co
 at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                       std::optional<double> leaky_relu_slope) {
+  if (cpu_conv_on_aten(input)) {
+    check_conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+    const bool unbatched = input.dim() == 3;
+    const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+    at::Tensor out = at::conv2d(input4, weight, bias, stride, padding, dilation, groups);
+    if (leaky_relu_slope) at::leaky_relu_(out, *leaky_relu_slope);
+    out = with_layout_strides(out, conv2d_output_layout(input4, weight));
+    return unbatched ? out.squeeze(0) : out;
+  }
   return conv2d_on(kCpu, input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
 }
 
@@ -26,6 +39,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cpu(const at::Ten
                                                                    at::IntArrayRef stride, at::IntArrayRef padding,
                                                                    at::IntArrayRef dilation, int64_t groups,
                                                                    std::array<bool, 3> output_mask) {
+  if (cpu_conv_on_aten(input)) {
+    const auto dual = check_conv2d(input, weight, std::nullopt, stride, padding, dilation, groups);
+    check_conv2d_grad_output(grad_output, input, dual);
+    return aten_convolution_backward(dual, /*transposed=*/false, grad_output, input, weight, output_mask);
+  }
   return conv2d_backward_on(kCpu, grad_output, input, weight, stride, padding, dilation, groups, output_mask);
 }
 

@@ -1,5 +1,6 @@
-// CPU kernels of hierpar::conv_transpose2d and its backward: per-group GEMMs (at::bmm) on a column buffer,
-// with hierpar's own col2im gather (forward) and im2col (backward), see conv_transpose_shape.h.
+// CPU kernels of hierpar::conv_transpose2d and its backward: float32/float64 on ATen's kernels
+// (cpu_conv_on_aten), else per-group GEMMs (at::bmm) on a column buffer, with hierpar's own col2im gather
+// (forward) and im2col (backward), see conv_transpose_shape.h.
 // Arithmetic is in float64 for double inputs and float32 otherwise (bf16/fp16 inputs widen exactly), so
 // the CPU path is the accurate reference the CUDA path is compared with. Outputs follow the input's memory
 // format (grad_weight the weight's).
@@ -10,6 +11,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/bmm.h>
+#include <ATen/ops/conv_transpose2d.h>
+#include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/sum.h>
@@ -111,6 +114,36 @@ void run_conv_transpose2d_backward_cpu(const ConvTranspose2dGeometry& g, const a
   }
 }
 
+bool cpu_conv_on_aten(const at::Tensor& input) {
+  return cpu_aten_route() && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const ConvTranspose2dGeometry& g,
+                                                                        bool transposed, const at::Tensor& grad_output,
+                                                                        const at::Tensor& input, const at::Tensor& weight,
+                                                                        std::array<bool, 3> output_mask) {
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
+  // The transposed convolution's output_padding is what its output size has beyond the plain formula's.
+  const std::array<int64_t, 2> output_padding =
+      transposed ? std::array<int64_t, 2>{g.out_h - ((g.in_h - 1) * g.stride_h - 2 * g.pad_h + g.dilation_h * (g.kernel_h - 1) + 1),
+                                          g.out_w - ((g.in_w - 1) * g.stride_w - 2 * g.pad_w + g.dilation_w * (g.kernel_w - 1) + 1)}
+                 : std::array<int64_t, 2>{0, 0};
+  // conv2d's output channels are its dual's input channels.
+  const std::array<int64_t, 1> bias_sizes{transposed ? g.out_channels : g.in_channels};
+  auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
+      grad_output4, input4, weight, output_mask[2] ? at::OptionalIntArrayRef(bias_sizes) : std::nullopt,
+      {g.stride_h, g.stride_w}, {g.pad_h, g.pad_w}, {g.dilation_h, g.dilation_w}, transposed, output_padding,
+      g.groups, output_mask);
+  if (grad_input.defined()) {
+    grad_input = with_layout_strides(grad_input, layout_of(input4));
+    if (unbatched) grad_input = grad_input.squeeze(0);
+  }
+  if (grad_weight.defined()) grad_weight = with_layout_strides(grad_weight, layout_of(weight));
+  return {grad_input, grad_weight, grad_bias};
+}
+
 namespace {
 
 at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weight,
@@ -118,9 +151,15 @@ at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weigh
                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
                                 at::IntArrayRef dilation) {
   const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
-  TORCH_CHECK(input.device().is_cpu(), "conv_transpose2d (CPU kernel): input must be on the CPU");
+  TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d (CPU kernel): input must be on the CPU");
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  if (cpu_conv_on_aten(input)) {
+    const at::Tensor out = with_layout_strides(
+        at::conv_transpose2d(input4, weight, bias, stride, padding, output_padding, groups, dilation),
+        conv_transpose2d_output_layout(input4, weight));
+    return unbatched ? out.squeeze(0) : out;
+  }
   at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
                               conv_transpose2d_output_layout(input4, weight));
   run_conv_transpose2d_forward_cpu(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
@@ -134,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cpu(
   const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
                                         dilation);
   check_conv_transpose2d_grad_output(grad_output, input, g);
-  TORCH_CHECK(input.device().is_cpu(), "conv_transpose2d_backward (CPU kernel): input must be on the CPU");
+  TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d_backward (CPU kernel): input must be on the CPU");
+  if (cpu_conv_on_aten(input)) return aten_convolution_backward(g, /*transposed=*/true, grad_output, input, weight, output_mask);
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;

@@ -1,14 +1,23 @@
-// CPU kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its backward, a gather: every
-// grad_input element sums, over the windows that contain it, the gradients of those that chose it, and is
-// written exactly once (no zero fill, no scatter). NCHW and channels_last, each in its own layout.
+// CPU kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its backward. Without dilation they run
+// on ATen's kernels, converting between ATen's int64 indices and the window offsets (ATen's backward is 30-60x
+// faster than the gather below on the CPU, docs/cpu.md). The reference, for dilated windows, half-precision
+// backward and HIERPAR_CPU_ATEN=0: a gather backward, where every grad_input element sums, over the windows that
+// contain it, the gradients of those that chose it, and is written exactly once (no zero fill, no scatter).
+// NCHW and channels_last, each in its own layout.
 #include "common.h"
 #include "max_pool_shape.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/max_pool2d_with_indices.h>
+#include <ATen/ops/max_pool2d_with_indices_backward.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -154,10 +163,127 @@ void backward_channels_last(const scalar_t* grad_out, const uint8_t* idx, scalar
   });
 }
 
+// ---- the common case on ATen's kernels --------------------------------------------------------------------
+// With dilation 1 every window holds input elements (padding <= kernel / 2, and ceil_mode's last window starts
+// inside the input), so ATen's int64 index (h * W + w) and hierpar's uint8 window offset convert both ways.
+
+// Calls f(oh, first) for each output row: the out_w (NCHW) or out_w * channels (channels_last) elements from
+// element `first` of an output of `g` laid out densely in `layout`, all in row oh.
+template <typename F>
+void for_each_output_row(const MaxPool2dGeometry& g, c10::MemoryFormat layout, const F& f) {
+  const int64_t per_row = layout == c10::MemoryFormat::ChannelsLast ? g.out_w * g.channels : g.out_w;
+  if (per_row == 0) return;
+  const int64_t rows = g.batch * g.channels * g.out_h * g.out_w / per_row;
+  at::parallel_for(0, rows, grain_for(per_row), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r % g.out_h, r * per_row);
+  });
+}
+
+// The index conversions read the geometry into locals once per row: stores through uint8_t* may alias anything,
+// so fields read through a reference would be reloaded at every element.
+struct RowGeometry {
+  int64_t in_h, in_w, kernel_h, kernel_w, stride_w, pad_w, channels, out_w;
+  RowGeometry(const MaxPool2dGeometry& g, c10::MemoryFormat layout)
+      : in_h(g.in_h), in_w(g.in_w), kernel_h(g.kernel_h), kernel_w(g.kernel_w), stride_w(g.stride_w), pad_w(g.pad_w),
+        channels(layout == c10::MemoryFormat::ChannelsLast ? g.channels : 1), out_w(g.out_w) {}
+};
+
+bool aten_applies(const MaxPool2dGeometry& g) {
+  return cpu_aten_route() && g.dilation_h == 1 && g.dilation_w == 1;
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, const MaxPool2dGeometry& g,
+                                                   at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                                   at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                   bool ceil_mode) {
+  const auto layout = layout_of(input);
+  auto [output, index] = at::max_pool2d_with_indices(input, kernel_size, stride, padding, dilation, ceil_mode);
+  output = with_layout_strides(output, layout);
+  index = index.contiguous(layout);
+  at::Tensor taps = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
+  if (taps.numel() == 0) return {output, taps};
+  const int64_t* index_p = index.const_data_ptr<int64_t>();
+  uint8_t* taps_p = taps.mutable_data_ptr<uint8_t>();
+  for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
+    const RowGeometry r(g, layout);
+    const int64_t h0 = oh * g.stride_h - g.pad_h;
+    const int64_t* ip = index_p + first;
+    uint8_t* tp = taps_p + first;
+    for (int64_t ow = 0; ow < r.out_w; ++ow) {
+      const int64_t w0 = ow * r.stride_w - r.pad_w;
+      for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+        // The row as a count of row starts passed, kernel_h - 1 comparisons: no 64-bit division, and no branch
+        // on the data (which row of a window holds its maximum is random).
+        const int64_t h_first = std::max<int64_t>(h0, 0);
+        int64_t h = h_first;
+        for (int64_t k = 1; k < r.kernel_h; ++k) h += *ip >= (h_first + k) * r.in_w;
+        *tp = static_cast<uint8_t>((h - h0) * r.kernel_w + (*ip - h * r.in_w - w0));
+      }
+    }
+  });
+  return {output, taps};
+}
+
+// The backward on ATen's (zero fill, then one scatter-add per window), float32/float64 only: ATen adds
+// overlapping windows' half-precision gradients in half precision, the reference in float32. Undefined when an
+// offset names no input element (indices that max_pool2d did not make): the reference ignores those.
+at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Tensor& indices,
+                                    at::IntArrayRef input_size, const MaxPool2dGeometry& g,
+                                    at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding,
+                                    at::IntArrayRef dilation, bool ceil_mode) {
+  const auto layout = layout_of(indices);
+  const at::Tensor taps = indices.contiguous(layout);
+  at::Tensor index = at::empty(taps.sizes(), taps.options().dtype(at::kLong).memory_format(layout));
+  const uint8_t* taps_p = taps.const_data_ptr<uint8_t>();
+  int64_t* index_p = index.mutable_data_ptr<int64_t>();
+  // Each offset's row and column in the window and its flat distance from the window's first element, looked
+  // up (no division per element); offsets past the window get row kernel_h, which the checks refuse.
+  std::array<int64_t, 256> tap_h, tap_w, tap_delta;
+  for (int64_t t = 0; t < 256; ++t) {
+    tap_h[t] = t < g.kernel_h * g.kernel_w ? t / g.kernel_w : g.kernel_h;
+    tap_w[t] = t % g.kernel_w;
+    tap_delta[t] = tap_h[t] * g.in_w + tap_w[t];
+  }
+  std::atomic<bool> valid{true};
+  for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
+    const RowGeometry r(g, layout);
+    const int64_t h0 = oh * g.stride_h - g.pad_h;
+    const bool rows_inside = h0 >= 0 && h0 + r.kernel_h <= r.in_h;
+    const uint8_t* tp = taps_p + first;
+    int64_t* ip = index_p + first;
+    bool ok = true;
+    for (int64_t ow = 0; ow < r.out_w; ++ow) {
+      const int64_t w0 = ow * r.stride_w - r.pad_w;
+      if (rows_inside && w0 >= 0 && w0 + r.kernel_w <= r.in_w) {
+        // A window inside the input (all of them without padding): every offset in it names an input element.
+        const int64_t base = h0 * r.in_w + w0;
+        for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+          ok &= tap_h[*tp] < r.kernel_h;
+          *ip = base + tap_delta[*tp];
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+        const int64_t kh = tap_h[*tp], h = h0 + kh, w = w0 + tap_w[*tp];
+        ok &= kh < r.kernel_h && h >= 0 && h < r.in_h && w >= 0 && w < r.in_w;
+        *ip = h * r.in_w + w;
+      }
+    }
+    if (!ok) valid.store(false, std::memory_order_relaxed);
+  });
+  if (!valid.load()) return {};
+  // ATen reads only the sizes and layout of its `self` argument (the forward's input).
+  const at::Tensor input_like = at::empty(input_size, grad_output.options().memory_format(layout));
+  const at::Tensor grad_input = at::max_pool2d_with_indices_backward(
+      grad_output.contiguous(layout), input_like, kernel_size, stride, padding, dilation, ceil_mode, index);
+  return with_layout_strides(grad_input, layout);
+}
+
 std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const at::Tensor& input, at::IntArrayRef kernel_size,
                                                   at::IntArrayRef stride, at::IntArrayRef padding,
                                                   at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
+  if (aten_applies(g)) return max_pool2d_aten(input, g, kernel_size, stride, padding, dilation, ceil_mode);
   const auto layout = layout_of(input);
   const at::Tensor x = input.contiguous(layout);
   at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
@@ -180,6 +306,12 @@ at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tens
                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
                                               dilation, ceil_mode);
+  const auto dtype = grad_output.scalar_type();
+  if (aten_applies(g) && (dtype == at::kFloat || dtype == at::kDouble)) {
+    at::Tensor grad_input = max_pool2d_backward_aten(grad_output, indices, input_size, g, kernel_size, stride, padding,
+                                                     dilation, ceil_mode);
+    if (grad_input.defined()) return grad_input;
+  }
   // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
   const auto layout = layout_of(indices);
   const at::Tensor go = grad_output.contiguous(layout);

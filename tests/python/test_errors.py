@@ -54,6 +54,27 @@ def test_conv_transpose2d_errors(device):
         hierpar.conv_transpose2d(x, w, groups=3)
 
 
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
+def test_every_op_error_begins_with_the_op_name(device):
+    x = torch.randn(2, 4, 5, 5, device=device)
+    w = torch.randn(4, 3, 3, 3, device=device)
+    mean, var = torch.zeros(4, device=device), torch.ones(4, device=device)
+    p = torch.randn(3, device=device)
+    calls = {
+        "max_pool2d": lambda: torch.ops.hierpar.max_pool2d(x, [0, 0], [], [0, 0], [1, 1], False),
+        "batch_norm_act": lambda: hierpar.batch_norm_act(x, mean, var, activation="gelu"),
+        "conv_transpose2d": lambda: hierpar.conv_transpose2d(x, w, stride=0),
+        "conv2d": lambda: hierpar.conv2d(x, w, stride=0),
+        "fused_adam_": lambda: torch.ops.hierpar.fused_adam_(
+            [p], [p.clone()], [p.clone()], [p.clone()], [], [torch.zeros((), device=device)], lr=-1.0, beta1=0.9,
+            beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False),
+    }
+    for op, call in calls.items():
+        with pytest.raises(RuntimeError) as error:
+            call()
+        assert str(error.value).startswith(f"hierpar::{op}: "), f"{op}: {str(error.value).splitlines()[0]}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_device_mismatch():
     with raises("running_mean: expected a tensor on cuda"):

@@ -382,6 +382,28 @@ def test_conv2d_scripts():
     assert "hierpar::conv2d" in str(scripted.inlined_graph)
 
 
+@pytest.mark.parametrize("kernel,dilation", [((3, 3), 1), ((4, 2), 1), ((2, 3), (2, 1))])
+def test_functional_conv2d_padding_strings_match_torch(kernel, dilation):
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    w = torch.randn(5, 3, *kernel, dtype=torch.float64)
+    for padding in ("same", "valid"):
+        out = hierpar.conv2d(x, w, padding=padding, dilation=dilation)
+        assert_close(out, F.conv2d(x, w, padding=padding, dilation=dilation), f"conv2d padding={padding!r}")
+        if padding == "same":
+            assert out.shape[-2:] == x.shape[-2:]
+    scripted = torch.jit.script(_SamePadding())
+    assert_close(scripted(x, w), F.conv2d(x, w, padding="same"), "scripted conv2d padding='same'")
+    with pytest.raises(ValueError, match="padding: expected an int, a pair, 'same' or 'valid', got 'full'"):
+        hierpar.conv2d(x, w, padding="full")
+    with pytest.raises(ValueError, match="padding='same' is not supported for strided convolutions"):
+        hierpar.conv2d(x, w, stride=2, padding="same")
+
+
+class _SamePadding(torch.nn.Module):
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return hierpar.conv2d(x, w, padding="same")
+
+
 def test_functional_forms_match_torch():
     x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
     assert torch.equal(hierpar.max_pool2d(x, 3, 2, 1), F.max_pool2d(x, 3, 2, 1))
