@@ -572,10 +572,10 @@ class HostAverager final : public GradientAverager {
     at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
     host.copy_(flat);  // the host must read the values: this waits for the device, by design
     if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
-    sum_host_buffers(local, network, slot, numel, who);
+    const at::Tensor sum = sum_host_buffers(local, network, slot, numel, who);
     // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next (blocking)
     // device-to-host copy on the same stream, which orders after this one.
-    flat.copy_(slot.sum.narrow(0, 0, numel), /*non_blocking=*/true);
+    flat.copy_(sum, /*non_blocking=*/true);
   }
 
   // The same with nothing waiting on the host: flat -> pinned memory asynchronously; this replica's thread sums
@@ -592,8 +592,10 @@ class HostAverager final : public GradientAverager {
     at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(true));
     at::Tensor sum;
     {
+      // Pinned, as the copy back is queued before the sum exists: from pageable memory CUDA would stage the
+      // (previous) values at once instead of when the stream gets there.
       std::lock_guard<std::mutex> lock(sum_mutex_);  // the first replica here allocates it for all
-      sum = reserve(slot.sum, numel, host.options());
+      sum = reserve(slot.sum, numel, host.options().pinned_memory(true));
     }
     const c10::Stream stream = c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device());
     host.copy_(flat, /*non_blocking=*/true);
@@ -615,8 +617,9 @@ class HostAverager final : public GradientAverager {
   }
 
   // Sums the replicas' host buffers (the first `numel` elements) into slot.sum, over this process's replicas and
-  // then across processes. Called by every local replica's thread.
-  void sum_host_buffers(int64_t local, Network network, Slot& slot, int64_t numel, const std::string& who) {
+  // then across processes, and returns that sum. Called by every local replica's thread. The caller reads the
+  // returned tensor, never slot.sum afterwards: replica 0 may already be growing slot.sum for the next call.
+  at::Tensor sum_host_buffers(int64_t local, Network network, Slot& slot, int64_t numel, const std::string& who) {
     ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     barrier.arrive_and_wait(local, who);
 
@@ -640,6 +643,7 @@ class HostAverager final : public GradientAverager {
       }
       barrier.arrive_and_wait(local, who);
     }
+    return sum;
   }
 
   bool pinned_any(Network network) const {

@@ -229,7 +229,10 @@ TEST(DcganFaults, TwoTorchrunAgentsRestartFromTheCheckpointAfterAKill) {
                                   "--rdzv-endpoint", endpoint, "--rdzv-id", "faults", "--max-restarts", "1",
                                   "--no-python", HIERPAR_DCGAN_PROGRAM};
     for (auto& w : words(training("cpu", dir + "/run") + two + " --resume auto --inject-fault kill@5")) argv.push_back(w);
-    agents.push_back(hierpar::testing::spawn(argv, {}, dir + "/agent" + std::to_string(node) + ".log"));
+    // One thread, as the straight run below: ATen's CPU convolutions sum in an order that depends on the thread
+    // count (torchrun sets OMP_NUM_THREADS=1 only for several processes per agent).
+    agents.push_back(
+        hierpar::testing::spawn(argv, {{"OMP_NUM_THREADS", "1"}}, dir + "/agent" + std::to_string(node) + ".log"));
   }
   hierpar::testing::wait_all(agents, std::chrono::seconds(120));
   for (int node = 0; node < 2; ++node) ASSERT_EQ(exit_code(agents[node]), 0) << logs(agents);
