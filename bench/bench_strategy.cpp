@@ -5,9 +5,8 @@
 // global batches 64 (the seed's), 1024 and 4096 in fp32 (TF32), and 1024 and 4096 in bf16. The stock row is the
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
 // layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
-// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn); hierarchical (host) twice:
-// the step's thread waiting for each copy (the default), and the host summing while the devices go on
-// (host_overlap). The JSON is rewritten after every row.
+// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after
+// every row.
 //
 // Timing: a run is K steps between device synchronisations of every GPU of the placement (host wall
 // clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
@@ -61,9 +60,6 @@ struct Row {
   // bucket then 25 MB) or "flat" (one buffer per network after the backward).
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
-  // host only: the step's thread waits for each copy (the default), or the host sums while the devices go on
-  // (config host_overlap = true: AveragingOptions::host_overlap)
-  bool host_overlap = false;
 };
 
 struct Precision {
@@ -208,7 +204,6 @@ void strategy_suite(Report& report, const Options& options) {
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", true},
       {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
-      {"hierarchical", 4, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*host_overlap=*/true},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
   };
@@ -236,7 +231,7 @@ void strategy_suite(Report& report, const Options& options) {
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
                                 (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
                                 (nccl ? std::string(" ") + row.buckets : std::string()) +
-                                (row.sync_bn ? ", sync BN" : "") + (row.host_overlap ? " (host overlap)" : "") + ", " +
+                                (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name();
       const auto skipped_by_flag = std::find_if(options.skip.begin(), options.skip.end(), [&](const std::string& text) {
@@ -278,7 +273,6 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;
-        trainer_options.averaging.host_overlap = row.host_overlap;
         // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
         // default five (in-process NCCL stalls have been seen at batch 4096; docs/strategy.md).
         trainer_options.averaging.timeout = std::chrono::seconds(60);
@@ -322,8 +316,7 @@ void strategy_suite(Report& report, const Options& options) {
             .set("gpus", row.gpus)
             .set("reduce", row.reduce)
             .set("buckets", nccl ? row.buckets : "none")
-            .set("sync_bn", row.sync_bn)
-            .set("host_overlap", std::string(row.reduce) == "host" && row.host_overlap);
+            .set("sync_bn", row.sync_bn);
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
         std::string idle_text;
@@ -338,7 +331,7 @@ void strategy_suite(Report& report, const Options& options) {
         const std::string placement_label = std::string(row.strategy) + " " + std::to_string(row.gpus) +
                                             (std::string(row.reduce) == "none" ? "" : std::string(" ") + row.reduce) +
                                             (std::string(row.buckets) == "flat" ? " flat" : "") +
-                                            (row.sync_bn ? " sync BN" : "") + (row.host_overlap ? " overlap" : "") +
+                                            (row.sync_bn ? " sync BN" : "") +
                                             (row.layers == hierpar::LayerSet::stock ? " stock" : "");
         results.push_back({shown, placement_label, "b" + std::to_string(c.batch) + " " + c.precision.name(), epoch_s,
                            images_per_s});

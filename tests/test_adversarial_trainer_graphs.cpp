@@ -420,9 +420,8 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
 }
 
 // Host averaging with AveragingOptions::host_overlap (the step's thread queues on while a thread of the replica
-// sums; the stream waits on a host flag) gives the numbers of host averaging that waits: data on 2 GPUs, eager and
-// as graphs. (Its first GPU run failed the host-averaging tests, which is why it is off by default; this test is
-// where to find out why.)
+// sums; the stream waits on a host flag) gives the numbers of host averaging that waits: data on 2 GPUs, eager, and
+// as graphs, where the trainer turns the overlap off (it hung between replayed segments) and must still agree.
 TEST(AdversarialTrainerGraphs, OverlappedHostAveragingEqualsWaiting) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";

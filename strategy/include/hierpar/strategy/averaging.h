@@ -119,9 +119,9 @@ struct AveragingOptions {
   // device's stream waits for that thread's flag (cuStreamWaitValue32) before copying the average back. The
   // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
   // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
-  // Off (or without stream memory operations, or with synchronized BatchNorm, whose sums share the replicas'
-  // barriers): the host waits for the copy, sums, and returns. Off by default: it failed the host-averaging
-  // tests on 2 and 4 H100s, for a cause not found yet.
+  // Eager steps only. Off (or without stream memory operations, with synchronized BatchNorm, whose sums share the
+  // replicas' barriers, or in a captured step, where it hung between replayed segments for a cause not found):
+  // the host waits for the copy, sums, and returns. Off by default, as CUDA graphs are on by default.
   bool host_overlap = false;
 };
 
