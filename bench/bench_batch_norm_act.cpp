@@ -28,6 +28,7 @@
 #include "bench.h"
 
 #include "hierpar/ops.h"
+#include "hierpar/switches.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -138,14 +139,14 @@ void time_directions(Report& report, const BnCase& c, const Config& config, bool
     }, calls, repeats);
   };
   const Timing bwd_ours = bwd_hierpar();
-  // The same calls on the cooperative split path (HIERPAR_BN_CLUSTER=0, read at each call): the same-process
-  // A/B of the cluster path, which takes the tensors up to 8 MiB (docs/batch_norm_act.md).
-  const char* cluster_env = std::getenv("HIERPAR_BN_CLUSTER");
-  const std::string cluster_before = cluster_env ? cluster_env : "";
-  ::setenv("HIERPAR_BN_CLUSTER", "0", 1);
-  const Timing fwd_split = fwd_hierpar(), bwd_split = bwd_hierpar();
-  if (cluster_env) ::setenv("HIERPAR_BN_CLUSTER", cluster_before.c_str(), 1);
-  else ::unsetenv("HIERPAR_BN_CLUSTER");
+  // The same calls on the cooperative split path (Switch::bn_cluster off): the same-process A/B of the cluster
+  // path, which takes the tensors up to 8 MiB (docs/batch_norm_act.md).
+  Timing fwd_split, bwd_split;
+  {
+    const hierpar::SwitchScope split(hierpar::Switch::bn_cluster, false);
+    fwd_split = fwd_hierpar();
+    bwd_split = bwd_hierpar();
+  }
 
   auto add = [&](const char* bench, const char* impl, const Timing& t, double bytes) {
     const double floor_us = bytes / kCopyBytesPerSecond * 1e6;

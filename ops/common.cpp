@@ -2,25 +2,15 @@
 
 
 #include <c10/core/ScalarType.h>
-#include <c10/util/env.h>
 #include <c10/util/strides.h>
 
 #include <limits>
 
 namespace hierpar::detail {
 
-bool poison_outputs() {
-  static const bool on = c10::utils::check_env("HIERPAR_POISON_OUTPUTS") == true;
-  return on;
-}
-
-bool switched_on(const char* name) { return c10::utils::check_env(name) != false; }
-
-bool cpu_aten_route() { return switched_on("HIERPAR_CPU_ATEN"); }
-
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c10::MemoryFormat memory_format) {
   at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
-  if (poison_outputs() && out.numel() > 0) {
+  if (switch_on(Switch::poison_outputs) && out.numel() > 0) {
     if (at::isFloatingType(out.scalar_type())) {
       out.fill_(std::numeric_limits<double>::quiet_NaN());
     } else if (out.scalar_type() == at::kByte) {

@@ -35,7 +35,7 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
                                         const at::Tensor& grad_input, const at::Tensor& grad_weight,
                                         std::optional<double> grad_input_leaky_relu_slope);
 
-// The CPU kernels run float32/float64 on ATen's (cpu_aten_route(); the reference above computes in the same
+// The CPU kernels run float32/float64 on ATen's (Switch::cpu_aten; the reference above computes in the same
 // precision, 1.3-3.5x slower on the DCGAN's layers, docs/cpu.md), half types on the reference (float32 arithmetic).
 bool cpu_conv_on_aten(const at::Tensor& input);
 

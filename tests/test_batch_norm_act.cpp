@@ -9,6 +9,7 @@
 
 #include "hierpar/nn/batch_norm.h"
 #include "hierpar/ops.h"
+#include "hierpar/switches.h"
 
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -769,20 +770,14 @@ void expect_matches_reference(const Case& c, const Inputs& in, const std::string
 
 // Runs body(path) on each of the two paths that shapes beyond the one-kernel path take: the cluster path
 // (the default, for tensors up to 8 MiB whose rows fit the staging) and the cooperative split path
-// (HIERPAR_BN_CLUSTER=0, which the op reads at each call). The variable's prior value is restored.
+// (Switch::bn_cluster off).
 template <typename Body>
 void on_both_split_paths(Body body) {
-  struct Restore {
-    std::optional<std::string> prior;
-    ~Restore() {
-      if (prior) ::setenv("HIERPAR_BN_CLUSTER", prior->c_str(), 1);
-      else ::unsetenv("HIERPAR_BN_CLUSTER");
-    }
-  } restore;
-  if (const char* v = std::getenv("HIERPAR_BN_CLUSTER")) restore.prior = v;
-  ::unsetenv("HIERPAR_BN_CLUSTER");
-  body(std::string("cluster path"));
-  ::setenv("HIERPAR_BN_CLUSTER", "0", 1);
+  {
+    const hierpar::SwitchScope cluster(hierpar::Switch::bn_cluster, true);
+    body(std::string("cluster path"));
+  }
+  const hierpar::SwitchScope split(hierpar::Switch::bn_cluster, false);
   body(std::string("cooperative split path"));
 }
 

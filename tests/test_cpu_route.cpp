@@ -1,17 +1,18 @@
-// The CPU kernels' two routes (ops/common.h, cpu_aten_route): by default float32 calls run on ATen's CPU kernels,
-// bit for bit what the stock op gives; with HIERPAR_CPU_ATEN=0 the same calls run hierpar's reference kernels,
+// The CPU kernels' two routes (Switch::cpu_aten, hierpar/switches.h): by default float32 calls run on ATen's CPU
+// kernels, bit for bit what the stock op gives; switched off the same calls run hierpar's reference kernels,
 // which agree with ATen's within float32's tolerance. Which route ran is observed, not inferred from low bits (the
 // two can agree bit for bit on some machines): a RecordFunction callback lists the ATen operators a call dispatches.
 // ctest also runs the CPU operator suites a second time with HIERPAR_CPU_ATEN=0 (the "reference." entries).
 #include "testing.h"
 
 #include "hierpar/ops.h"
+#include "hierpar/switches.h"
 
 #include <ATen/record_function.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,14 +20,11 @@ namespace {
 
 using hierpar::testing::expect_close;
 
-// Runs `f` with HIERPAR_CPU_ATEN set to `value` (nullptr: unset), restoring the previous setting.
-torch::Tensor with_route(const char* value, const std::function<torch::Tensor()>& f) {
-  const char* old = std::getenv("HIERPAR_CPU_ATEN");
-  const std::string saved = old ? old : "";
-  if (value) ::setenv("HIERPAR_CPU_ATEN", value, 1); else ::unsetenv("HIERPAR_CPU_ATEN");
-  torch::Tensor result = f();
-  if (old) ::setenv("HIERPAR_CPU_ATEN", saved.c_str(), 1); else ::unsetenv("HIERPAR_CPU_ATEN");
-  return result;
+// Runs `f` with Switch::cpu_aten as it is (nullopt) or set to `on`.
+torch::Tensor with_route(std::optional<bool> on, const std::function<torch::Tensor()>& f) {
+  std::optional<hierpar::SwitchScope> scope;
+  if (on.has_value()) scope.emplace(hierpar::Switch::cpu_aten, *on);
+  return f();
 }
 
 torch::Tensor fixed(at::IntArrayRef sizes, uint64_t seed) {
@@ -40,13 +38,13 @@ std::unique_ptr<at::ObserverContext> note_operator(const at::RecordFunction& fn)
   return nullptr;
 }
 
-// Runs `f` under HIERPAR_CPU_ATEN=`value`; sets `called` to whether it dispatched the ATen operator `aten_op`.
-torch::Tensor run_route(const char* value, const std::function<torch::Tensor()>& f, const std::string& aten_op,
+// Runs `f` on route `on` (nullopt: the default); sets `called` to whether it dispatched the ATen operator `aten_op`.
+torch::Tensor run_route(std::optional<bool> on, const std::function<torch::Tensor()>& f, const std::string& aten_op,
                         bool& called) {
   std::vector<std::string> names;
   dispatched = &names;
   const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&note_operator));
-  torch::Tensor result = with_route(value, f);
+  torch::Tensor result = with_route(on, f);
   at::removeCallback(handle);
   dispatched = nullptr;
   called = std::find(names.begin(), names.end(), aten_op) != names.end();
@@ -56,14 +54,14 @@ torch::Tensor run_route(const char* value, const std::function<torch::Tensor()>&
 void expect_routes(const std::function<torch::Tensor()>& op, const torch::Tensor& aten, const std::string& aten_op,
                    const std::string& what) {
   bool default_called = false, one_called = false, zero_called = true;
-  const auto by_default = run_route(nullptr, op, aten_op, default_called);
-  const auto on_aten = run_route("1", op, aten_op, one_called);
-  const auto reference = run_route("0", op, aten_op, zero_called);
+  const auto by_default = run_route(std::nullopt, op, aten_op, default_called);
+  const auto on_aten = run_route(true, op, aten_op, one_called);
+  const auto reference = run_route(false, op, aten_op, zero_called);
   EXPECT_TRUE(default_called) << what << ": the default route should call " << aten_op;
-  EXPECT_TRUE(one_called) << what << ": HIERPAR_CPU_ATEN=1 should call " << aten_op;
-  EXPECT_FALSE(zero_called) << what << ": HIERPAR_CPU_ATEN=0 should run the reference kernels, not " << aten_op;
+  EXPECT_TRUE(one_called) << what << ": Switch::cpu_aten on should call " << aten_op;
+  EXPECT_FALSE(zero_called) << what << ": Switch::cpu_aten off should run the reference kernels, not " << aten_op;
   EXPECT_TRUE(by_default.equal(aten)) << what << ": the default route should give ATen's result, bit for bit";
-  EXPECT_TRUE(on_aten.equal(aten)) << what << ": HIERPAR_CPU_ATEN=1 should give ATen's result, bit for bit";
+  EXPECT_TRUE(on_aten.equal(aten)) << what << ": Switch::cpu_aten on should give ATen's result, bit for bit";
   expect_close(reference, aten, {1e-4, 1e-5}, what + ": reference vs ATen");
 }
 

@@ -50,7 +50,7 @@ at::Tensor param_or(const std::optional<at::Tensor>& p, int64_t c, double fill, 
 // reference below at the DCGAN's shapes, docs/cpu.md) with the activation applied in place; bfloat16/float16 and
 // HIERPAR_CPU_ATEN=0 take the reference.
 bool on_aten(const at::Tensor& t) {
-  return cpu_aten_route() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+  return switch_on(Switch::cpu_aten) && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
 }
 
 void activate_(at::Tensor& t, Act act, double slope) {

@@ -115,7 +115,7 @@ void run_conv_transpose2d_backward_cpu(const ConvTranspose2dGeometry& g, const a
 }
 
 bool cpu_conv_on_aten(const at::Tensor& input) {
-  return cpu_aten_route() && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
+  return switch_on(Switch::cpu_aten) && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const ConvTranspose2dGeometry& g,

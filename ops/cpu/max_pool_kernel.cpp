@@ -189,7 +189,7 @@ struct RowGeometry {
 };
 
 bool aten_applies(const MaxPool2dGeometry& g) {
-  return cpu_aten_route() && g.dilation_h == 1 && g.dilation_w == 1;
+  return switch_on(Switch::cpu_aten) && g.dilation_h == 1 && g.dilation_w == 1;
 }
 
 std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, const MaxPool2dGeometry& g,

@@ -956,7 +956,7 @@ constexpr int64_t kClusterMaxRows = 512;
 
 // HIERPAR_BN_CLUSTER=0 keeps the cooperative split path for every shape. Read at each call (a getenv beside
 // the op's ~10 us of host work) so that one process can time both paths.
-bool cluster_path_enabled() { return switched_on("HIERPAR_BN_CLUSTER"); }
+bool cluster_path_enabled() { return switch_on(Switch::bn_cluster); }
 
 size_t exchange_bytes(int cluster, int channels, size_t acc_bytes) {
   return (static_cast<size_t>(cluster) * 2 * channels * acc_bytes + 15) / 16 * 16;

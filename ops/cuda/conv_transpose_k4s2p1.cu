@@ -49,7 +49,7 @@
 // whole pixel rows of one image, else with per-thread cp.async gathers (bf16 batch 1024 channels_last, forward +
 // backward in a CUDA graph on an H200: 256->128 95.2 us with TMA against 123.3 with cp.async, 128->64 116.8
 // against 154.3; docs/conv_transpose.md).
-// HIERPAR_DISABLE_WGMMA=1 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off,
+// HIERPAR_WGMMA=0 / HIERPAR_WGMMA_ALL_PHASES=0 / HIERPAR_WGMMA_GRAD_INPUT_PATCH=0 switch them off,
 // HIERPAR_K4S2P1_TMA=0 keeps the cp.async loads,
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs / copies channels_last weights as other ones and
 // HIERPAR_K4S2P1_SPLIT_TARGET=n plans K splits for n CTAs per SM, for same-process timings.
@@ -58,6 +58,7 @@
 #include "cuda/device_caps.h"
 #include "cuda/mma.cuh"
 #include "cuda/permute_copy.h"
+#include "hierpar/switches.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -75,6 +76,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace hierpar::detail {
@@ -1484,12 +1486,12 @@ __global__ void sm90a_probe_kernel(int* flag) {
 // Probed once per process (synchronously: not while the stream is being captured into a CUDA graph, where
 // the mma.sync kernel is used until a probe has run outside a capture).
 bool wgmma_available() {
+  // Switch::wgmma off keeps the mma.sync kernels (same-process before / after timings, bisecting).
+  if (!switch_on(Switch::wgmma)) return false;
   static std::atomic<int> state{-1};
   const int known = state.load();
   if (known >= 0) return known == 1;
-  // HIERPAR_DISABLE_WGMMA=1 keeps the mma.sync kernels (same-process before / after timings, bisecting).
-  const char* disable = std::getenv("HIERPAR_DISABLE_WGMMA");
-  if (current_device_caps().compute_capability != 90 || (disable && disable[0] == '1')) {
+  if (current_device_caps().compute_capability != 90) {
     state = 0;
     return false;
   }
@@ -1571,7 +1573,7 @@ bool encode_activation_map(const GemmArgs& a, int rows, int batch, CUtensorMap& 
 // Whether wgmma_conv_kernel's operands can be loaded by TMA (A's box exactly the CTA's 128 rows), and if so
 // their maps. HIERPAR_K4S2P1_TMA=0 keeps the cp.async gathers (same-process timings).
 bool wgmma_tma_maps(const GemmArgs& a, int phases, bool direct_b, int bn, WgmmaMaps& maps) {
-  if (!switched_on("HIERPAR_K4S2P1_TMA") || a.K % 64 != 0 || !aligned16(a.b) ||
+  if (!switch_on(Switch::k4s2p1_tma) || a.K % 64 != 0 || !aligned16(a.b) ||
       !encode_activation_map(a, 128, a.M / (a.rows_H * a.rows_W), maps.act))
     return false;
   const cuuint32_t ones[4] = {1, 1, 1, 1};
@@ -1594,7 +1596,7 @@ bool wgmma_tma_maps(const GemmArgs& a, int phases, bool direct_b, int bn, WgmmaM
 // their maps: B the dense [K pixels][N channels] input, boxes of 64 x 64.
 bool wgmma_wgrad_tma_maps(const GemmArgs& a, int bn, WgmmaMaps& maps) {
   const int batch = (a.K + a.rows_H * a.rows_W - 1) / (a.rows_H * a.rows_W);
-  if (!switched_on("HIERPAR_K4S2P1_TMA") || !aligned16(a.b) || !encode_activation_map(a, 64, batch, maps.act))
+  if (!switch_on(Switch::k4s2p1_tma) || !aligned16(a.b) || !encode_activation_map(a, 64, batch, maps.act))
     return false;
   const cuuint64_t dims[2] = {cuuint64_t(a.N), cuuint64_t(a.K)};
   const cuuint64_t strides[1] = {cuuint64_t(a.N) * 2};
@@ -1653,12 +1655,12 @@ bool plan_splits(GemmArgs& a, int phases, bool always_split) {
   const int bn = pick_mma_bn(a.N);
   const int64_t tiles = int64_t((a.M + 127) / 128) * ((a.N + bn - 1) / bn) * phases;
   const int ktiles = (a.K + BK - 1) / BK;
-  const char* env = std::getenv("HIERPAR_K4S2P1_SPLIT_TARGET");
+  const std::optional<int64_t> planned_per_sm = knob(Knob::k4s2p1_split_target);
   const DeviceCaps& caps = current_device_caps();
   // Never more CTAs per SM than its shared memory holds (one 128-wide tile per SM on an A100).
-  const int per_sm = std::max(1, std::min(env && env[0] >= '1' && env[0] <= '4' ? env[0] - '0'
-                                          : std::is_same_v<scalar_t, float>     ? 1
-                                                                                : 2,
+  const int per_sm = std::max(1, std::min(planned_per_sm                    ? static_cast<int>(*planned_per_sm)
+                                          : std::is_same_v<scalar_t, float> ? 1
+                                                                            : 2,
                                           caps.smem_per_multiprocessor / mma_tile_smem(bn)));
   const int64_t target = per_sm * int64_t(caps.multiprocessors);
   int splits = 1;
@@ -1818,7 +1820,7 @@ bool wgmma_all_phases_applies(const ConvTranspose2dGeometry& g, const at::Tensor
   if (std::is_same_v<scalar_t, float> || g.in_channels % 64 != 0 || g.out_channels % 8 != 0 ||
       g.out_channels > 32 || !out_channels_last || !aligned16(out.data_ptr()) || !aligned16(x.data_ptr()))
     return false;
-  return switched_on("HIERPAR_WGMMA_ALL_PHASES") && wgmma_available();
+  return switch_on(Switch::wgmma_all_phases) && wgmma_available();
 }
 
 template <typename scalar_t>
@@ -1861,7 +1863,7 @@ bool wgmma_grad_input_patch_applies(const ConvTranspose2dGeometry& g, const at::
   if (std::is_same_v<scalar_t, float> || g.out_channels != 32 || g.in_channels % 64 != 0 ||
       !grad_input_channels_last || !aligned16(grad_input.data_ptr()) || !aligned16(go.data_ptr()))
     return false;
-  return switched_on("HIERPAR_WGMMA_GRAD_INPUT_PATCH") && wgmma_available();
+  return switch_on(Switch::wgmma_grad_input_patch) && wgmma_available();
 }
 
 template <typename scalar_t>
@@ -1901,7 +1903,7 @@ void launch_wgmma_grad_input_patch(const ConvTranspose2dGeometry& g, const at::T
 // multiple of the K-tile); on wgmma also whole 64-column blocks (C_out > 32). The pack kernel this spares runs
 // before the GEMM on the same stream (256->128: 5 us at batch 1024 bf16, 3.9 us at batch 64 fp32).
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs as before (same-process timings; also fp32 grad_input's weight copy).
-bool weight_in_place_enabled() { return switched_on("HIERPAR_K4S2P1_WEIGHT_IN_PLACE"); }
+bool weight_in_place_enabled() { return switch_on(Switch::k4s2p1_weight_in_place); }
 
 template <typename scalar_t>
 bool forward_weight_in_place(const at::Tensor& weight, int cin, int cout, bool wgmma) {

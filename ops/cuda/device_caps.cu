@@ -6,7 +6,6 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
-#include <c10/util/env.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,10 +36,8 @@ DeviceCaps read_caps(c10::DeviceIndex device) {
   caps.max_smem_per_block = static_cast<int>(prop.sharedMemPerBlockOptin);
   // HIERPAR_MAX_SMEM_PER_BLOCK=<bytes> makes the routing assume a smaller opt-in: with 101376 (the 99 KB of sm_86,
   // sm_89, sm_120) an H100 runs those GPUs' kernel choices (scripts/gpu-check --arch 8.6).
-  if (const auto cap = c10::utils::get_env("HIERPAR_MAX_SMEM_PER_BLOCK")) {
-    const int bytes = std::atoi(cap->c_str());
-    TORCH_CHECK(bytes > 0, "HIERPAR_MAX_SMEM_PER_BLOCK: expected a number of bytes, got '", *cap, "'");
-    caps.max_smem_per_block = std::min(caps.max_smem_per_block, bytes);
+  if (const auto bytes = knob(Knob::max_smem_per_block)) {
+    caps.max_smem_per_block = static_cast<int>(std::min<int64_t>(caps.max_smem_per_block, *bytes));
   }
   caps.smem_per_multiprocessor = static_cast<int>(prop.sharedMemPerMultiprocessor);
 

@@ -71,11 +71,8 @@ inline ForkJoinEvents& fork_join_events(c10::DeviceIndex device) {
   return *events;
 }
 
-// HIERPAR_SIDE_STREAM=0 runs both parts on the current stream, one after the other (same-process A/B timings).
-inline bool side_stream_enabled() {
-  static const bool enabled = switched_on("HIERPAR_SIDE_STREAM");
-  return enabled;
-}
+// Switch::side_stream off runs both parts on the current stream, one after the other (same-process A/B timings).
+inline bool side_stream_enabled() { return switch_on(Switch::side_stream); }
 
 // See the file comment. `on_side` is enqueued first, so that its kernels start while the host is still
 // launching `on_current`'s.
