@@ -2,7 +2,7 @@
 // and seconds per epoch.
 #include "common/cli.h"
 #include "common/data.h"
-#include "common/dcgan_app.h"
+#include "common/shared_flags.h"
 #include "hierpar/models/cnn.h"
 
 #include <torch/cuda.h>

@@ -16,6 +16,12 @@
 
 namespace hierpar::examples {
 
+std::string format_number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
 int run_reporting_errors(const std::string& program, const std::function<int()>& body) {
   auto first_line = [](std::string s) {
     const auto nl = s.find('\n');

@@ -26,6 +26,9 @@ struct FlagError : Error {
   using Error::Error;
 };
 
+// A double as messages and stored configurations print it: std::ostream's default, 6 significant digits.
+std::string format_number(double v);
+
 // Creates `folder` if needed and checks that a file can be written there; throws Error naming `flag` otherwise.
 void require_writable_folder(const std::string& flag, const std::string& folder);
 

@@ -1,10 +1,12 @@
-// hierpar-dcgan's work, callable from the program and the tests: training with checkpoints and resume,
-// sampling from a checkpoint, and TorchScript export of the generator.
+// hierpar-dcgan's work, callable from the program and the tests: training with checkpoints and resume
+// (dcgan_train.cpp), the flags resolved into what a run uses (dcgan_settings.cpp), sampling from a checkpoint
+// and TorchScript export of the generator (dcgan_export.cpp).
 #pragma once
 
 #include "common/checkpoint.h"
 #include "common/data.h"
 #include "hierpar/models/dcgan.h"
+#include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/placement.h"
 
 #include <torch/script.h>
@@ -91,10 +93,12 @@ struct StepSettings {
 };
 StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type);
 
-// Plots the D loss (real + fake) and G loss of several runs' losses.csv files on one PNG; `runs` are
-// (label, csv path). Returns one summary line per run (mean losses over the last quarter of the steps).
-std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
-                                        const std::string& output);
+// The training images --data, --limit and the model's channels ask for, as loaded (before resizing).
+Dataset load_training_data(const DCGANTrainConfig& config);
+
+// The trainer's options for `config` and `step` (optimiser, graphs, streams, precision, synchronized BatchNorm);
+// a run adds its fault handling and timeouts.
+hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& config, const StepSettings& step);
 
 // The placement that `config` asks for (strategy, gpus, reduce, device) in this process's launch;
 // throws FlagError naming the flag for unknown names and Error for impossible requests.
@@ -109,8 +113,5 @@ enum class ExportOps { as_built, aten, hierpar };
 // source, with the weights registered under the same names as in C++ ("deconv1.weight", "bn1.running_mean",
 // ...); hierpar layers become torch.ops.hierpar calls.
 torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops = ExportOps::as_built);
-
-torch::Device parse_device(const std::string& name);  // "", cpu, cuda, cuda:N; FlagError when not available
-LayerSet parse_layers(const std::string& name);        // --layers: stock or hierpar; FlagError otherwise
 
 }  // namespace hierpar::examples

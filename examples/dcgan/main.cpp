@@ -8,8 +8,12 @@
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
 //   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv
+//   hierpar-dcgan tune     --objective epoch-time|gpu-usage|max-memory [the train flags of data, model and step]
+#include "common/batch_tuning.h"
 #include "common/cli.h"
 #include "common/dcgan_app.h"
+#include "common/loss_log.h"
+#include "common/shared_flags.h"
 #include "common/images.h"
 #include "hierpar/strategy/run_guard.h"
 
@@ -33,37 +37,71 @@ constexpr const char* kUsage =
     "  generate  write samples of a trained generator as a PNG grid\n"
     "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
     "  plot      plot the D and G loss curves of several runs (their losses.csv) on one PNG\n"
+    "  tune      measure batch sizes and choose one (seed 004): --objective epoch-time|gpu-usage|max-memory\n"
     "Run hierpar-dcgan <command> --help for its flags.\n";
 
-int train(int argc, char** argv) {
-  DCGANTrainConfig config;
-  std::string layers = "hierpar", resume = "off";
+// The flags that define the data, the model, the placement and the step: train and tune take them alike.
+struct RunFlags {
+  std::string layers = "hierpar";
   int64_t image_size = 64, channels = 0, nz = 100;
   double width = 1.0;
-  Flags flags("hierpar-dcgan train");
+};
+
+void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
   flags.add("data", &config.data, "fashion-mnist, synthetic, or a folder of same-size PNG/JPEG images")
       .add("fashion-mnist-dir", &config.fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
       .add("limit", &config.limit, "use at most this many images (0: all)", 0)
-      .add("layers", &layers, "stock (torch::nn) or hierpar")
+      .add("layers", &run.layers, "stock (torch::nn) or hierpar")
       .add("device", &config.device, "cpu, cuda or cuda:N (default: cuda when available)")
       .add("strategy", &config.strategy, "single, task (G and D on 2 GPUs), data (a replica per GPU) or "
            "hierarchical (a G GPU and a D GPU per replica)")
       .add("gpus", &config.gpus, "devices in all, over every process (0: the strategy's own count)", 0)
       .add("reduce", &config.reduce, "gradient averaging across replicas: host (pinned memory, CPU threads) or nccl")
       .add("sync-bn", &config.sync_batch_norm, "BatchNorm statistics over all replicas (default: per replica)")
-      .add("epochs", &config.epochs, "epochs to train", 1)
       .add("batch-size", &config.batch_size, "images per step over all replicas (the global batch)", 1)
-      .add("image-size", &image_size, "32, 64 or 128", 1)
-      .add("channels", &channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
-      .add("width", &width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
-      .add("nz", &nz, "noise dimension", 1)
+      .add("image-size", &run.image_size, "32, 64 or 128", 1)
+      .add("channels", &run.channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
+      .add("width", &run.width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
+      .add("nz", &run.nz, "noise dimension", 1)
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
+      .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
+      .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
+      .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
+      .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
+      .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
+      .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)");
+}
+
+void resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run) {
+  if (config.beta1 >= 1.0) {
+    std::ostringstream os;
+    os << "--beta1: expected a number in [0, 1), got " << config.beta1;
+    throw FlagError(os.str());
+  }
+  config.model.layers = parse_layers(run.layers);
+  config.model.image_size = run.image_size;
+  config.model.channels = run.channels;
+  config.model.width = run.width;
+  config.model.nz = run.nz;
+  if (run.image_size != 32 && run.image_size != 64 && run.image_size != 128)
+    throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(run.image_size));
+  if (run.channels != 0 && run.channels != 1 && run.channels != 3)
+    throw FlagError("--channels: expected 1 or 3, got " + std::to_string(run.channels));
+  parse_placement(config.placement);
+}
+
+int train(int argc, char** argv) {
+  DCGANTrainConfig config;
+  RunFlags run;
+  std::string resume = "off";
+  Flags flags("hierpar-dcgan train");
+  add_run_flags(flags, config, run);
+  flags.add("epochs", &config.epochs, "epochs to train", 1)
       .add("max-steps", &config.max_steps, "stop after this many steps in total (0: no limit)", 0)
       .add("checkpoint-every", &config.checkpoint_every, "steps between checkpoints (0: epoch ends only)", 0)
       .add("samples", &config.samples, "images in each sample grid", 1)
-      .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
       .add("out", &config.out, "output folder")
       .add_optional("resume", &resume, "on", "continue from <out>/checkpoint.pt; auto: continue from it if it exists "
                     "(torchrun --max-restarts)")
@@ -73,28 +111,9 @@ int train(int argc, char** argv) {
            "each other before the run stops as hung", 0.0)
       .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
            "or sigterm: that replica (default: the last) fails so at the start of that step (not in a resumed run)")
-      .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
-      .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
-      .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
-      .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
-      .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)")
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
-  if (config.beta1 >= 1.0) {
-    std::ostringstream os;
-    os << "--beta1: expected a number in [0, 1), got " << config.beta1;
-    throw FlagError(os.str());
-  }
-  config.model.layers = parse_layers(layers);
-  config.model.image_size = image_size;
-  config.model.channels = channels;
-  config.model.width = width;
-  config.model.nz = nz;
-  if (image_size != 32 && image_size != 64 && image_size != 128)
-    throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(image_size));
-  if (channels != 0 && channels != 1 && channels != 3)
-    throw FlagError("--channels: expected 1 or 3, got " + std::to_string(channels));
-  parse_placement(config.placement);
+  resolve_run_flags(config, run);
   if (resume != "off" && resume != "on" && resume != "auto")
     throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
   config.resume = resume == "on";
@@ -112,6 +131,24 @@ int train(int argc, char** argv) {
                  "(--resume continues)\n";
   }
   return status;
+}
+
+int tune(int argc, char** argv) {
+  DCGANTrainConfig config;
+  RunFlags run;
+  TuneConfig tune;
+  config.out = "runs/tune";
+  Flags flags("hierpar-dcgan tune");
+  add_run_flags(flags, config, run);
+  flags.add("objective", &tune.objective, "epoch-time (the seed's EpochTimeMinimize), gpu-usage (GpuUsageMaximize) "
+            "or max-memory (the largest batch that fits)")
+      .add("steps", &tune.steps, "timed steps per batch size", 1)
+      .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
+      .add("out", &config.out, "folder for tune.png");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  resolve_run_flags(config, run);
+  tune_batch_size(config, tune, std::cout);
+  return 0;
 }
 
 int generate(int argc, char** argv) {
@@ -178,12 +215,13 @@ int main(int argc, char** argv) {
     if (command == "generate") return generate(argc, argv);
     if (command == "export") return export_generator(argc, argv);
     if (command == "plot") return plot(argc, argv);
+    if (command == "tune") return tune(argc, argv);
     if (command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;
     }
-    throw FlagError(command.empty() ? "missing command (train, generate, export or plot)"
-                                    : "unknown command '" + command + "' (train, generate, export or plot)");
+    throw FlagError(command.empty() ? "missing command (train, tune, generate, export or plot)"
+                                    : "unknown command '" + command + "' (train, tune, generate, export or plot)");
   });
   // After a failure, threads may still wait on peers that are gone (a failed run leaves its process groups and
   // any hung replica behind): the line is printed, so the process ends now instead of in their destructors.

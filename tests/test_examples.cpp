@@ -7,6 +7,8 @@
 #include "common/cli.h"
 #include "common/data.h"
 #include "common/dcgan_app.h"
+#include "common/loss_log.h"
+#include "common/shared_flags.h"
 #include "common/images.h"
 
 #include <torch/optim/adam.h>
@@ -981,4 +983,49 @@ TEST(Examples, GraphStepsEqualEagerStepsOnCuda) {
     ASSERT_EQ(ha.size(0), 8);
     hierpar::testing::expect_close(ha, hb, tol, std::string(precision) + ": graphs vs eager losses");
   }
+}
+
+// ---- batch-size tuning (hierpar-dcgan tune, seed 004) --------------------------------------------------------------
+
+// The DCGAN probe trains its own networks: it measures positive times and, on the CPU, no utilisation or memory.
+TEST(Examples, TuneProbeMeasuresStepsOfFreshNetworks) {
+  TempDir dir;
+  DCGANTrainConfig config = tiny_training(dir / "run");
+  config.device = "cpu";
+  const auto trial = hierpar::examples::measure_dcgan_steps(config, 8, 64, 2);
+  EXPECT_TRUE(trial.fits);
+  EXPECT_EQ(trial.batch, 8);
+  EXPECT_GT(trial.step_seconds, 0);
+  EXPECT_DOUBLE_EQ(trial.epoch_seconds, 8 * trial.step_seconds);  // 64 images in batches of 8
+  EXPECT_NEAR(trial.images_per_second, 8 / trial.step_seconds, 1e-6 * trial.images_per_second);
+  EXPECT_FALSE(trial.gpu_usage.has_value());
+  EXPECT_EQ(trial.peak_bytes, 0);
+}
+
+TEST(Examples, TuneChoosesABatchAndDrawsIt) {
+  TempDir dir;
+  const std::string common = "tune --device cpu --data synthetic --limit 64 --image-size 32 --width 0.25 "
+                             "--channels 1 --batch-size 8 --steps 2 --out " + dir / "tune";
+  // The CPU never runs out of memory: max-memory doubles up to the limit.
+  std::string out = dcgan_stdout(common + " --objective max-memory --max-batch 32");
+  EXPECT_NE(out.find("chose batch 32: the largest batch tried, 32: the limit 32"), std::string::npos) << out;
+  for (const char* batch : {"\n       8   yes", "\n      16   yes", "\n      32   yes"})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+  int w = 0, h = 0, c = 0;
+  EXPECT_EQ(stbi_info((dir / "tune/tune.png").c_str(), &w, &h, &c), 1) << "tune.png is not an image";
+  // epoch-time grows 8, 12, 20, 32 (units of 4) and stops at the limit 40; the least epoch time wins.
+  out = dcgan_stdout(common + " --objective epoch-time --max-batch 40");
+  EXPECT_NE(out.find("chose batch "), std::string::npos) << out;
+  EXPECT_NE(out.find("the least epoch time measured"), std::string::npos) << out;
+  EXPECT_NE(out.find("this is a speed choice"), std::string::npos) << out;
+  for (const char* batch : {"\n       8   yes", "\n      12   yes", "\n      20   yes", "\n      32   yes",
+                            "\n      40   yes"})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+
+  expect_flag_error(run_dcgan(common + " --objective fastest", dir),
+                    "--objective: expected max-memory, epoch-time or gpu-usage, got 'fastest'", "unknown objective");
+  expect_flag_error(run_dcgan(common + " --strategy data --gpus 2 --batch-size 9", dir),
+                    "--batch-size 9: expected a multiple of the 2 replicas", "batch not divisible");
+  expect_one_line_error(run_dcgan(common + " --objective gpu-usage", dir), "needs a CUDA device and the driver's NVML",
+                        "gpu-usage on the CPU");
 }

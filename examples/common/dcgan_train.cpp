@@ -1,15 +1,15 @@
-#include "common/dcgan_app.h"
-
+// hierpar-dcgan train: the training loop with checkpoints, resume, samples and losses, and its fault handling
+// (declared in dcgan_app.h).
 #include "common/cli.h"
 #include "common/data.h"
+#include "common/dcgan_app.h"
 #include "common/images.h"
+#include "common/loss_log.h"
+#include "common/shared_flags.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/run_guard.h"
 
-#include <torch/csrc/jit/frontend/resolver.h>
-#include <torch/csrc/jit/frontend/sugared_value.h>
 #include <torch/cuda.h>
-#include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
@@ -32,48 +32,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kSyntheticImages = 2944;  // the seed's data set size
-
-std::string format_double(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
-Dataset load_training_data(const DCGANTrainConfig& config) {
-  if (config.data == "fashion-mnist") return load_fashion_mnist(config.fashion_mnist_dir, /*train=*/true, config.limit);
-  if (config.data == "synthetic")
-    return make_synthetic(config.limit > 0 ? config.limit : kSyntheticImages, config.model.channels,
-                          config.model.image_size, static_cast<uint64_t>(config.seed));
-  auto folder = load_image_folder(config.data, config.model.channels);
-  if (config.limit > 0 && folder.images.size(0) > config.limit) folder.images = folder.images.slice(0, 0, config.limit);
-  return folder;
-}
-
 int64_t count_parameters(torch::nn::Module& module) {
   int64_t n = 0;
   for (const auto& p : module.parameters()) n += p.numel();
   return n;
-}
-
-void write_losses(const std::string& out, const torch::Tensor& history, int64_t batches_per_epoch) {
-  const std::string csv = out + "/losses.csv", tmp = csv + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << "step,epoch,loss_d_real,loss_d_fake,loss_g\n";
-    auto h = history.accessor<float, 2>();
-    for (int64_t i = 0; i < history.size(0); ++i) {
-      f << i + 1 << "," << i / batches_per_epoch + 1 << "," << h[i][0] << "," << h[i][1] << "," << h[i][2] << "\n";
-    }
-    if (!f) throw Error(tmp + ": cannot write");
-  }
-  fs::rename(tmp, csv);
-  std::vector<PlotSeries> series{{"D loss (real)", {}, {31, 119, 180}},
-                                 {"D loss (fake)", {}, {255, 127, 14}},
-                                 {"G loss", {}, {44, 160, 44}}};
-  for (int64_t i = 0; i < history.size(0); ++i)
-    for (int k = 0; k < 3; ++k) series[k].values.push_back(history[i][k].item<double>());
-  write_line_plot(series, "step", out + "/loss.png");
 }
 
 std::string sample_path(const std::string& out, const char* kind, int64_t number) {
@@ -89,187 +51,6 @@ void write_samples(models::GeneratorImpl& generator, const torch::Tensor& noise,
   generator.train();
   write_image_grid(images, path);
 }
-
-// Resolves the names TorchScript source written here may use: `torch` (aten builtins) and `ops`, whose
-// attributes are operator namespaces (ops.hierpar.conv_transpose2d), as in TorchScript's own serialised code.
-struct OpsNamespaces : torch::jit::SugaredValue {
-  std::string kind() const override { return "operator namespaces"; }
-  std::shared_ptr<torch::jit::SugaredValue> attr(const torch::jit::SourceRange&, torch::jit::GraphFunction&,
-                                                 const std::string& field) override {
-    return std::make_shared<torch::jit::BuiltinModule>(field);
-  }
-};
-
-struct ExportResolver : torch::jit::Resolver {
-  std::shared_ptr<torch::jit::SugaredValue> resolveValue(const std::string& name, torch::jit::GraphFunction&,
-                                                         const torch::jit::SourceRange&) override {
-    if (name == "torch") return std::make_shared<torch::jit::BuiltinModule>("aten");
-    if (name == "ops") return std::make_shared<OpsNamespaces>();
-    return nullptr;
-  }
-  c10::TypePtr resolveType(const std::string&, const torch::jit::SourceRange&) override { return nullptr; }
-};
-
-}  // namespace
-
-torch::Device parse_device(const std::string& name) {
-  if (name.empty()) return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
-  if (name == "cpu") return torch::kCPU;
-  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
-    int64_t index = 0;
-    if (name.size() > 5) {
-      const std::string digits = name.substr(5);
-      if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 3)
-        throw FlagError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
-      index = std::stoll(digits);
-    }
-    const int64_t count = torch::cuda::device_count();
-    if (index >= count)
-      throw FlagError("--device " + name + ": this machine has " + std::to_string(count) + " CUDA device(s)");
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
-  }
-  throw FlagError("--device: expected cpu, cuda or cuda:N, got '" + name + "'");
-}
-
-LayerSet parse_layers(const std::string& name) {
-  if (name != "stock" && name != "hierpar") throw FlagError("--layers: expected stock or hierpar, got '" + name + "'");
-  return hierpar::parse_layer_set(name);
-}
-
-Config checkpoint_config(const DCGANTrainConfig& config) {
-  const auto& m = config.model;
-  return {{"nz", std::to_string(m.nz)},
-          {"image_size", std::to_string(m.image_size)},
-          {"channels", std::to_string(m.channels)},
-          {"width", format_double(m.width)},
-          {"data", config.data},
-          {"limit", std::to_string(config.limit)},
-          {"batch_size", std::to_string(config.batch_size)},
-          {"lr", format_double(config.lr)},
-          {"beta1", format_double(config.beta1)},
-          {"seed", std::to_string(config.seed)}};
-}
-
-hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
-  namespace hs = hierpar::strategy;
-  if (config.strategy != "single" && config.strategy != "task" && config.strategy != "data" &&
-      config.strategy != "hierarchical")
-    throw FlagError("--strategy: expected single, task, data or hierarchical, got '" + config.strategy + "'");
-  if (config.reduce != "host" && config.reduce != "nccl")
-    throw FlagError("--reduce: expected host or nccl, got '" + config.reduce + "'");
-  const hs::Scheme scheme = hs::parse_scheme(config.strategy);
-  const hs::Reduce reduce = hs::parse_reduce(config.reduce);
-  const hs::Launch launch = hs::Launch::from_env();
-  const torch::Device device = parse_device(config.device);
-  // Several replicas or G/D devices on the CPU are threads standing in for GPUs (tests, CI): only on request.
-  if (device.is_cpu() && config.device.empty() &&
-      (scheme != hs::Scheme::single || config.gpus > 1 || launch.multi_process()))
-    throw FlagError("--strategy " + config.strategy + (config.gpus > 0 ? " --gpus " + std::to_string(config.gpus) : "") +
-                    " needs CUDA devices and this machine has none; --device cpu runs it on CPU threads (for tests)");
-  const bool indexed = device.is_cuda() && config.device.find(':') != std::string::npos;
-  if (indexed && (scheme != hs::Scheme::single || launch.multi_process()))
-    throw FlagError("--device " + config.device + " picks one GPU, which only --strategy single in one process "
-                    "uses; give --device cuda (or nothing) and --gpus");
-  const int64_t per_replica = scheme == hs::Scheme::task || scheme == hs::Scheme::hierarchical ? 2 : 1;
-  const int64_t gpus = config.gpus > 0 ? config.gpus : per_replica * launch.world_size;
-  hs::Placement placement;
-  try {
-    placement = hs::Placement::make(scheme, gpus, reduce, device.type(), launch);
-  } catch (const c10::Error& e) {
-    throw FlagError(e.what_without_backtrace());  // each names the flag (--gpus, --strategy) it is about
-  }
-  if (indexed) placement.replicas[0] = {0, device, device};  // --device cuda:N with single
-  return placement;
-}
-
-StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type) {
-  const bool cuda = device_type == c10::DeviceType::CUDA;
-  StepSettings s;
-  if (config.graphs != "auto" && config.graphs != "on" && config.graphs != "off")
-    throw FlagError("--graphs: expected on or off, got '" + config.graphs + "'");
-  if (config.overlap != "on" && config.overlap != "off")
-    throw FlagError("--overlap: expected on or off, got '" + config.overlap + "'");
-  if (config.precision != "fp32" && config.precision != "tf32" && config.precision != "bf16")
-    throw FlagError("--precision: expected fp32, tf32 or bf16, got '" + config.precision + "'");
-  if (config.optimizer != "auto" && config.optimizer != "adam" && config.optimizer != "fused")
-    throw FlagError("--optimizer: expected adam or fused, got '" + config.optimizer + "'");
-  if (config.log_every < 1) throw FlagError("--log-every: expected an integer >= 1, got " + std::to_string(config.log_every));
-  if (config.graphs == "on" && !cuda) throw FlagError("--graphs on needs a CUDA device (this run is on the CPU)");
-  if (config.precision == "bf16" && !cuda) throw FlagError("--precision bf16 needs a CUDA device (this run is on the CPU)");
-  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda);
-  if (s.graphs && config.optimizer == "adam")
-    throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
-  s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
-  s.tf32 = cuda && config.precision != "fp32";  // TF32 is a CUDA matmul mode; the CPU computes fp32
-  if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
-  s.channels_last = config.channels_last || config.precision == "bf16";
-  s.overlap = config.overlap == "on" && cuda;
-  return s;
-}
-
-std::string StepSettings::describe() const {
-  std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
-  d += autocast_dtype ? ", bf16 autocast" : (tf32 ? ", fp32 with TF32" : ", fp32");
-  if (channels_last) d += ", channels_last";
-  if (overlap) d += ", two streams";
-  return d;
-}
-
-namespace {
-
-// losses.csv as written by write_losses: the D loss (real + fake) and G loss per step.
-std::pair<std::vector<double>, std::vector<double>> read_losses_csv(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(path + ": cannot read the losses (expected a losses.csv written by hierpar-dcgan train)");
-  std::string line;
-  std::getline(in, line);
-  if (line != "step,epoch,loss_d_real,loss_d_fake,loss_g")
-    throw Error(path + ": not a hierpar-dcgan losses.csv (header '" + line + "')");
-  std::vector<double> d, g;
-  while (std::getline(in, line)) {
-    double step, epoch, real, fake, gen;
-    if (std::sscanf(line.c_str(), "%lf,%lf,%lf,%lf,%lf", &step, &epoch, &real, &fake, &gen) != 5)
-      throw Error(path + ": line " + std::to_string(d.size() + 2) + " is not 5 numbers: '" + line + "'");
-    d.push_back(real + fake);
-    g.push_back(gen);
-  }
-  if (d.empty()) throw Error(path + ": no steps");
-  return {d, g};
-}
-
-}  // namespace
-
-std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
-                                        const std::string& output) {
-  if (runs.empty()) throw Error("plot: no runs to plot");
-  const std::vector<std::array<uint8_t, 3>> colours{{31, 119, 180}, {255, 127, 14}, {44, 160, 44},
-                                                    {214, 39, 40}, {148, 103, 189}, {140, 86, 75}};
-  std::vector<PlotSeries> series;
-  std::vector<std::string> summary;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const auto& [label, path] = runs[i];
-    auto [d, g] = read_losses_csv(path);
-    const auto dark = colours[i % colours.size()];
-    const std::array<uint8_t, 3> light{static_cast<uint8_t>((dark[0] + 255) / 2), static_cast<uint8_t>((dark[1] + 255) / 2),
-                                       static_cast<uint8_t>((dark[2] + 255) / 2)};
-    const size_t from = d.size() - (d.size() + 3) / 4;
-    auto mean_from = [&](const std::vector<double>& v) {
-      double sum = 0;
-      for (size_t k = from; k < v.size(); ++k) sum += v[k];
-      return sum / static_cast<double>(v.size() - from);
-    };
-    std::ostringstream line;
-    line << label << ": " << d.size() << " steps; mean over steps " << from + 1 << "-" << d.size() << ": D loss "
-         << std::fixed << std::setprecision(4) << mean_from(d) << ", G loss " << mean_from(g);
-    summary.push_back(line.str());
-    series.push_back({label + " D loss", std::move(d), dark});
-    series.push_back({label + " G loss", std::move(g), light});
-  }
-  write_line_plot(series, "step", output, 900, 480);
-  return summary;
-}
-
-namespace {
 
 // Adam's state tensors are read onto the CPU (checkpoints load there); each goes to its parameter's device.
 void move_adam_state_to_parameters(torch::optim::Adam& optimizer) {
@@ -364,7 +145,7 @@ int train_dcgan(DCGANTrainConfig config) {
   if (config.batch_size < 1) throw FlagError("--batch-size: expected an integer >= 1, got " + std::to_string(config.batch_size));
   if (config.keep_checkpoints < 1)
     throw FlagError("--keep-checkpoints: expected an integer >= 1, got " + std::to_string(config.keep_checkpoints));
-  if (!(config.timeout > 0)) throw FlagError("--timeout: expected a number of seconds > 0, got " + format_double(config.timeout));
+  if (!(config.timeout > 0)) throw FlagError("--timeout: expected a number of seconds > 0, got " + format_number(config.timeout));
   if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
   config.model.validate();
   const hs::Placement placement = dcgan_placement(config);
@@ -454,17 +235,7 @@ int train_dcgan(DCGANTrainConfig config) {
       state.history = loaded.history.numel() > 0 ? loaded.history : state.history;
     }
 
-    hs::AdversarialOptions options;
-    options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
-    options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
-    options.noise_shape = {config.model.nz};
-    options.fused_adam = step.fused_adam;
-    options.cuda_graphs = step.graphs;
-    options.overlap_passes = step.overlap;
-    options.autocast_dtype = step.autocast_dtype;
-    options.channels_last = step.channels_last;
-    options.loss_log_steps = config.log_every;
-    options.sync_batch_norm = config.sync_batch_norm;
+    hs::AdversarialOptions options = trainer_options(config, step);
     // The guard names a hung rank after --timeout; the collectives wait longer, so that it acts first.
     options.averaging.timeout = guard_options.timeout + (placement.launch.multi_process() ? guard_options.heartbeat_timeout
                                                                                           : std::chrono::milliseconds(0));
@@ -582,7 +353,7 @@ int train_dcgan(DCGANTrainConfig config) {
       line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")
            << (state.epoch_step == 0 ? state.epoch : state.epoch + 1) << ": " << steps_done << " steps in " << seconds
            << " s (" << (seconds > 0 ? steps_done / seconds : 0.0) << " steps/s"
-           << (state.epoch_step == 0 && first_step == 0 ? ", " + format_double(seconds) + " s per epoch" : "")
+           << (state.epoch_step == 0 && first_step == 0 ? ", " + format_number(seconds) + " s per epoch" : "")
            << "); samples " << grid;
       say(line.str());
     }
@@ -603,68 +374,6 @@ int train_dcgan(DCGANTrainConfig config) {
     if (dynamic_cast<const Error*>(&e) != nullptr && !placement.launch.multi_process()) throw;
     throw Error(line);
   }
-}
-
-models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device) {
-  const auto state = read_checkpoint_state(checkpoint);
-  auto field = [&](const char* key) {
-    auto it = state.config.find(key);
-    if (it == state.config.end()) throw Error(checkpoint + ": the configuration has no " + key);
-    return it->second;
-  };
-  models::DCGANOptions options;
-  options.nz = std::stoll(field("nz"));
-  options.image_size = std::stoll(field("image_size"));
-  options.channels = std::stoll(field("channels"));
-  options.width = std::stod(field("width"));
-  options.layers = layers;
-  models::Generator generator(options);
-  load_checkpoint(checkpoint, {}, {{"generator", generator.get()}}, {}, device, /*restore_rng=*/false);
-  generator->to(device);
-  generator->eval();
-  return generator;
-}
-
-torch::jit::Module export_generator(models::GeneratorImpl& generator, ExportOps ops) {
-  auto cu = std::make_shared<torch::jit::CompilationUnit>();
-  torch::jit::Module module(c10::QualifiedName("__torch__.hierpar.DCGANGenerator"), cu);
-  const double eps = torch::nn::BatchNorm2dOptions(1).eps();
-  std::ostringstream src;
-  src << "def forward(self, z):\n"
-      << "    x = z.reshape([z.size(0), " << generator.options.nz << ", 1, 1])\n";
-  const auto children = generator.named_children();
-  for (const auto& child : children) {
-    const std::string& name = child.key();
-    const bool hierpar = ops == ExportOps::hierpar ||
-                         (ops == ExportOps::as_built && child.value()->name().rfind("hierpar::", 0) == 0);
-    torch::jit::Module sub(c10::QualifiedName("__torch__.hierpar.DCGANGenerator_" + name), cu);
-    for (const auto& p : child.value()->named_parameters(false)) sub.register_parameter(p.key(), p.value().detach(), false);
-    for (const auto& b : child.value()->named_buffers(false)) sub.register_buffer(b.key(), b.value().detach());
-    module.register_module(name, sub);
-    const std::string self = "self." + name;
-    if (name.rfind("deconv", 0) == 0) {
-      const bool first = name == "deconv1";
-      const std::string geometry = first ? "[1, 1], [0, 0]" : "[2, 2], [1, 1]";
-      if (hierpar) {
-        src << "    x = ops.hierpar.conv_transpose2d(x, " << self << ".weight, None, " << geometry
-            << ", [0, 0], 1, [1, 1])\n";
-      } else {
-        src << "    x = torch.conv_transpose2d(x, " << self << ".weight, None, " << geometry << ")\n";
-      }
-    } else {
-      const std::string args = self + ".weight, " + self + ".bias, " + self + ".running_mean, " + self +
-                               ".running_var, False, 0.1, " + format_double(eps);
-      if (hierpar) {
-        src << "    x = ops.hierpar.batch_norm_act(x, " << args << ", \"relu\", 0.0)[0]\n";
-      } else {
-        src << "    x = torch.relu(torch.batch_norm(x, " << args << ", False))\n";
-      }
-    }
-  }
-  src << "    return torch.tanh(x)\n";
-  module.define(src.str(), std::make_shared<ExportResolver>());
-  module.eval();
-  return module;
 }
 
 }  // namespace hierpar::examples

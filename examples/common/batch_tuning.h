@@ -1,0 +1,30 @@
+// hierpar-dcgan tune: the batch-size search of seed 004 (hierpar/strategy/batch_size_search.h) on the DCGAN, with
+// a probe that trains fresh copies of the networks, so that nothing of a run's model or optimiser is touched.
+#pragma once
+
+#include "common/dcgan_app.h"
+#include "hierpar/strategy/batch_size_search.h"
+
+#include <ostream>
+#include <string>
+
+namespace hierpar::examples {
+
+struct TuneConfig {
+  std::string objective = "epoch-time";  // epoch-time | gpu-usage | max-memory
+  int64_t steps = 20;                    // timed steps per trial (after the warm-up and any capture)
+  int64_t max_batch = 0;                 // never above this (0: the data set's size)
+};
+
+// `steps` training steps of networks built from config.model on config's placement (one process) at global batch
+// `batch`, on random images, after a warm-up; the epoch time is for `dataset_size` images. Out of memory gives a
+// trial that does not fit, with the allocator's cache emptied.
+hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch,
+                                                  int64_t dataset_size, int64_t steps);
+
+// Searches from config.batch_size for `tune.objective`; prints the trials and the choice to `out` and writes
+// <config.out>/tune.png (epoch time and images/s per batch).
+hierpar::strategy::BatchSearchResult tune_batch_size(const DCGANTrainConfig& config, const TuneConfig& tune,
+                                                     std::ostream& out);
+
+}  // namespace hierpar::examples

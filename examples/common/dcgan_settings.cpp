@@ -1,0 +1,119 @@
+// hierpar-dcgan's flags resolved into what the run uses: the checkpoint's configuration, the placement and
+// the step's settings (declared in dcgan_app.h).
+#include "common/cli.h"
+#include "common/dcgan_app.h"
+#include "common/shared_flags.h"
+
+namespace hierpar::examples {
+
+namespace {
+
+constexpr int64_t kSyntheticImages = 2944;  // the seed's data set size
+
+}  // namespace
+
+Dataset load_training_data(const DCGANTrainConfig& config) {
+  if (config.data == "fashion-mnist") return load_fashion_mnist(config.fashion_mnist_dir, /*train=*/true, config.limit);
+  if (config.data == "synthetic")
+    return make_synthetic(config.limit > 0 ? config.limit : kSyntheticImages, config.model.channels,
+                          config.model.image_size, static_cast<uint64_t>(config.seed));
+  auto folder = load_image_folder(config.data, config.model.channels);
+  if (config.limit > 0 && folder.images.size(0) > config.limit) folder.images = folder.images.slice(0, 0, config.limit);
+  return folder;
+}
+
+Config checkpoint_config(const DCGANTrainConfig& config) {
+  const auto& m = config.model;
+  return {{"nz", std::to_string(m.nz)},
+          {"image_size", std::to_string(m.image_size)},
+          {"channels", std::to_string(m.channels)},
+          {"width", format_number(m.width)},
+          {"data", config.data},
+          {"limit", std::to_string(config.limit)},
+          {"batch_size", std::to_string(config.batch_size)},
+          {"lr", format_number(config.lr)},
+          {"beta1", format_number(config.beta1)},
+          {"seed", std::to_string(config.seed)}};
+}
+
+hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
+  namespace hs = hierpar::strategy;
+  if (config.strategy != "single" && config.strategy != "task" && config.strategy != "data" &&
+      config.strategy != "hierarchical")
+    throw FlagError("--strategy: expected single, task, data or hierarchical, got '" + config.strategy + "'");
+  if (config.reduce != "host" && config.reduce != "nccl")
+    throw FlagError("--reduce: expected host or nccl, got '" + config.reduce + "'");
+  const hs::Scheme scheme = hs::parse_scheme(config.strategy);
+  const hs::Reduce reduce = hs::parse_reduce(config.reduce);
+  const hs::Launch launch = hs::Launch::from_env();
+  const torch::Device device = parse_device(config.device);
+  // Several replicas or G/D devices on the CPU are threads standing in for GPUs (tests, CI): only on request.
+  if (device.is_cpu() && config.device.empty() &&
+      (scheme != hs::Scheme::single || config.gpus > 1 || launch.multi_process()))
+    throw FlagError("--strategy " + config.strategy + (config.gpus > 0 ? " --gpus " + std::to_string(config.gpus) : "") +
+                    " needs CUDA devices and this machine has none; --device cpu runs it on CPU threads (for tests)");
+  const bool indexed = device.is_cuda() && config.device.find(':') != std::string::npos;
+  if (indexed && (scheme != hs::Scheme::single || launch.multi_process()))
+    throw FlagError("--device " + config.device + " picks one GPU, which only --strategy single in one process "
+                    "uses; give --device cuda (or nothing) and --gpus");
+  const int64_t per_replica = scheme == hs::Scheme::task || scheme == hs::Scheme::hierarchical ? 2 : 1;
+  const int64_t gpus = config.gpus > 0 ? config.gpus : per_replica * launch.world_size;
+  hs::Placement placement;
+  try {
+    placement = hs::Placement::make(scheme, gpus, reduce, device.type(), launch);
+  } catch (const c10::Error& e) {
+    throw FlagError(e.what_without_backtrace());  // each names the flag (--gpus, --strategy) it is about
+  }
+  if (indexed) placement.replicas[0] = {0, device, device};  // --device cuda:N with single
+  return placement;
+}
+
+StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type) {
+  const bool cuda = device_type == c10::DeviceType::CUDA;
+  StepSettings s;
+  if (config.graphs != "auto" && config.graphs != "on" && config.graphs != "off")
+    throw FlagError("--graphs: expected on or off, got '" + config.graphs + "'");
+  if (config.overlap != "on" && config.overlap != "off")
+    throw FlagError("--overlap: expected on or off, got '" + config.overlap + "'");
+  if (config.precision != "fp32" && config.precision != "tf32" && config.precision != "bf16")
+    throw FlagError("--precision: expected fp32, tf32 or bf16, got '" + config.precision + "'");
+  if (config.optimizer != "auto" && config.optimizer != "adam" && config.optimizer != "fused")
+    throw FlagError("--optimizer: expected adam or fused, got '" + config.optimizer + "'");
+  if (config.log_every < 1) throw FlagError("--log-every: expected an integer >= 1, got " + std::to_string(config.log_every));
+  if (config.graphs == "on" && !cuda) throw FlagError("--graphs on needs a CUDA device (this run is on the CPU)");
+  if (config.precision == "bf16" && !cuda) throw FlagError("--precision bf16 needs a CUDA device (this run is on the CPU)");
+  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda);
+  if (s.graphs && config.optimizer == "adam")
+    throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
+  s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
+  s.tf32 = cuda && config.precision != "fp32";  // TF32 is a CUDA matmul mode; the CPU computes fp32
+  if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
+  s.channels_last = config.channels_last || config.precision == "bf16";
+  s.overlap = config.overlap == "on" && cuda;
+  return s;
+}
+
+hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& config, const StepSettings& step) {
+  hierpar::strategy::AdversarialOptions options;
+  options.generator_adam.lr = options.discriminator_adam.lr = config.lr;
+  options.generator_adam.beta1 = options.discriminator_adam.beta1 = config.beta1;
+  options.noise_shape = {config.model.nz};
+  options.fused_adam = step.fused_adam;
+  options.cuda_graphs = step.graphs;
+  options.overlap_passes = step.overlap;
+  options.autocast_dtype = step.autocast_dtype;
+  options.channels_last = step.channels_last;
+  options.loss_log_steps = config.log_every;
+  options.sync_batch_norm = config.sync_batch_norm;
+  return options;
+}
+
+std::string StepSettings::describe() const {
+  std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
+  d += autocast_dtype ? ", bf16 autocast" : (tf32 ? ", fp32 with TF32" : ", fp32");
+  if (channels_last) d += ", channels_last";
+  if (overlap) d += ", two streams";
+  return d;
+}
+
+}  // namespace hierpar::examples

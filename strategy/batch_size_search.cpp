@@ -1,0 +1,208 @@
+#include "hierpar/strategy/batch_size_search.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+namespace hierpar::strategy {
+
+BatchObjective parse_batch_objective(const std::string& name) {
+  if (name == "max-memory") return BatchObjective::max_memory;
+  if (name == "epoch-time") return BatchObjective::epoch_time;
+  if (name == "gpu-usage") return BatchObjective::gpu_usage;
+  TORCH_CHECK(false, "objective: expected max-memory, epoch-time or gpu-usage, got '", name, "'");
+}
+
+const char* to_string(BatchObjective objective) {
+  switch (objective) {
+    case BatchObjective::max_memory: return "max-memory";
+    case BatchObjective::epoch_time: return "epoch-time";
+    case BatchObjective::gpu_usage: return "gpu-usage";
+  }
+  return "?";
+}
+
+std::string BatchSearchResult::table() const {
+  std::ostringstream os;
+  char line[160];
+  std::snprintf(line, sizeof line, "%8s %5s %10s %10s %12s %8s %9s\n", "batch", "fits", "s/step", "s/epoch", "images/s",
+                "GPU %", "peak MB");
+  os << line;
+  for (const BatchTrial& t : trials) {
+    if (!t.fits) {
+      std::snprintf(line, sizeof line, "%8lld %5s  %s\n", static_cast<long long>(t.batch), "no", t.note.c_str());
+    } else {
+      char usage[16] = "-";
+      if (t.gpu_usage) std::snprintf(usage, sizeof usage, "%.1f", *t.gpu_usage);
+      std::snprintf(line, sizeof line, "%8lld %5s %10.5f %10.3f %12.0f %8s %9.0f%s\n", static_cast<long long>(t.batch),
+                    "yes", t.step_seconds, t.epoch_seconds, t.images_per_second, usage, t.peak_bytes / 1048576.0,
+                    t.batch == chosen ? "  <- chosen" : "");
+    }
+    os << line;
+  }
+  return os.str();
+}
+
+namespace {
+
+// Measures each batch once; keeps the trials in the order measured.
+class Trials {
+ public:
+  Trials(const BatchProbe& probe, BatchSearchResult& result) : probe_(probe), result_(result) {}
+
+  const BatchTrial& at(int64_t batch) {
+    auto it = by_batch_.find(batch);
+    if (it != by_batch_.end()) return result_.trials[it->second];
+    BatchTrial trial = probe_(batch);
+    trial.batch = batch;
+    by_batch_[batch] = result_.trials.size();
+    result_.trials.push_back(std::move(trial));
+    return result_.trials.back();
+  }
+  size_t count() const { return result_.trials.size(); }
+
+ private:
+  const BatchProbe& probe_;
+  BatchSearchResult& result_;
+  std::map<int64_t, size_t> by_batch_;
+};
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * multiple; }
+
+std::string batch_text(int64_t batch) { return std::to_string(batch); }
+
+void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t limit,
+                       BatchSearchResult& result) {
+  int64_t fits = start, fails = 0;
+  while (trials.count() < static_cast<size_t>(o.max_trials)) {
+    const int64_t next = std::min(limit, round_up(fits * 2, o.multiple));
+    if (next == fits) break;
+    if (trials.at(next).fits) {
+      fits = next;
+    } else {
+      fails = next;
+      break;
+    }
+  }
+  while (fails > 0 && fails - fits > o.multiple && trials.count() < static_cast<size_t>(o.max_trials)) {
+    const int64_t middle = round_down((fits + fails) / 2, o.multiple);
+    if (middle <= fits) break;
+    (trials.at(middle).fits ? fits : fails) = middle;
+  }
+  result.chosen = fits;
+  result.reason = fails > 0 ? "the largest batch that fits: " + batch_text(fits) + " (" + batch_text(fails) +
+                                  " ran out of memory)"
+                            : "the largest batch tried, " + batch_text(fits) + ": the limit " + batch_text(limit) +
+                                  " (the data set, or --max-batch) was reached without running out of memory";
+}
+
+void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t unit, int64_t limit,
+                       BatchSearchResult& result) {
+  int64_t batch = start, growth = 0;
+  double base = 0, last_check = 1;
+  std::string stop = "the search reached " + std::to_string(o.max_trials) + " trials";
+  for (int64_t k = 0; k < o.max_trials; ++k) {
+    const BatchTrial& trial = trials.at(batch);
+    if (!trial.fits) {
+      stop = batch_text(batch) + " ran out of memory";
+      break;
+    }
+    if (k == 0) base = trial.epoch_seconds;
+    const double ratio = trial.epoch_seconds / base;
+    if (k > 0 && k % o.check_every == 0) {
+      if (std::abs(ratio - last_check) <= o.tolerance) {
+        char text[160];
+        std::snprintf(text, sizeof text, "the epoch time settled (%.3f of the first trial's, %.3f %d trials before)",
+                      ratio, last_check, static_cast<int>(o.check_every));
+        stop = text;
+        break;
+      }
+      last_check = ratio;
+    }
+    ++growth;
+    const int64_t next = std::min(limit, batch + growth * unit);
+    if (next == batch) {
+      stop = "the limit " + batch_text(limit) + " was reached";
+      break;
+    }
+    batch = next;
+  }
+  const BatchTrial* best = nullptr;
+  for (const BatchTrial& t : result.trials) {
+    if (t.fits && (best == nullptr || t.epoch_seconds < best->epoch_seconds)) best = &t;
+  }
+  result.chosen = best->batch;
+  char text[96];
+  std::snprintf(text, sizeof text, "the least epoch time measured (%.3f s)", best->epoch_seconds);
+  result.reason = std::string(text) + "; the search stopped as " + stop;
+}
+
+void search_gpu_usage(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t unit, int64_t limit,
+                      BatchSearchResult& result) {
+  int64_t batch = start, growth = 0;
+  std::string stop = "the search reached " + std::to_string(o.max_trials) + " trials";
+  for (int64_t k = 0; k < o.max_trials; ++k) {
+    const BatchTrial& trial = trials.at(batch);
+    if (!trial.fits) {
+      stop = batch_text(batch) + " ran out of memory";
+      break;
+    }
+    TORCH_CHECK(trial.gpu_usage.has_value(), "objective gpu-usage: batch ", batch,
+                " was measured without GPU utilisation samples (it needs a CUDA device and the driver's NVML)");
+    if (*trial.gpu_usage >= o.usage_target) {
+      char text[120];
+      std::snprintf(text, sizeof text, "the first batch whose GPU utilisation reached %.0f%% (%.1f%%)",
+                    o.usage_target, *trial.gpu_usage);
+      result.chosen = batch;
+      result.reason = text;
+      return;
+    }
+    ++growth;
+    const int64_t next = std::min(limit, batch + growth * unit);
+    if (next == batch) {
+      stop = "the limit " + batch_text(limit) + " was reached";
+      break;
+    }
+    batch = next;
+  }
+  const BatchTrial* best = nullptr;
+  for (const BatchTrial& t : result.trials) {
+    if (t.fits && t.gpu_usage && (best == nullptr || *t.gpu_usage > *best->gpu_usage)) best = &t;
+  }
+  result.chosen = best->batch;
+  char text[120];
+  std::snprintf(text, sizeof text, "the most utilised batch (%.1f%%, below the %.0f%% target)", *best->gpu_usage,
+                o.usage_target);
+  result.reason = std::string(text) + "; the search stopped as " + stop;
+}
+
+}  // namespace
+
+BatchSearchResult search_batch_size(const BatchProbe& probe, const BatchSearchOptions& o) {
+  TORCH_CHECK(o.multiple >= 1, "batch search: multiple: expected >= 1, got ", o.multiple);
+  TORCH_CHECK(o.start >= 1, "batch search: start: expected >= 1, got ", o.start);
+  TORCH_CHECK(o.max_trials >= 1, "batch search: max_trials: expected >= 1, got ", o.max_trials);
+  TORCH_CHECK(o.check_every >= 1, "batch search: check_every: expected >= 1, got ", o.check_every);
+  const int64_t start = round_up(o.start, o.multiple), limit = round_down(o.limit, o.multiple);
+  TORCH_CHECK(start <= limit, "batch search: the first batch (", start, ", a multiple of ", o.multiple,
+              ") is above the limit ", o.limit);
+  const int64_t unit = std::max(o.multiple, round_up(o.unit > 0 ? o.unit : start / 2, o.multiple));
+  BatchSearchResult result;
+  result.objective = o.objective;
+  Trials trials(probe, result);
+  const BatchTrial& first = trials.at(start);
+  TORCH_CHECK(first.fits, "batch search: the first batch, ", start, ", does not run: ", first.note);
+  switch (o.objective) {
+    case BatchObjective::max_memory: search_max_memory(trials, o, start, limit, result); break;
+    case BatchObjective::epoch_time: search_epoch_time(trials, o, start, unit, limit, result); break;
+    case BatchObjective::gpu_usage: search_gpu_usage(trials, o, start, unit, limit, result); break;
+  }
+  return result;
+}
+
+}  // namespace hierpar::strategy
