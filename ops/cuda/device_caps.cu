@@ -1,6 +1,7 @@
 #include "cuda/device_caps.h"
 
 #include "hierpar/ops.h"
+#include "hierpar/switches.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
