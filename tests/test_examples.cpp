@@ -3,6 +3,7 @@
 // status and one-line errors on bad input.
 #include "testing.h"
 
+#include "common/batch_tuning.h"
 #include "common/checkpoint.h"
 #include "common/cli.h"
 #include "common/data.h"
