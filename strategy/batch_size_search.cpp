@@ -76,6 +76,17 @@ int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * 
 
 std::string batch_text(int64_t batch) { return std::to_string(batch); }
 
+// Bisects between a batch that fits and a larger one that does not, measuring each batch in between that it
+// tries; returns the largest that fits.
+int64_t largest_fitting(Trials& trials, const BatchSearchOptions& o, int64_t fits, int64_t fails) {
+  while (fails - fits > o.multiple && trials.count() < static_cast<size_t>(o.max_trials)) {
+    const int64_t middle = round_down((fits + fails) / 2, o.multiple);
+    if (middle <= fits) break;
+    (trials.at(middle).fits ? fits : fails) = middle;
+  }
+  return fits;
+}
+
 void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t limit,
                        BatchSearchResult& result) {
   int64_t fits = start, fails = 0;
@@ -89,11 +100,7 @@ void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t star
       break;
     }
   }
-  while (fails > 0 && fails - fits > o.multiple && trials.count() < static_cast<size_t>(o.max_trials)) {
-    const int64_t middle = round_down((fits + fails) / 2, o.multiple);
-    if (middle <= fits) break;
-    (trials.at(middle).fits ? fits : fails) = middle;
-  }
+  if (fails > 0) fits = largest_fitting(trials, o, fits, fails);
   result.chosen = fits;
   result.reason = fails > 0 ? "the largest batch that fits: " + batch_text(fits) + " (" + batch_text(fails) +
                                   " ran out of memory)"
@@ -103,15 +110,17 @@ void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t star
 
 void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t unit, int64_t limit,
                        BatchSearchResult& result) {
-  int64_t batch = start, growth = 0;
+  int64_t batch = start, previous = start, growth = 0;
   double base = 0, last_check = 1;
   std::string stop = "the search reached " + std::to_string(o.max_trials) + " trials";
   for (int64_t k = 0; k < o.max_trials; ++k) {
     const BatchTrial& trial = trials.at(batch);
-    if (!trial.fits) {
-      stop = batch_text(batch) + " ran out of memory";
+    if (!trial.fits) {  // the memory bound: the batches between the last that fit and this one are tried too
+      stop = batch_text(batch) + " ran out of memory (the largest that fits: " +
+             batch_text(largest_fitting(trials, o, previous, batch)) + ")";
       break;
     }
+    previous = batch;
     if (k == 0) base = trial.epoch_seconds;
     const double ratio = trial.epoch_seconds / base;
     if (k > 0 && k % o.check_every == 0) {
@@ -144,14 +153,16 @@ void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t star
 
 void search_gpu_usage(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t unit, int64_t limit,
                       BatchSearchResult& result) {
-  int64_t batch = start, growth = 0;
+  int64_t batch = start, previous = start, growth = 0;
   std::string stop = "the search reached " + std::to_string(o.max_trials) + " trials";
   for (int64_t k = 0; k < o.max_trials; ++k) {
     const BatchTrial& trial = trials.at(batch);
     if (!trial.fits) {
-      stop = batch_text(batch) + " ran out of memory";
+      stop = batch_text(batch) + " ran out of memory (the largest that fits: " +
+             batch_text(largest_fitting(trials, o, previous, batch)) + ")";
       break;
     }
+    previous = batch;
     TORCH_CHECK(trial.gpu_usage.has_value(), "objective gpu-usage: batch ", batch,
                 " was measured without GPU utilisation samples (it needs a CUDA device and the driver's NVML)");
     if (*trial.gpu_usage >= o.usage_target) {
@@ -170,12 +181,21 @@ void search_gpu_usage(Trials& trials, const BatchSearchOptions& o, int64_t start
     }
     batch = next;
   }
-  const BatchTrial* best = nullptr;
+  const BatchTrial *best = nullptr, *at_target = nullptr;
   for (const BatchTrial& t : result.trials) {
-    if (t.fits && t.gpu_usage && (best == nullptr || *t.gpu_usage > *best->gpu_usage)) best = &t;
+    if (!t.fits || !t.gpu_usage) continue;
+    if (best == nullptr || *t.gpu_usage > *best->gpu_usage) best = &t;
+    if (*t.gpu_usage >= o.usage_target && (at_target == nullptr || t.batch < at_target->batch)) at_target = &t;
+  }
+  char text[120];
+  if (at_target != nullptr) {  // found while bisecting below the memory bound
+    result.chosen = at_target->batch;
+    std::snprintf(text, sizeof text, "the smallest batch whose GPU utilisation reached %.0f%% (%.1f%%)",
+                  o.usage_target, *at_target->gpu_usage);
+    result.reason = std::string(text) + "; the search stopped as " + stop;
+    return;
   }
   result.chosen = best->batch;
-  char text[120];
   std::snprintf(text, sizeof text, "the most utilised batch (%.1f%%, below the %.0f%% target)", *best->gpu_usage,
                 o.usage_target);
   result.reason = std::string(text) + "; the search stopped as " + stop;

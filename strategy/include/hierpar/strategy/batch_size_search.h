@@ -9,7 +9,8 @@
 //   - gpu_usage: the seed's GpuUsageMaximize: the step grows by a unit while the GPU's utilisation (the mean of
 //     the top half of its samples) is below the target (99%) and shrinks by one when above; the first batch at
 //     the target wins (else the most utilised).
-// Every search stays within the memory bound: a batch that runs out of memory ends the growth there.
+// Every search stays within the memory bound: a batch that runs out of memory ends the growth, and the batches
+// between the last that fit and it are bisected (and measured) for the largest that fits.
 // A GAN's batch size changes what it learns, not only how fast: a search result is a speed choice.
 #include <cstdint>
 #include <functional>
