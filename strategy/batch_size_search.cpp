@@ -108,6 +108,18 @@ void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t star
                                   " (the data set, or --max-batch) was reached without running out of memory";
 }
 
+// The seed's growth: the batch grows by `growth` units, one more each time, up to `limit`; false (and why in
+// `stop`) when it cannot grow.
+bool grow(int64_t& batch, int64_t& growth, int64_t unit, int64_t limit, std::string& stop) {
+  const int64_t next = std::min(limit, batch + ++growth * unit);
+  if (next == batch) {
+    stop = "the limit " + batch_text(limit) + " was reached";
+    return false;
+  }
+  batch = next;
+  return true;
+}
+
 void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t unit, int64_t limit,
                        BatchSearchResult& result) {
   int64_t batch = start, previous = start, growth = 0;
@@ -133,13 +145,7 @@ void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t star
       }
       last_check = ratio;
     }
-    ++growth;
-    const int64_t next = std::min(limit, batch + growth * unit);
-    if (next == batch) {
-      stop = "the limit " + batch_text(limit) + " was reached";
-      break;
-    }
-    batch = next;
+    if (!grow(batch, growth, unit, limit, stop)) break;
   }
   const BatchTrial* best = nullptr;
   for (const BatchTrial& t : result.trials) {
@@ -173,13 +179,7 @@ void search_gpu_usage(Trials& trials, const BatchSearchOptions& o, int64_t start
       result.reason = text;
       return;
     }
-    ++growth;
-    const int64_t next = std::min(limit, batch + growth * unit);
-    if (next == batch) {
-      stop = "the limit " + batch_text(limit) + " was reached";
-      break;
-    }
-    batch = next;
+    if (!grow(batch, growth, unit, limit, stop)) break;
   }
   const BatchTrial *best = nullptr, *at_target = nullptr;
   for (const BatchTrial& t : result.trials) {

@@ -1026,7 +1026,7 @@ TEST(Examples, TuneChoosesABatchAndDrawsIt) {
   expect_flag_error(run_dcgan(common + " --objective fastest", dir),
                     "--objective: expected max-memory, epoch-time or gpu-usage, got 'fastest'", "unknown objective");
   expect_flag_error(run_dcgan(common + " --strategy data --gpus 2 --batch-size 9", dir),
-                    "--batch-size 9: expected a multiple of the 2 replicas", "batch not divisible");
+                    "--batch-size 9 does not split evenly over the 2 replicas", "batch not divisible");
   expect_one_line_error(run_dcgan(common + " --objective gpu-usage", dir), "needs a CUDA device and the driver's NVML",
                         "gpu-usage on the CPU");
 }

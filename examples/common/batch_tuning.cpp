@@ -111,7 +111,7 @@ hs::BatchSearchResult tune_batch_size(const DCGANTrainConfig& config, const Tune
   options.multiple = placement.global_replicas();
   options.limit = tune.max_batch > 0 ? tune.max_batch : dataset_size;
   if (options.start % options.multiple != 0)
-    throw FlagError("--batch-size " + std::to_string(options.start) + ": expected a multiple of the " +
+    throw FlagError("--batch-size " + std::to_string(options.start) + " does not split evenly over the " +
                     std::to_string(options.multiple) + " replicas");
   out << "tune: " << hs::to_string(options.objective) << " from batch " << options.start << " on "
       << placement.to_string() << "; " << tune.steps << " timed steps per batch, epochs of " << dataset_size
