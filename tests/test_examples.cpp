@@ -1005,8 +1005,9 @@ TEST(Examples, TuneProbeMeasuresStepsOfFreshNetworks) {
 
 TEST(Examples, TuneChoosesABatchAndDrawsIt) {
   TempDir dir;
+  // (No --channels: the data decides, as for train.)
   const std::string common = "tune --device cpu --data synthetic --limit 64 --image-size 32 --width 0.25 "
-                             "--channels 1 --batch-size 8 --steps 2 --out " + dir / "tune";
+                             "--batch-size 8 --steps 2 --out " + dir / "tune";
   // The CPU never runs out of memory: max-memory doubles up to the limit.
   std::string out = dcgan_stdout(common + " --objective max-memory --max-batch 32");
   EXPECT_NE(out.find("chose batch 32: the largest batch tried, 32: the limit 32"), std::string::npos) << out;

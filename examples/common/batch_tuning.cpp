@@ -97,7 +97,8 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
   return trial;
 }
 
-hs::BatchSearchResult tune_batch_size(const DCGANTrainConfig& config, const TuneConfig& tune, std::ostream& out) {
+hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig& tune, std::ostream& out) {
+  resolve_model(config);
   hs::BatchSearchOptions options;
   try {
     options.objective = hs::parse_batch_objective(tune.objective);

@@ -24,7 +24,7 @@ hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config
 
 // Searches from config.batch_size for `tune.objective`; prints the trials and the choice to `out` and writes
 // <config.out>/tune.png (epoch time and images/s per batch).
-hierpar::strategy::BatchSearchResult tune_batch_size(const DCGANTrainConfig& config, const TuneConfig& tune,
+hierpar::strategy::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig& tune,
                                                      std::ostream& out);
 
 }  // namespace hierpar::examples

@@ -93,6 +93,9 @@ struct StepSettings {
 };
 StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type);
 
+// Fills in what the flags leave to the data (channels 0: 1 for Fashion-MNIST, 3 otherwise) and checks the model.
+void resolve_model(DCGANTrainConfig& config);
+
 // The training images --data, --limit and the model's channels ask for, as loaded (before resizing).
 Dataset load_training_data(const DCGANTrainConfig& config);
 

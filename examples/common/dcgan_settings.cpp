@@ -22,6 +22,11 @@ Dataset load_training_data(const DCGANTrainConfig& config) {
   return folder;
 }
 
+void resolve_model(DCGANTrainConfig& config) {
+  if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
+  config.model.validate();
+}
+
 Config checkpoint_config(const DCGANTrainConfig& config) {
   const auto& m = config.model;
   return {{"nz", std::to_string(m.nz)},

@@ -146,8 +146,7 @@ int train_dcgan(DCGANTrainConfig config) {
   if (config.keep_checkpoints < 1)
     throw FlagError("--keep-checkpoints: expected an integer >= 1, got " + std::to_string(config.keep_checkpoints));
   if (!(config.timeout > 0)) throw FlagError("--timeout: expected a number of seconds > 0, got " + format_number(config.timeout));
-  if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
-  config.model.validate();
+  resolve_model(config);
   const hs::Placement placement = dcgan_placement(config);
   const StepSettings step = step_settings(config, placement.replicas[0].discriminator.type());
   const InjectedFault fault = parse_fault(config.inject_fault, placement.global_replicas());
