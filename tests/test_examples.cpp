@@ -20,6 +20,7 @@
 #include <zlib.h>
 
 #include <cstdio>
+#include <cstring>
 #include <ftw.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -715,7 +716,8 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   fs::create_directories(dir.path / "bad");
   std::ofstream(dir / "bad/a.png") << "garbage";
   expect_one_line_error(run_dcgan(base + "--data " + (dir / "bad"), dir), "a.png: cannot read image", "unreadable image");
-  expect_flag_error(run_dcgan(base + "--batch-size 0", dir), "--batch-size: expected an integer >= 1, got 0", "batch 0");
+  expect_flag_error(run_dcgan(base + "--batch-size 0", dir), "--batch-size: expected an integer >= 1 or auto, got '0'",
+                    "batch 0");
   expect_flag_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
   expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
@@ -1030,4 +1032,25 @@ TEST(Examples, TuneChoosesABatchAndDrawsIt) {
                     "--batch-size 9 does not split evenly over the 2 replicas", "batch not divisible");
   expect_one_line_error(run_dcgan(common + " --objective gpu-usage", dir), "needs a CUDA device and the driver's NVML",
                         "gpu-usage on the CPU");
+  expect_flag_error(run_dcgan(common + " --batch-size auto", dir), "--batch-size: expected an integer >= 1, got 'auto'",
+                    "auto is train's");
+}
+
+// train --batch-size auto: the epoch-time search first (from the default 64, within the data set), then training at
+// the chosen batch, which the checkpoint records.
+TEST(Examples, TrainWithAutomaticBatchSize) {
+  TempDir dir;
+  const std::string train = "train --device cpu --data synthetic --limit 128 --image-size 32 --width 0.25 --epochs 1 "
+                            "--samples 4 --out " + dir / "run";
+  const std::string out = dcgan_stdout(train + " --batch-size auto");
+  const auto chose = out.find("train: --batch-size auto chose ");
+  ASSERT_NE(chose, std::string::npos) << out;
+  const int64_t batch = std::stoll(out.substr(chose + std::strlen("train: --batch-size auto chose ")));
+  EXPECT_GE(batch, 64);
+  EXPECT_LE(batch, 128);
+  EXPECT_NE(out.find("this is a speed choice"), std::string::npos) << out;
+  const auto state = hierpar::examples::read_checkpoint_state(dir / "run/checkpoint.pt");
+  EXPECT_EQ(state.config.at("batch_size"), std::to_string(batch));
+  expect_flag_error(run_dcgan(train + " --batch-size auto --resume", dir),
+                    "--batch-size auto with --resume: give the batch size the run was started with", "auto resume");
 }

@@ -42,7 +42,7 @@ constexpr const char* kUsage =
 
 // The flags that define the data, the model, the placement and the step: train and tune take them alike.
 struct RunFlags {
-  std::string layers = "hierpar";
+  std::string layers = "hierpar", batch_size = "64";
   int64_t image_size = 64, channels = 0, nz = 100;
   double width = 1.0;
 };
@@ -58,7 +58,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("gpus", &config.gpus, "devices in all, over every process (0: the strategy's own count)", 0)
       .add("reduce", &config.reduce, "gradient averaging across replicas: host (pinned memory, CPU threads) or nccl")
       .add("sync-bn", &config.sync_batch_norm, "BatchNorm statistics over all replicas (default: per replica)")
-      .add("batch-size", &config.batch_size, "images per step over all replicas (the global batch)", 1)
+      .add("batch-size", &run.batch_size, "images per step over all replicas (the global batch); train takes auto: "
+           "tune's epoch-time search first (docs/batch_size.md); tune starts its search there")
       .add("image-size", &run.image_size, "32, 64 or 128", 1)
       .add("channels", &run.channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
       .add("width", &run.width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
@@ -74,7 +75,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)");
 }
 
-void resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run) {
+// Returns whether --batch-size is "auto" (which only `allow_auto` accepts; config.batch_size then stays the default).
+bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow_auto) {
   if (config.beta1 >= 1.0) {
     std::ostringstream os;
     os << "--beta1: expected a number in [0, 1), got " << config.beta1;
@@ -90,6 +92,14 @@ void resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run) {
   if (run.channels != 0 && run.channels != 1 && run.channels != 3)
     throw FlagError("--channels: expected 1 or 3, got " + std::to_string(run.channels));
   parse_placement(config.placement);
+  if (allow_auto && run.batch_size == "auto") return true;
+  char* end = nullptr;
+  const long long batch = std::strtoll(run.batch_size.c_str(), &end, 10);
+  if (run.batch_size.empty() || *end != '\0' || batch < 1)
+    throw FlagError("--batch-size: expected an integer >= 1" + std::string(allow_auto ? " or auto" : "") + ", got '" +
+                    run.batch_size + "'");
+  config.batch_size = batch;
+  return false;
 }
 
 int train(int argc, char** argv) {
@@ -113,11 +123,25 @@ int train(int argc, char** argv) {
            "or sigterm: that replica (default: the last) fails so at the start of that step (not in a resumed run)")
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
-  resolve_run_flags(config, run);
+  const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (resume != "off" && resume != "on" && resume != "auto")
     throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
   config.resume = resume == "on";
   config.resume_auto = resume == "auto";
+  if (auto_batch) {
+    if (resume != "off")
+      throw FlagError("--batch-size auto with --resume: give the batch size the run was started with");
+    if (hierpar::strategy::Launch::from_env().multi_process())
+      throw FlagError("--batch-size auto runs the search in one process: run hierpar-dcgan tune first, then pass "
+                      "its choice to every rank");
+    // The search starts from the default batch and keeps to the data set's size.
+    TuneConfig tune;
+    tune.steps = 10;
+    DCGANTrainConfig search = config;
+    search.out = config.out + "/tune";
+    config.batch_size = tune_batch_size(search, tune, std::cout).chosen;
+    std::cout << "train: --batch-size auto chose " << config.batch_size << " (the least epoch time measured)\n";
+  }
   // The first SIGINT/SIGTERM stops every rank after one agreed step, with a checkpoint; a second exits at once.
   hierpar::strategy::RunGuard::install_signal_handlers("hierpar-dcgan");
   // c10d warns, with a backtrace, about every store connection that a stopping or dead peer closes; the run says
@@ -146,7 +170,7 @@ int tune(int argc, char** argv) {
       .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
       .add("out", &config.out, "folder for tune.png");
   if (!flags.parse(argc, argv, 2)) return 0;
-  resolve_run_flags(config, run);
+  resolve_run_flags(config, run, /*allow_auto=*/false);
   tune_batch_size(config, tune, std::cout);
   return 0;
 }
