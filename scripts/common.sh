@@ -19,7 +19,7 @@ hierpar_setup() {  # installs what is missing; sets HIERPAR_PYTHON and puts its 
 hierpar_build() {  # configure (once) and build the given targets (all when none)
   local generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
-  local first=" (a first build of everything: ~11 min on 2 cores, docs/build.md)"
+  local first=" (a first build of everything: ~9 min on 2 cores, docs/build.md)"
   [ -f "$HIERPAR_BUILD_DIR/CMakeCache.txt" ] && generator=() first=""  # an existing build keeps its generator
   echo "[build] configuring $HIERPAR_BUILD_DIR" >&2
   cmake -S "$HIERPAR_ROOT" -B "$HIERPAR_BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \

@@ -2,6 +2,7 @@
 // the CPU and CUDA kernels, no data.
 #include "common.h"
 #include "conv_transpose_shape.h"
+#include "meta/conv_gradients.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -27,16 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_meta(
   const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
                                         dilation);
   check_conv_transpose2d_grad_output(grad_output, input, g);
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) {
-    const bool unbatched = input.dim() == 3;
-    const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-    grad_input = at::empty(input4.sizes(), input.options().memory_format(layout_of(input4)));
-    if (unbatched) grad_input = grad_input.squeeze(0);
-  }
-  if (output_mask[1]) grad_weight = at::empty(weight.sizes(), weight.options().memory_format(layout_of(weight)));
-  if (output_mask[2]) grad_bias = at::empty({g.out_channels}, input.options());
-  return {grad_input, grad_weight, grad_bias};
+  return empty_conv_gradients(input, weight, g.out_channels, output_mask);
 }
 
 }  // namespace
