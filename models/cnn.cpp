@@ -12,11 +12,13 @@ void SeedCNNImpl::reset() {
   fc2 = register_module("fc2", torch::nn::Linear(100, 10));
 }
 
-torch::Tensor SeedCNNImpl::forward(const torch::Tensor& images) {
+torch::Tensor SeedCNNImpl::features(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == 1 && images.size(2) == 28 && images.size(3) == 28,
               "SeedCNN: expected images of shape [N, 1, 28, 28], got ", images.sizes());
   auto x = pool.forward(torch::relu(conv->forward(images)));
-  return fc2->forward(torch::relu(fc1->forward(x.flatten(1))));
+  return torch::relu(fc1->forward(x.flatten(1)));
 }
+
+torch::Tensor SeedCNNImpl::forward(const torch::Tensor& images) { return fc2->forward(features(images)); }
 
 }  // namespace hierpar::models

@@ -9,6 +9,7 @@
 #include "common/data.h"
 #include "common/dcgan_app.h"
 #include "common/loss_log.h"
+#include "common/quality.h"
 #include "common/shared_flags.h"
 #include "common/images.h"
 
@@ -1053,4 +1054,50 @@ TEST(Examples, TrainWithAutomaticBatchSize) {
   EXPECT_EQ(state.config.at("batch_size"), std::to_string(batch));
   expect_flag_error(run_dcgan(train + " --batch-size auto --resume", dir),
                     "--batch-size auto with --resume: give the batch size the run was started with", "auto resume");
+}
+
+// ---- the sample-quality metric (hierpar-dcgan evaluate) --------------------------------------------------------------
+
+// Gaussians with known distance: N(0, I) against N(mu, I) is |mu|^2, and N(0, I) against N(0, s^2 I) in D
+// dimensions is D (1 - s)^2.
+TEST(Quality, FrechetDistanceOfKnownGaussians) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  const auto a = torch::randn({40000, 3}, gen, torch::kDouble), b = torch::randn({40000, 3}, gen, torch::kDouble);
+  const auto mu = torch::tensor({1.0, -2.0, 0.5}, torch::kDouble);
+  EXPECT_NEAR(hierpar::examples::frechet_distance(a, b), 0.0, 0.01);
+  EXPECT_NEAR(hierpar::examples::frechet_distance(a, b + mu), 5.25, 0.05);
+  EXPECT_NEAR(hierpar::examples::frechet_distance(a, b * 3), 3 * 4.0, 0.1);
+  EXPECT_THROW(hierpar::examples::frechet_distance(a, torch::randn({10, 4}, torch::kDouble)), c10::Error);
+}
+
+// On Fashion-MNIST: the real training images score near 0 against the test images with every class covered, a
+// briefly trained generator scores better than an untrained one, and `evaluate` prints both figures.
+TEST(Quality, TrainedGeneratorScoresBetterThanUntrained) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (Debian's dataset-fashion-mnist)";
+  TempDir dir;
+  // The classifier is trained once (about 25 s on two cores) and kept for later runs of the suite.
+  const std::string cache = (fs::temp_directory_path() / "hierpar-test-fashion-mnist-classifier.pt").string();
+  std::ostringstream log;
+  auto classifier = hierpar::examples::fashion_mnist_classifier(default_fashion_mnist_dir(), cache, log);
+
+  const auto real = hierpar::examples::evaluate_images(
+      load_fashion_mnist(default_fashion_mnist_dir(), true, 2000).images, 32, *classifier, default_fashion_mnist_dir());
+  EXPECT_EQ(real.covered_classes, 10) << real.to_string();
+
+  const std::string train = "train --device cpu --data fashion-mnist --image-size 32 --width 0.5 --epochs 1 "
+                            "--limit 19200 --samples 4 --out " + dir / "run";
+  ASSERT_EQ(run_dcgan(train, dir).status, 0);
+  auto trained = hierpar::examples::load_generator(dir / "run/checkpoint.pt", hierpar::LayerSet::hierpar, torch::kCPU);
+  torch::manual_seed(5);
+  hierpar::models::Generator untrained(trained->options);
+  const auto good = hierpar::examples::evaluate_generator(*trained, *classifier, default_fashion_mnist_dir(), 2000, 1);
+  const auto bad = hierpar::examples::evaluate_generator(*untrained, *classifier, default_fashion_mnist_dir(), 2000, 1);
+  EXPECT_LT(good.fid, 0.5 * bad.fid) << "trained: " << good.to_string() << "\nuntrained: " << bad.to_string();
+  EXPECT_LT(real.fid, 0.1 * good.fid) << "real: " << real.to_string() << "\ntrained: " << good.to_string();
+  EXPECT_GT(good.covered_classes, bad.covered_classes) << good.to_string() << "\n" << bad.to_string();
+
+  const std::string out = dcgan_stdout("evaluate --device cpu --samples 500 --checkpoint " + dir / "run/checkpoint.pt" +
+                                       " --classifier " + cache);
+  EXPECT_NE(out.find("500 samples: FID (seed-CNN features) "), std::string::npos) << out;
+  EXPECT_NE(out.find("for scale, 500 Fashion-MNIST training images: FID"), std::string::npos) << out;
 }

@@ -6,6 +6,7 @@
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //                          [--resume auto --timeout S --inject-fault KIND@STEP[:REPLICA]]
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
+//   hierpar-dcgan evaluate --checkpoint runs/dcgan/checkpoint.pt [--samples 10000]
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
 //   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv
 //   hierpar-dcgan tune     --objective epoch-time|gpu-usage|max-memory [the train flags of data, model and step]
@@ -13,6 +14,7 @@
 #include "common/cli.h"
 #include "common/dcgan_app.h"
 #include "common/loss_log.h"
+#include "common/quality.h"
 #include "common/shared_flags.h"
 #include "common/images.h"
 #include "hierpar/strategy/run_guard.h"
@@ -35,6 +37,7 @@ constexpr const char* kUsage =
     "usage: hierpar-dcgan <command> [flags]\n"
     "  train     train a DCGAN; writes samples/, losses.csv, loss.png and checkpoint.pt under --out\n"
     "  generate  write samples of a trained generator as a PNG grid\n"
+    "  evaluate  score a Fashion-MNIST generator: FID in the seed CNN's features and class coverage\n"
     "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
     "  plot      plot the D and G loss curves of several runs (their losses.csv) on one PNG\n"
     "  tune      measure batch sizes and choose one (seed 004): --objective epoch-time|gpu-usage|max-memory\n"
@@ -175,6 +178,30 @@ int tune(int argc, char** argv) {
   return 0;
 }
 
+int evaluate(int argc, char** argv) {
+  std::string checkpoint = "runs/dcgan/checkpoint.pt", layers = "hierpar", device;
+  std::string fashion_mnist_dir = default_fashion_mnist_dir(), classifier_path = default_classifier_cache();
+  int64_t count = 10000, seed = 0;
+  Flags flags("hierpar-dcgan evaluate");
+  flags.add("checkpoint", &checkpoint, "checkpoint written by train (a Fashion-MNIST generator)")
+      .add("samples", &count, "generated images scored against the 10000 test images", 2)
+      .add("seed", &seed, "noise seed", 0)
+      .add("layers", &layers, "stock or hierpar")
+      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)")
+      .add("fashion-mnist-dir", &fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
+      .add("classifier", &classifier_path, "the feature network's cache (trained there once when missing)");
+  if (!flags.parse(argc, argv, 2)) return 0;
+  auto classifier = fashion_mnist_classifier(fashion_mnist_dir, classifier_path, std::cerr);
+  auto generator = load_generator(checkpoint, parse_layers(layers), parse_device(device));
+  const auto samples = evaluate_generator(*generator, *classifier, fashion_mnist_dir, count, static_cast<uint64_t>(seed));
+  const auto real = evaluate_images(load_fashion_mnist(fashion_mnist_dir, /*train=*/true, count).images,
+                                    generator->options.image_size, *classifier, fashion_mnist_dir);
+  std::cout << checkpoint << ": " << count << " samples: " << samples.to_string() << "\n"
+            << "for scale, " << count << " Fashion-MNIST training images: " << real.to_string() << "\n"
+            << "(the seed CNN's features: comparable between hierpar runs at one image size, not with Inception FIDs)\n";
+  return 0;
+}
+
 int generate(int argc, char** argv) {
   std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "samples.png", layers = "hierpar", device;
   int64_t count = 64, seed = 0;
@@ -240,12 +267,13 @@ int main(int argc, char** argv) {
     if (command == "export") return export_generator(argc, argv);
     if (command == "plot") return plot(argc, argv);
     if (command == "tune") return tune(argc, argv);
+    if (command == "evaluate") return evaluate(argc, argv);
     if (command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;
     }
-    throw FlagError(command.empty() ? "missing command (train, tune, generate, export or plot)"
-                                    : "unknown command '" + command + "' (train, tune, generate, export or plot)");
+    throw FlagError(command.empty() ? "missing command (train, tune, evaluate, generate, export or plot)"
+                                    : "unknown command '" + command + "' (train, tune, evaluate, generate, export or plot)");
   });
   // After a failure, threads may still wait on peers that are gone (a failed run leaves its process groups and
   // any hung replica behind): the line is printed, so the process ends now instead of in their destructors.

@@ -19,6 +19,8 @@ class SeedCNNImpl : public torch::nn::Cloneable<SeedCNNImpl> {
   void reset() override;
   // images [N, 1, 28, 28] -> logits [N, 10].
   torch::Tensor forward(const torch::Tensor& images);
+  // images [N, 1, 28, 28] -> the 100 ReLU features the logits are computed from.
+  torch::Tensor features(const torch::Tensor& images);
 
   LayerSet layers;
   torch::nn::Conv2d conv{nullptr};

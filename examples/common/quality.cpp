@@ -1,0 +1,180 @@
+#include "common/quality.h"
+
+#include "common/cli.h"
+#include "common/data.h"
+
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace hierpar::examples {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int64_t kEpochs = 10, kBatch = 128;
+constexpr double kRequiredAccuracy = 0.90;
+
+double test_accuracy(models::SeedCNNImpl& model, const Dataset& test) {
+  torch::NoGradGuard no_grad;
+  const auto x = normalise(test.images);
+  int64_t correct = 0;
+  for (int64_t i = 0; i < x.size(0); i += 1000) {
+    correct += (model.forward(x.slice(0, i, i + 1000)).argmax(1) == test.labels.slice(0, i, i + 1000))
+                   .sum()
+                   .item<int64_t>();
+  }
+  return static_cast<double>(correct) / static_cast<double>(x.size(0));
+}
+
+models::SeedCNN train_classifier(const std::string& dir, std::ostream& log) {
+  const Dataset train = load_fashion_mnist(dir, /*train=*/true), test = load_fashion_mnist(dir, /*train=*/false);
+  torch::manual_seed(0);
+  models::SeedCNN model(LayerSet::stock);
+  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto x = normalise(train.images);
+  const int64_t n = x.size(0), steps = n / kBatch;
+  for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
+    model->train();
+    const auto order = at::randperm(n, at::make_generator<at::CPUGeneratorImpl>(1000 + epoch), torch::kLong);
+    for (int64_t s = 0; s < steps; ++s) {
+      const auto index = order.slice(0, s * kBatch, (s + 1) * kBatch);
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(model->forward(x.index_select(0, index)), train.labels.index_select(0, index))
+          .backward();
+      optimizer.step();
+    }
+    model->eval();
+    char line[96];
+    std::snprintf(line, sizeof line, "classifier: epoch %lld/%lld, test accuracy %.2f%%\n",
+                  static_cast<long long>(epoch + 1), static_cast<long long>(kEpochs), 100 * test_accuracy(*model, test));
+    log << line << std::flush;
+  }
+  return model;
+}
+
+}  // namespace
+
+std::string default_classifier_cache() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  const std::string base = xdg != nullptr && *xdg ? xdg : std::string(home != nullptr ? home : ".") + "/.cache";
+  return base + "/hierpar/fashion-mnist-classifier.pt";
+}
+
+models::SeedCNN fashion_mnist_classifier(const std::string& fashion_mnist_dir, const std::string& cache,
+                                         std::ostream& log) {
+  models::SeedCNN model(LayerSet::stock);
+  if (fs::exists(cache)) {
+    try {
+      torch::load(model, cache);
+    } catch (const c10::Error& e) {
+      throw Error(cache + ": not a classifier hierpar saved (delete it to train a new one)");
+    }
+  } else {
+    log << "classifier: training the seed CNN on Fashion-MNIST for the quality metric (once; cached in " << cache
+        << ")\n";
+    model = train_classifier(fashion_mnist_dir, log);
+    const double accuracy = test_accuracy(*model, load_fashion_mnist(fashion_mnist_dir, /*train=*/false));
+    if (accuracy < kRequiredAccuracy)
+      throw Error("the quality classifier reached " + format_number(100 * accuracy) + "% test accuracy, below 90%");
+    fs::create_directories(fs::path(cache).parent_path());
+    const std::string tmp = cache + ".tmp" + std::to_string(::getpid());
+    torch::save(model, tmp);
+    fs::rename(tmp, cache);
+  }
+  model->eval();
+  return model;
+}
+
+torch::Tensor classifier_features(models::SeedCNNImpl& classifier, const torch::Tensor& images) {
+  TORCH_CHECK(images.dim() == 4 && images.size(1) == 1, "classifier_features: expected [N, 1, H, W] images, got ",
+              images.sizes());
+  torch::NoGradGuard no_grad;
+  const auto bytes = images.detach().to(torch::kCPU, torch::kFloat).add(1).mul(127.5).round().clamp(0, 255).to(torch::kUInt8);
+  std::vector<torch::Tensor> features;
+  for (int64_t i = 0; i < bytes.size(0); i += 1000) {
+    features.push_back(classifier.features(normalise(prepare_images(bytes.slice(0, i, i + 1000), 28, 1))));
+  }
+  return torch::cat(features).to(torch::kDouble);
+}
+
+double frechet_distance(const torch::Tensor& a, const torch::Tensor& b) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(0) > 1 && b.size(0) > 1,
+              "frechet_distance: expected two [N, D] feature sets with N > 1, got ", a.sizes(), " and ", b.sizes());
+  const auto x = a.to(torch::kDouble), y = b.to(torch::kDouble);
+  const auto mu_x = x.mean(0), mu_y = y.mean(0);
+  const auto cov_x = torch::cov(x.t()), cov_y = torch::cov(y.t());
+  // tr(sqrt(cov_x cov_y)) = tr(sqrt(S cov_y S)) with S = sqrt(cov_x): a symmetric matrix, so eigh serves.
+  auto [values_x, vectors_x] = torch::linalg_eigh(cov_x);
+  const auto sqrt_x = vectors_x.matmul(torch::diag(values_x.clamp_min(0).sqrt())).matmul(vectors_x.t());
+  const auto middle = sqrt_x.matmul(cov_y).matmul(sqrt_x);
+  const auto cross = torch::linalg_eigvalsh(0.5 * (middle + middle.t())).clamp_min(0).sqrt().sum();
+  return ((mu_x - mu_y).pow(2).sum() + cov_x.trace() + cov_y.trace() - 2 * cross).item<double>();
+}
+
+std::string SampleQuality::to_string() const {
+  std::ostringstream os;
+  char fid_text[32];
+  std::snprintf(fid_text, sizeof fid_text, "%.2f", fid);
+  os << "FID (seed-CNN features) " << fid_text << ", classes covered " << covered_classes << "/10, shares";
+  for (double share : class_share) {
+    char text[16];
+    std::snprintf(text, sizeof text, " %.2f", share);
+    os << text;
+  }
+  return os.str();
+}
+
+namespace {
+
+torch::Tensor real_test_features(models::SeedCNNImpl& classifier, const std::string& dir, int64_t image_size) {
+  const Dataset test = load_fashion_mnist(dir, /*train=*/false);
+  return classifier_features(classifier, normalise(prepare_images(test.images, image_size, 1)));
+}
+
+SampleQuality quality_of(models::SeedCNNImpl& classifier, const torch::Tensor& images, const torch::Tensor& real) {
+  SampleQuality q;
+  const auto features = classifier_features(classifier, images);
+  q.fid = frechet_distance(features, real);
+  torch::NoGradGuard no_grad;
+  const auto classes = classifier.fc2->forward(features.to(torch::kFloat)).argmax(1);
+  const auto counts = torch::bincount(classes, {}, 10).to(torch::kDouble) / static_cast<double>(classes.size(0));
+  for (int k = 0; k < 10; ++k) {
+    q.class_share[k] = counts[k].item<double>();
+    q.covered_classes += q.class_share[k] >= 0.05;
+  }
+  return q;
+}
+
+}  // namespace
+
+SampleQuality evaluate_generator(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
+                                 const std::string& fashion_mnist_dir, int64_t count, uint64_t seed) {
+  if (generator.options.channels != 1) throw Error("the quality metric is for one-channel (Fashion-MNIST) generators");
+  const auto real = real_test_features(classifier, fashion_mnist_dir, generator.options.image_size);
+  torch::NoGradGuard no_grad;
+  const bool was_training = generator.is_training();
+  generator.eval();
+  const auto device = generator.parameters().front().device();
+  std::vector<torch::Tensor> samples;
+  auto noise = torch::randn({count, generator.options.nz}, at::make_generator<at::CPUGeneratorImpl>(seed));
+  for (int64_t i = 0; i < count; i += 500) samples.push_back(generator.forward(noise.slice(0, i, i + 500).to(device)).cpu());
+  generator.train(was_training);
+  return quality_of(classifier, torch::cat(samples), real);
+}
+
+SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,
+                              const std::string& fashion_mnist_dir) {
+  const auto real = real_test_features(classifier, fashion_mnist_dir, image_size);
+  return quality_of(classifier, normalise(prepare_images(images, image_size, 1)), real);
+}
+
+}  // namespace hierpar::examples
