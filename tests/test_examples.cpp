@@ -1066,7 +1066,7 @@ TEST(Quality, FrechetDistanceOfKnownGaussians) {
   const auto mu = torch::tensor({1.0, -2.0, 0.5}, torch::kDouble);
   EXPECT_NEAR(hierpar::examples::frechet_distance(a, b), 0.0, 0.01);
   EXPECT_NEAR(hierpar::examples::frechet_distance(a, b + mu), 5.25, 0.05);
-  EXPECT_NEAR(hierpar::examples::frechet_distance(a, b * 3), 3 * 4.0, 0.1);
+  EXPECT_NEAR(hierpar::examples::frechet_distance(a, b * 3), 3 * 4.0, 0.3);  // sampling error of the covariances ~0.2
   EXPECT_THROW(hierpar::examples::frechet_distance(a, torch::randn({10, 4}, torch::kDouble)), c10::Error);
 }
 
