@@ -1070,13 +1070,20 @@ TEST(Quality, FrechetDistanceOfKnownGaussians) {
   EXPECT_THROW(hierpar::examples::frechet_distance(a, torch::randn({10, 4}, torch::kDouble)), c10::Error);
 }
 
+// Where the tests keep the quality metric's classifier (not in the user's cache): the programs find it through
+// XDG_CACHE_HOME.
+namespace {
+constexpr const char* kTestCacheHome = "/tmp/hierpar-test-cache";
+std::string test_classifier_cache() { return std::string(kTestCacheHome) + "/hierpar/fashion-mnist-classifier.pt"; }
+}  // namespace
+
 // On Fashion-MNIST: the real training images score near 0 against the test images with every class covered, a
 // briefly trained generator scores better than an untrained one, and `evaluate` prints both figures.
 TEST(Quality, TrainedGeneratorScoresBetterThanUntrained) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (Debian's dataset-fashion-mnist)";
   TempDir dir;
-  // The classifier is trained once (about 25 s on two cores) and kept for later runs of the suite.
-  const std::string cache = (fs::temp_directory_path() / "hierpar-test-fashion-mnist-classifier.pt").string();
+  // The classifier is trained once (about 30 s on two cores) and kept for later runs of the suite.
+  const std::string cache = test_classifier_cache();
   std::ostringstream log;
   auto classifier = hierpar::examples::fashion_mnist_classifier(default_fashion_mnist_dir(), cache, log);
 
@@ -1100,4 +1107,35 @@ TEST(Quality, TrainedGeneratorScoresBetterThanUntrained) {
                                        " --classifier " + cache);
   EXPECT_NE(out.find("500 samples: FID (seed-CNN features) "), std::string::npos) << out;
   EXPECT_NE(out.find("for scale, 500 Fashion-MNIST training images: FID"), std::string::npos) << out;
+}
+
+// train --eval-every: rank 0 scores samples every N steps into quality.csv and quality.png; a resumed run keeps the
+// rows up to its checkpoint. Only Fashion-MNIST has the metric.
+TEST(Quality, TrainLogsTheMetricEveryNSteps) {
+  if (!have_fashion_mnist()) GTEST_SKIP() << "Fashion-MNIST is not installed (Debian's dataset-fashion-mnist)";
+  TempDir dir;
+  const std::string train = std::string("XDG_CACHE_HOME=") + kTestCacheHome + " " + HIERPAR_DCGAN_PROGRAM +
+                            " train --device cpu --data fashion-mnist --limit 6400 --image-size 32 --width 0.25 "
+                            "--samples 4 --eval-every 50 --eval-samples 200 --out " + dir / "run";
+  ASSERT_EQ(std::system((train + " --epochs 1 > /dev/null 2>&1").c_str()), 0);
+  auto rows = [&] {
+    std::ifstream in(dir / "run/quality.csv");
+    std::vector<std::string> lines;
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    return lines;
+  };
+  auto first = rows();
+  ASSERT_EQ(first.size(), 3u) << "header and steps 50, 100";
+  EXPECT_EQ(first[0], "step,epoch,fid,classes_covered");
+  EXPECT_EQ(first[1].rfind("50,1,", 0), 0u) << first[1];
+  EXPECT_EQ(first[2].rfind("100,1,", 0), 0u) << first[2];
+  int w = 0, h = 0, c = 0;
+  EXPECT_EQ(stbi_info((dir / "run/quality.png").c_str(), &w, &h, &c), 1);
+  ASSERT_EQ(std::system((train + " --epochs 2 --resume > /dev/null 2>&1").c_str()), 0);
+  auto second = rows();
+  ASSERT_EQ(second.size(), 5u);
+  EXPECT_EQ(second[2], first[2]) << "the first run's rows are kept";
+  EXPECT_EQ(second[4].rfind("200,2,", 0), 0u) << second[4];
+  expect_flag_error(run_dcgan("train --device cpu --data synthetic --eval-every 10 --out " + dir / "bad", dir),
+                    "--eval-every: the quality metric is for --data fashion-mnist", "eval on synthetic data");
 }

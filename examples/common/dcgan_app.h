@@ -64,6 +64,10 @@ struct DCGANTrainConfig {
   bool cudnn_benchmark = true;         // false: deterministic cuDNN algorithms (tests comparing two runs)
   int64_t log_every = 50;              // steps between reading the losses back (the progress bar's values)
   bool quiet = false;                  // no progress bar or messages (tests)
+  // Every `eval_every` steps (0: never), rank 0 scores `eval_samples` samples with the quality metric
+  // (common/quality.h; Fashion-MNIST only) into <out>/quality.csv and quality.png.
+  int64_t eval_every = 0;
+  int64_t eval_samples = 2000;
   // Polled on the training thread after every step; returning true stops like an interrupt (every rank at
   // one agreed step): checkpoint, then return 130.
   std::function<bool()> should_stop;

@@ -5,6 +5,7 @@
 #include "common/dcgan_app.h"
 #include "common/images.h"
 #include "common/loss_log.h"
+#include "common/quality.h"
 #include "common/shared_flags.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/run_guard.h"
@@ -21,6 +22,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -162,6 +164,14 @@ int train_dcgan(DCGANTrainConfig config) {
     if (!config.quiet && writer) std::cerr << line << "\n";
   };
 
+  if (config.eval_every < 0)
+    throw FlagError("--eval-every: expected an integer >= 0, got " + std::to_string(config.eval_every));
+  if (config.eval_every > 0 && (config.data != "fashion-mnist" || config.model.channels != 1))
+    throw FlagError("--eval-every: the quality metric is for --data fashion-mnist (one channel), got --data " +
+                    config.data);
+  if (config.eval_samples < 2)
+    throw FlagError("--eval-samples: expected an integer >= 2, got " + std::to_string(config.eval_samples));
+
   const std::string checkpoint = config.out + "/checkpoint.pt";
   CheckpointState state;
   state.config = checkpoint_config(config);
@@ -294,6 +304,17 @@ int train_dcgan(DCGANTrainConfig config) {
                       config.keep_checkpoints);
       write_losses(config.out, state.history, loader.batches_per_epoch());
     };
+    // The quality metric's classifier (trained once and cached) and the test set's features, before the steps.
+    std::optional<models::SeedCNN> classifier;
+    torch::Tensor real_features;
+    std::optional<QualityLog> quality_log;
+    if (config.eval_every > 0 && writer) {
+      std::ostringstream classifier_log;
+      classifier = fashion_mnist_classifier(config.fashion_mnist_dir, default_classifier_cache(),
+                                            config.quiet ? classifier_log : std::cerr);
+      real_features = real_test_features(**classifier, config.fashion_mnist_dir, config.model.image_size);
+      quality_log.emplace(config.out, state.global_step);
+    }
     bool stopped = false, interrupted = false;
     const int64_t steps_per_epoch = loader.batches_per_epoch();
     while (state.epoch < config.epochs && !stopped) {
@@ -325,6 +346,11 @@ int train_dcgan(DCGANTrainConfig config) {
                                                 {"loss_d_fake", last[1].item<double>()},
                                                 {"loss_g", last[2].item<double>()}});
           }
+        }
+        if (quality_log && state.global_step % config.eval_every == 0) {
+          const auto quality = generator_quality(*generator, **classifier, real_features, config.eval_samples, 1);
+          quality_log->add(state.global_step, state.epoch + 1, quality);
+          say("step " + std::to_string(state.global_step) + ": " + quality.to_string());
         }
         if (stopped) break;
         if (config.checkpoint_every > 0 && state.global_step % config.checkpoint_every == 0 &&

@@ -2,6 +2,7 @@
 
 #include "common/cli.h"
 #include "common/data.h"
+#include "common/images.h"
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include <unistd.h>
@@ -133,12 +135,12 @@ std::string SampleQuality::to_string() const {
   return os.str();
 }
 
-namespace {
-
 torch::Tensor real_test_features(models::SeedCNNImpl& classifier, const std::string& dir, int64_t image_size) {
   const Dataset test = load_fashion_mnist(dir, /*train=*/false);
   return classifier_features(classifier, normalise(prepare_images(test.images, image_size, 1)));
 }
+
+namespace {
 
 SampleQuality quality_of(models::SeedCNNImpl& classifier, const torch::Tensor& images, const torch::Tensor& real) {
   SampleQuality q;
@@ -156,10 +158,9 @@ SampleQuality quality_of(models::SeedCNNImpl& classifier, const torch::Tensor& i
 
 }  // namespace
 
-SampleQuality evaluate_generator(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
-                                 const std::string& fashion_mnist_dir, int64_t count, uint64_t seed) {
+SampleQuality generator_quality(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
+                                const torch::Tensor& real, int64_t count, uint64_t seed) {
   if (generator.options.channels != 1) throw Error("the quality metric is for one-channel (Fashion-MNIST) generators");
-  const auto real = real_test_features(classifier, fashion_mnist_dir, generator.options.image_size);
   torch::NoGradGuard no_grad;
   const bool was_training = generator.is_training();
   generator.eval();
@@ -169,6 +170,43 @@ SampleQuality evaluate_generator(models::GeneratorImpl& generator, models::SeedC
   for (int64_t i = 0; i < count; i += 500) samples.push_back(generator.forward(noise.slice(0, i, i + 500).to(device)).cpu());
   generator.train(was_training);
   return quality_of(classifier, torch::cat(samples), real);
+}
+
+SampleQuality evaluate_generator(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
+                                 const std::string& fashion_mnist_dir, int64_t count, uint64_t seed) {
+  return generator_quality(generator, classifier,
+                           real_test_features(classifier, fashion_mnist_dir, generator.options.image_size), count, seed);
+}
+
+QualityLog::QualityLog(std::string out, int64_t resumed_at_step) : out_(std::move(out)) {
+  std::ifstream in(out_ + "/quality.csv");
+  std::string line;
+  std::getline(in, line);  // the header
+  while (std::getline(in, line)) {
+    long long step = 0;
+    double epoch = 0, fid = 0;
+    if (std::sscanf(line.c_str(), "%lld,%lf,%lf", &step, &epoch, &fid) != 3 || step > resumed_at_step) continue;
+    rows_.push_back(line);
+    fids_.push_back(fid);
+  }
+}
+
+void QualityLog::add(int64_t step, int64_t epoch, const SampleQuality& quality) {
+  char row[96];
+  std::snprintf(row, sizeof row, "%lld,%lld,%.4f,%d", static_cast<long long>(step), static_cast<long long>(epoch),
+                quality.fid, quality.covered_classes);
+  rows_.push_back(row);
+  fids_.push_back(quality.fid);
+  const std::string csv = out_ + "/quality.csv", tmp = csv + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << "step,epoch,fid,classes_covered\n";
+    for (const auto& r : rows_) f << r << "\n";
+    if (!f) throw Error(tmp + ": cannot write");
+  }
+  fs::rename(tmp, csv);
+  write_line_plot({{"FID (seed-CNN features)", fids_, {214, 39, 40}}}, "evaluation (every --eval-every steps)",
+                  out_ + "/quality.png");
 }
 
 SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,

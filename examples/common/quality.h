@@ -10,6 +10,7 @@
 #include <array>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace hierpar::examples {
 
@@ -34,10 +35,30 @@ struct SampleQuality {
   std::string to_string() const;         // one line
 };
 
-// `count` samples of `generator` (eval mode; noise from `seed`) against Fashion-MNIST's test set prepared at the
-// generator's image size.
+// The features of Fashion-MNIST's 10000 test images prepared at `image_size` (what samples are compared with).
+torch::Tensor real_test_features(models::SeedCNNImpl& classifier, const std::string& fashion_mnist_dir,
+                                 int64_t image_size);
+
+// `count` samples of `generator` (eval mode for the call; noise from `seed`) against `real` features.
+SampleQuality generator_quality(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
+                                const torch::Tensor& real, int64_t count, uint64_t seed);
+
+// The same against Fashion-MNIST's test set prepared at the generator's image size.
 SampleQuality evaluate_generator(models::GeneratorImpl& generator, models::SeedCNNImpl& classifier,
                                  const std::string& fashion_mnist_dir, int64_t count, uint64_t seed);
+
+// <out>/quality.csv (step, epoch, fid, classes_covered) and <out>/quality.png (FID per evaluation), kept across
+// resumes: rows after the step a run resumes from are dropped first.
+class QualityLog {
+ public:
+  QualityLog(std::string out, int64_t resumed_at_step);
+  void add(int64_t step, int64_t epoch, const SampleQuality& quality);  // rewrites both files (atomically)
+
+ private:
+  std::string out_;
+  std::vector<std::string> rows_;
+  std::vector<double> fids_;
+};
 
 // The same figures for real images (uint8 [N, 1, H, W], prepared at `image_size`) in place of samples: the
 // scale of a good score (Fashion-MNIST's training set against its test set comes near 0).

@@ -124,7 +124,10 @@ int train(int argc, char** argv) {
            "each other before the run stops as hung", 0.0)
       .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
            "or sigterm: that replica (default: the last) fails so at the start of that step (not in a resumed run)")
-      .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1);
+      .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1)
+      .add("eval-every", &config.eval_every, "steps between scoring samples with the quality metric (Fashion-MNIST; "
+           "0: never): <out>/quality.csv and quality.png, docs/quality.md", 0)
+      .add("eval-samples", &config.eval_samples, "samples each of those scores", 2);
   if (!flags.parse(argc, argv, 2)) return 0;
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (resume != "off" && resume != "on" && resume != "auto")
