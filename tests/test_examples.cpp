@@ -261,39 +261,52 @@ TEST(Data, IdxCorruptGzipIsRefused) {
 
 // ---- image folders ---------------------------------------------------------------------------------------
 
+// Square images at the training size load exactly, from subfolders too (ImageFolder's class folders), sorted by path.
 TEST(Data, ImageFolderLoadsSortedPngs) {
   TempDir dir;
-  const int w = static_cast<int>(rand_int(3, 12)), h = static_cast<int>(rand_int(3, 12));
-  auto a = random_bytes(w * h * 3), b = random_bytes(w * h * 3);
-  write_png(dir / "b.png", w, h, 3, b);
-  write_png(dir / "a.PNG", w, h, 3, a);
+  const int side = static_cast<int>(rand_int(3, 12));
+  auto a = random_bytes(side * side * 3), b = random_bytes(side * side * 3);
+  fs::create_directories(dir.path / "class_b");
+  write_png(dir / "class_b/b.png", side, side, 3, b);
+  write_png(dir / "a.PNG", side, side, 3, a);
   std::ofstream(dir / "notes.txt") << "ignored";
-  auto set = load_image_folder(dir.path.string(), 3);
-  ASSERT_EQ(set.images.sizes(), (std::vector<int64_t>{2, 3, h, w}));
-  auto expected_a = torch::from_blob(a.data(), {h, w, 3}, torch::kUInt8).permute({2, 0, 1});
+  auto set = load_image_folder(dir.path.string(), 3, side);
+  ASSERT_EQ(set.images.sizes(), (std::vector<int64_t>{2, 3, side, side}));
+  auto expected_a = torch::from_blob(a.data(), {side, side, 3}, torch::kUInt8).permute({2, 0, 1});
+  auto expected_b = torch::from_blob(b.data(), {side, side, 3}, torch::kUInt8).permute({2, 0, 1});
   EXPECT_TRUE(set.images[0].equal(expected_a)) << "a.PNG first, CHW";
-  EXPECT_EQ(load_image_folder(dir.path.string(), 1).images.sizes(), (std::vector<int64_t>{2, 1, h, w}));
+  EXPECT_TRUE(set.images[1].equal(expected_b)) << "class_b/b.png second";
+  EXPECT_EQ(load_image_folder(dir.path.string(), 1, side).images.sizes(), (std::vector<int64_t>{2, 1, side, side}));
 }
 
 TEST(Data, ImageFolderEmpty) {
   TempDir dir;
   std::ofstream(dir / "readme.txt") << "no images";
-  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3), "no .png, .jpg or .jpeg images in this folder");
-  EXPECT_ERROR_MSG(load_image_folder(dir / "missing", 3), "not a directory");
+  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3, 8), "no .png, .jpg or .jpeg images in this folder");
+  EXPECT_ERROR_MSG(load_image_folder(dir / "missing", 3, 8), "not a directory");
 }
 
-TEST(Data, ImageFolderMixedSizes) {
+// Images of any size: each is cropped to its centred square and resized to the training size as it is decoded.
+TEST(Data, ImageFolderCropsAndResizesEachImage) {
   TempDir dir;
-  write_png(dir / "a.png", 8, 8, 1, random_bytes(64));
-  write_png(dir / "b.png", 8, 6, 1, random_bytes(48));
-  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 1), "images differ in size (a.png is 8x8, b.png is 8x6)");
+  auto a = random_bytes(8 * 8), b = random_bytes(12 * 6);
+  write_png(dir / "a.png", 8, 8, 1, a);
+  write_png(dir / "b.png", 12, 6, 1, b);  // 12 wide, 6 high: columns 3..8 are its centred square
+  const auto set = load_image_folder(dir.path.string(), 1, 4);
+  ASSERT_EQ(set.images.sizes(), (std::vector<int64_t>{2, 1, 4, 4}));
+  const auto a_image = torch::from_blob(a.data(), {1, 1, 8, 8}, torch::kUInt8);
+  const auto b_square = torch::from_blob(b.data(), {1, 1, 6, 12}, torch::kUInt8).narrow(3, 3, 6).contiguous();
+  EXPECT_TRUE(set.images[0].equal(prepare_images(a_image, 4, 1)[0]));
+  EXPECT_TRUE(set.images[1].equal(prepare_images(b_square, 4, 1)[0]));
+  EXPECT_NE(set.description.find("2 images, centre squares resized to 1x4x4"), std::string::npos) << set.description;
 }
 
 TEST(Data, ImageFolderUnreadableImage) {
   TempDir dir;
   write_png(dir / "a.png", 8, 8, 1, random_bytes(64));
   std::ofstream(dir / "broken.jpg") << "this is not a JPEG";
-  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3), "broken.jpg: cannot read image");
+  std::ofstream(dir / "c_broken.png") << "nor is this a PNG";
+  EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3, 8), "broken.jpg: cannot read image");  // the first by path
 }
 
 TEST(Data, PrepareResizesConvertsAndNormalises) {
@@ -710,10 +723,11 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_one_line_error(run_dcgan(base + "--fashion-mnist-dir " + (dir / "mnist"), dir), "truncated", "truncated gzip");
   fs::create_directories(dir.path / "empty");
   expect_one_line_error(run_dcgan(base + "--data " + (dir / "empty"), dir), "no .png, .jpg or .jpeg images", "empty folder");
-  fs::create_directories(dir.path / "mixed");
-  write_png(dir / "mixed/a.png", 4, 4, 1, random_bytes(16));
-  write_png(dir / "mixed/b.png", 5, 4, 1, random_bytes(20));
-  expect_one_line_error(run_dcgan(base + "--data " + (dir / "mixed"), dir), "images differ in size", "mixed sizes");
+  fs::create_directories(dir.path / "nested/class_a");
+  write_png(dir / "nested/a.png", 4, 4, 1, random_bytes(16));
+  std::ofstream(dir / "nested/class_a/b.jpg") << "garbage";
+  expect_one_line_error(run_dcgan(base + "--data " + (dir / "nested"), dir), "nested/class_a/b.jpg: cannot read image",
+                        "unreadable image in a subfolder");
   fs::create_directories(dir.path / "bad");
   std::ofstream(dir / "bad/a.png") << "garbage";
   expect_one_line_error(run_dcgan(base + "--data " + (dir / "bad"), dir), "a.png: cannot read image", "unreadable image");

@@ -129,38 +129,48 @@ Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items
   return {images.unsqueeze(1), labels.to(torch::kLong), desc.str()};
 }
 
-Dataset load_image_folder(const std::string& dir, int64_t channels) {
+Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size) {
   if (!fs::is_directory(dir)) throw Error(dir + ": not a directory (--data takes fashion-mnist, synthetic or a folder of images)");
+  if (size < 1) throw Error("load_image_folder: size must be at least 1, got " + std::to_string(size));
   std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
+  for (const auto& entry : fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink)) {
     const auto ext = lower(entry.path().extension().string());
     if (entry.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg")) files.push_back(entry.path());
   }
-  if (files.empty()) throw Error(dir + ": no .png, .jpg or .jpeg images in this folder");
+  if (files.empty()) throw Error(dir + ": no .png, .jpg or .jpeg images in this folder or below it");
   std::sort(files.begin(), files.end());
-  torch::Tensor images;
-  int first_w = 0, first_h = 0;
-  for (size_t i = 0; i < files.size(); ++i) {
-    const std::string path = files[i].string();
-    int w = 0, h = 0, n = 0;
-    std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &n, static_cast<int>(channels)),
-                                                     stbi_image_free);
-    if (!pixels) throw Error(path + ": cannot read image (" + stbi_failure_reason() + ")");
-    if (i == 0) {
-      first_w = w;
-      first_h = h;
-      images = torch::empty({static_cast<int64_t>(files.size()), channels, h, w}, torch::kUInt8);
-    } else if (w != first_w || h != first_h) {
-      throw Error(dir + ": images differ in size (" + files[0].filename().string() + " is " + std::to_string(first_w) +
-                  "x" + std::to_string(first_h) + ", " + files[i].filename().string() + " is " + std::to_string(w) +
-                  "x" + std::to_string(h) + "); resize them to one size first");
+  const auto n = static_cast<int64_t>(files.size());
+  // Decoded on several threads, each image cropped and resized at once: the set is held at its training size,
+  // never at full size. Failures are kept per file, and the first in name order is reported.
+  auto images = torch::empty({n, channels, size, size}, torch::kUInt8);
+  std::vector<std::string> errors(files.size());
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const std::string path = files[i].string();
+      int w = 0, h = 0, found = 0;
+      std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &found, static_cast<int>(channels)),
+                                                       stbi_image_free);
+      if (!pixels) {
+        errors[i] = path + ": cannot read image (" + stbi_failure_reason() + ")";
+        continue;
+      }
+      // stb gives interleaved HWC; the centred square is what a DCGAN trains on (CelebA's 178x218, for one).
+      const int side = std::min(w, h);
+      const auto square = torch::from_blob(pixels.get(), {h, w, channels}, torch::kUInt8)
+                              .narrow(0, (h - side) / 2, side)
+                              .narrow(1, (w - side) / 2, side)
+                              .permute({2, 0, 1})
+                              .unsqueeze(0)
+                              .contiguous();
+      images[i].copy_(prepare_images(square, size, channels)[0]);
     }
-    // stb gives interleaved HWC.
-    images[static_cast<int64_t>(i)].copy_(
-        torch::from_blob(pixels.get(), {h, w, channels}, torch::kUInt8).permute({2, 0, 1}));
+  });
+  for (const auto& error : errors) {
+    if (!error.empty()) throw Error(error);
   }
   std::ostringstream desc;
-  desc << "image folder " << dir << " (" << files.size() << " images, " << channels << "x" << first_h << "x" << first_w << ")";
+  desc << "image folder " << dir << " (" << n << " images, centre squares resized to " << channels << "x" << size << "x"
+       << size << ")";
   return {images, torch::Tensor(), desc.str()};
 }
 

@@ -33,9 +33,10 @@ torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items =
 // Fashion-MNIST's train (60000) or test (10000) split from `dir`, at most `max_items` (0: all).
 Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items = 0);
 
-// Every .png/.jpg/.jpeg (any case) directly in `dir`, sorted by name, decoded to `channels` (1 or 3);
-// all must have the same size.
-Dataset load_image_folder(const std::string& dir, int64_t channels);
+// Every .png/.jpg/.jpeg (any case) in `dir` and its subfolders (ImageFolder's and CelebA's layouts), sorted by
+// path, decoded to `channels` (1 or 3) on several threads, each cropped to its centred square and resized to
+// `size` x `size` (antialiased) as it is decoded. An unreadable file is an Error naming the first, by path.
+Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size);
 
 // `count` random smooth images (blobs on a gradient), reproducible from `seed`.
 Dataset make_synthetic(int64_t count, int64_t channels, int64_t size, uint64_t seed);

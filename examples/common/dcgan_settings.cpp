@@ -17,7 +17,7 @@ Dataset load_training_data(const DCGANTrainConfig& config) {
   if (config.data == "synthetic")
     return make_synthetic(config.limit > 0 ? config.limit : kSyntheticImages, config.model.channels,
                           config.model.image_size, static_cast<uint64_t>(config.seed));
-  auto folder = load_image_folder(config.data, config.model.channels);
+  auto folder = load_image_folder(config.data, config.model.channels, config.model.image_size);
   if (config.limit > 0 && folder.images.size(0) > config.limit) folder.images = folder.images.slice(0, 0, config.limit);
   return folder;
 }

@@ -51,7 +51,7 @@ struct RunFlags {
 };
 
 void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
-  flags.add("data", &config.data, "fashion-mnist, synthetic, or a folder of same-size PNG/JPEG images")
+  flags.add("data", &config.data, "fashion-mnist, synthetic, or a folder of PNG/JPEG images (searched recursively; centre squares resized)")
       .add("fashion-mnist-dir", &config.fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
       .add("limit", &config.limit, "use at most this many images (0: all)", 0)
       .add("layers", &run.layers, "stock (torch::nn) or hierpar")
