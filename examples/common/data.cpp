@@ -3,6 +3,7 @@
 #include "common/cli.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/nn/functional/upsampling.h>
 #include <torch/cuda.h>
 #ifdef HIERPAR_WITH_CUDA
