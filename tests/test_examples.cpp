@@ -1102,7 +1102,8 @@ TEST(Quality, TrainedGeneratorScoresBetterThanUntrained) {
   auto classifier = hierpar::examples::fashion_mnist_classifier(default_fashion_mnist_dir(), cache, log);
 
   const auto real = hierpar::examples::evaluate_images(
-      load_fashion_mnist(default_fashion_mnist_dir(), true, 2000).images, 32, *classifier, default_fashion_mnist_dir());
+      load_fashion_mnist(default_fashion_mnist_dir(), true, 2000).images, 32, *classifier,
+      hierpar::examples::real_test_features(*classifier, default_fashion_mnist_dir(), 32));
   EXPECT_EQ(real.covered_classes, 10) << real.to_string();
 
   const std::string train = "train --device cpu --data fashion-mnist --image-size 32 --width 0.5 --epochs 1 "

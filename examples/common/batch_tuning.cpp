@@ -32,10 +32,6 @@ std::vector<torch::Device> cuda_devices_of(const hs::Placement& placement) {
   return devices;
 }
 
-void synchronize(const std::vector<torch::Device>& devices) {
-  for (const auto& d : devices) torch::cuda::synchronize(d.index());
-}
-
 }  // namespace
 
 hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size,
@@ -66,14 +62,14 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
             .to(data_device);
     // Warm-up: the first steps, and with CUDA graphs the capture, are not what a run's steps cost.
     for (int64_t i = 0; i < options.graph_warmup_steps + 2; ++i) trainer->step(real);
-    synchronize(devices);
+    synchronize_devices(placement);
 #ifdef HIERPAR_WITH_CUDA
     for (const auto& d : devices) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
 #endif
     hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
     const auto begin = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < steps; ++i) trainer->step(real);
-    synchronize(devices);
+    synchronize_devices(placement);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     trial.gpu_usage = hs::top_half_mean(sampler.stop());
     trial.fits = true;

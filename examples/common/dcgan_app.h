@@ -100,6 +100,9 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
 // Fills in what the flags leave to the data (channels 0: 1 for Fashion-MNIST, 3 otherwise) and checks the model.
 void resolve_model(DCGANTrainConfig& config);
 
+// Waits for every CUDA device of `placement` (the step's replays may run on streams of their own).
+void synchronize_devices(const hierpar::strategy::Placement& placement);
+
 // The training images --data, --limit and the model's channels ask for, as loaded (before resizing).
 Dataset load_training_data(const DCGANTrainConfig& config);
 

@@ -4,6 +4,8 @@
 #include "common/dcgan_app.h"
 #include "common/shared_flags.h"
 
+#include <torch/cuda.h>
+
 namespace hierpar::examples {
 
 namespace {
@@ -20,6 +22,13 @@ Dataset load_training_data(const DCGANTrainConfig& config) {
   auto folder = load_image_folder(config.data, config.model.channels, config.model.image_size);
   if (config.limit > 0 && folder.images.size(0) > config.limit) folder.images = folder.images.slice(0, 0, config.limit);
   return folder;
+}
+
+void synchronize_devices(const hierpar::strategy::Placement& placement) {
+  for (const auto& r : placement.replicas) {
+    for (const torch::Device& d : {r.generator, r.discriminator})
+      if (d.is_cuda()) torch::cuda::synchronize(d.index());
+  }
 }
 
 void resolve_model(DCGANTrainConfig& config) {

@@ -315,12 +315,6 @@ int train_dcgan(DCGANTrainConfig config) {
       real_features = real_test_features(**classifier, config.fashion_mnist_dir, config.model.image_size);
       quality_log.emplace(config.out, state.global_step);
     }
-    auto synchronize_devices = [&] {
-      for (const auto& r : placement.replicas) {
-        for (const torch::Device& d : {r.generator, r.discriminator})
-          if (d.is_cuda()) torch::cuda::synchronize(d.index());
-      }
-    };
     bool stopped = false, interrupted = false;
     const int64_t steps_per_epoch = loader.batches_per_epoch();
     while (state.epoch < config.epochs && !stopped) {
@@ -354,7 +348,7 @@ int train_dcgan(DCGANTrainConfig config) {
           }
         }
         if (quality_log && state.global_step % config.eval_every == 0) {
-          synchronize_devices();  // the step's replays may still run on other streams
+          synchronize_devices(placement);  // the step's replays may still run on other streams
           const auto quality = generator_quality(*generator, **classifier, real_features, config.eval_samples, 1);
           quality_log->add(state.global_step, state.epoch + 1, quality);
           say("step " + std::to_string(state.global_step) + ": " + quality.to_string());
@@ -365,7 +359,7 @@ int train_dcgan(DCGANTrainConfig config) {
           save();
       }
       if (progress) progress->finish();
-      synchronize_devices();
+      synchronize_devices(placement);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
       const int64_t steps_done = state.epoch_step - first_step;
       std::string grid;

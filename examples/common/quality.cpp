@@ -210,8 +210,7 @@ void QualityLog::add(int64_t step, int64_t epoch, const SampleQuality& quality) 
 }
 
 SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,
-                              const std::string& fashion_mnist_dir) {
-  const auto real = real_test_features(classifier, fashion_mnist_dir, image_size);
+                              const torch::Tensor& real) {
   return quality_of(classifier, normalise(prepare_images(images, image_size, 1)), real);
 }
 

@@ -60,9 +60,10 @@ class QualityLog {
   std::vector<double> fids_;
 };
 
-// The same figures for real images (uint8 [N, 1, H, W], prepared at `image_size`) in place of samples: the
-// scale of a good score (Fashion-MNIST's training set against its test set comes near 0).
+// The same figures for real images (uint8 [N, 1, H, W], prepared at `image_size`) in place of samples, against
+// `real` features (real_test_features at that size): the scale of a good score (Fashion-MNIST's training set
+// against its test set comes near 0).
 SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,
-                              const std::string& fashion_mnist_dir);
+                              const torch::Tensor& real);
 
 }  // namespace hierpar::examples

@@ -196,9 +196,11 @@ int evaluate(int argc, char** argv) {
   if (!flags.parse(argc, argv, 2)) return 0;
   auto classifier = fashion_mnist_classifier(fashion_mnist_dir, classifier_path, std::cerr);
   auto generator = load_generator(checkpoint, parse_layers(layers), parse_device(device));
-  const auto samples = evaluate_generator(*generator, *classifier, fashion_mnist_dir, count, static_cast<uint64_t>(seed));
-  const auto real = evaluate_images(load_fashion_mnist(fashion_mnist_dir, /*train=*/true, count).images,
-                                    generator->options.image_size, *classifier, fashion_mnist_dir);
+  const int64_t size = generator->options.image_size;
+  const auto test_features = real_test_features(*classifier, fashion_mnist_dir, size);
+  const auto samples = generator_quality(*generator, *classifier, test_features, count, static_cast<uint64_t>(seed));
+  const auto real = evaluate_images(load_fashion_mnist(fashion_mnist_dir, /*train=*/true, count).images, size,
+                                    *classifier, test_features);
   std::cout << checkpoint << ": " << count << " samples: " << samples.to_string() << "\n"
             << "for scale, " << count << " Fashion-MNIST training images: " << real.to_string() << "\n"
             << "(the seed CNN's features: comparable between hierpar runs at one image size, not with Inception FIDs)\n";
