@@ -234,6 +234,13 @@ Profile profile(const std::function<void()>& fn, int calls, const std::string& t
   p.calls = calls;
   std::map<std::string, std::pair<int64_t, double>> by_name;
   for (const auto& e : result->events()) {
+    if (e.activityType() == static_cast<uint8_t>(libkineto::ActivityType::CUDA_RUNTIME) ||
+        e.activityType() == static_cast<uint8_t>(libkineto::ActivityType::CUDA_DRIVER)) {
+      auto& call = p.runtime_calls[e.name()];
+      call.first += 1;
+      call.second += e.durationNs() / 1e3;
+      continue;
+    }
     if (e.activityType() != static_cast<uint8_t>(libkineto::ActivityType::CONCURRENT_KERNEL)) continue;
     const std::string name = e.name();
     auto& entry = by_name[name];

@@ -62,6 +62,8 @@ struct Profile {
   // Eager calls only (a graph replay runs no operators): each aten::copy_ by the innermost operator around it
   // that is not a copy/conversion itself, with the copy's input shapes: where layout copies come from.
   std::map<std::string, int64_t> copies_by_caller;
+  // The CUDA runtime and driver calls the host made, by name: (count, total host us) over all calls.
+  std::map<std::string, std::pair<int64_t, double>> runtime_calls;
   bool available = false;
 };
 Profile profile(const std::function<void()>& fn, int calls, const std::string& trace_path = {});

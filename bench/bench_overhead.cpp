@@ -1,0 +1,248 @@
+// Suite "overhead": what one eager call of each layer costs the host, hierpar's layer against the torch::nn layer it
+// replaces (drop-in, same options), at the shapes of the seed's DCGAN (batch 64 and 1024) and of the seed CNN's
+// pooling layer, in TF32 NCHW, TF32 channels_last and bf16 autocast channels_last.
+//
+//  - bench "overhead_fwd": the layer's forward (training mode, inputs that need gradients, as in a training step).
+//  - bench "overhead_bwd": torch::autograd::grad of the layer's output for its input and parameters.
+// timing: host microseconds per call: the wall time of enqueuing `kCalls` calls back to back after a device
+// synchronisation, divided by kCalls, median over rounds. So few calls never fill CUDA's launch queue, so the time is
+// the host's (dispatch, checks, allocations, launches), not the GPU's. extra.gpu_us: the GPU time of one call (CUDA
+// events around it, median); extra.host_bound: host time > GPU time, i.e. an eager loop of this layer alone waits on
+// the host.
+//  - bench "overhead_adam": one step of Adam over the DCGAN generator's parameters (13 tensors, 3.6 M values):
+//    hierpar::strategy::FusedAdam with hierpar's kernel (hierpar) or ATen's fused kernel (stock).
+// Stock's BatchNorm + activation is torch::nn::BatchNorm2d then the in-place activation, as models' stock layer set
+// writes it. hierpar's layers are hierpar::nn's, whatever the layer set's routing would pick.
+#include "bench.h"
+
+#include "hierpar/nn.h"
+#include "hierpar/strategy/captured_step.h"
+#include "hierpar/strategy/fused_adam.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/autograd.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/pooling.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace hierpar::bench;
+
+constexpr int kCalls = 16;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Host microseconds per call of fn (enqueue only), median over `rounds` rounds of kCalls calls.
+Timing host_time(const std::function<void()>& fn, int rounds) {
+  std::vector<double> per_call;
+  for (int r = -3; r < rounds; ++r) {  // 3 rounds of warm-up
+    c10::cuda::device_synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kCalls; ++i) fn();
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    if (r >= 0) per_call.push_back(us / kCalls);
+  }
+  c10::cuda::device_synchronize();
+  Timing t;
+  t.repeats = rounds;
+  t.median_us = median(per_call);
+  t.min_us = *std::min_element(per_call.begin(), per_call.end());
+  return t;
+}
+
+// "cudaLaunchKernel 3x 4.2us, ..." per call, by host time.
+std::string runtime_text(const Profile& p) {
+  std::vector<std::pair<std::string, std::pair<int64_t, double>>> calls(p.runtime_calls.begin(), p.runtime_calls.end());
+  std::sort(calls.begin(), calls.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+  std::string text;
+  char item[200];
+  for (const auto& [name, entry] : calls) {
+    std::snprintf(item, sizeof item, "%s%s %.1fx %.1fus", text.empty() ? "" : ", ", name.c_str(),
+                  double(entry.first) / p.calls, entry.second / p.calls);
+    text += item;
+  }
+  return text;
+}
+
+// One precision and layout of the step: TF32 (NCHW or channels_last) or bf16 autocast (channels_last).
+struct Precision {
+  const char* name;
+  bool channels_last;
+  bool bf16;
+};
+
+// A layer of one side: its forward, and the tensors its gradients are taken for (besides the input).
+struct Side {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::vector<torch::Tensor> parameters;
+};
+
+struct LayerCase {
+  std::string name;
+  std::vector<int64_t> input;  // [N, C, H, W] with N set per batch
+  std::function<Side(bool hierpar)> make;
+};
+
+template <typename Holder>
+Side side_of(Holder layer, const std::function<torch::Tensor(Holder&, const torch::Tensor&)>& forward) {
+  layer->to(torch::kCUDA);
+  layer->train();
+  std::vector<torch::Tensor> parameters = layer->parameters();
+  return {[layer, forward](const torch::Tensor& x) mutable { return forward(layer, x); }, parameters};
+}
+
+Side conv_transpose(bool hierpar, const torch::nn::ConvTranspose2dOptions& o) {
+  if (hierpar) {
+    return side_of<hierpar::nn::ConvTranspose2d>(hierpar::nn::ConvTranspose2d(o),
+                                                  [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+  }
+  return side_of<torch::nn::ConvTranspose2d>(torch::nn::ConvTranspose2d(o),
+                                             [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+}
+
+Side conv(bool hierpar, const torch::nn::Conv2dOptions& o) {
+  if (hierpar) {
+    return side_of<hierpar::nn::Conv2d>(hierpar::nn::Conv2d(o), [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+  }
+  return side_of<torch::nn::Conv2d>(torch::nn::Conv2d(o), [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+}
+
+Side batch_norm_act(bool hierpar, int64_t channels, bool leaky) {
+  if (hierpar) {
+    return side_of<hierpar::nn::BatchNormAct2d>(
+        hierpar::nn::BatchNormAct2d(channels, leaky ? hierpar::nn::Activation::leaky_relu : hierpar::nn::Activation::relu,
+                                    0.2),
+        [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+  }
+  return side_of<torch::nn::BatchNorm2d>(torch::nn::BatchNorm2d(channels), [leaky](auto& l, const torch::Tensor& x) {
+    torch::Tensor y = l->forward(x);
+    return leaky ? torch::leaky_relu_(y, 0.2) : torch::relu_(y);
+  });
+}
+
+Side max_pool(bool hierpar) {
+  const auto o = torch::nn::MaxPool2dOptions(2);
+  if (hierpar) {
+    return side_of<hierpar::nn::MaxPool2d>(hierpar::nn::MaxPool2d(o), [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+  }
+  return side_of<torch::nn::MaxPool2d>(torch::nn::MaxPool2d(o), [](auto& l, const torch::Tensor& x) { return l->forward(x); });
+}
+
+std::vector<LayerCase> layer_cases() {
+  using CT = torch::nn::ConvTranspose2dOptions;
+  using C = torch::nn::Conv2dOptions;
+  const auto k4s2p1t = [](int64_t in, int64_t out) { return CT(in, out, 4).stride(2).padding(1).bias(false); };
+  const auto k4s2p1 = [](int64_t in, int64_t out) { return C(in, out, 4).stride(2).padding(1).bias(false); };
+  std::vector<LayerCase> cases;
+  cases.push_back({"G convT 100->512 k4s1p0", {0, 100, 1, 1}, [](bool h) { return conv_transpose(h, CT(100, 512, 4).bias(false)); }});
+  cases.push_back({"G convT 512->256 k4s2p1", {0, 512, 4, 4}, [=](bool h) { return conv_transpose(h, k4s2p1t(512, 256)); }});
+  cases.push_back({"G convT 128->64 k4s2p1", {0, 128, 16, 16}, [=](bool h) { return conv_transpose(h, k4s2p1t(128, 64)); }});
+  cases.push_back({"G convT 64->3 k4s2p1", {0, 64, 32, 32}, [=](bool h) { return conv_transpose(h, k4s2p1t(64, 3)); }});
+  cases.push_back({"G BN+relu 512@4x4", {0, 512, 4, 4}, [](bool h) { return batch_norm_act(h, 512, false); }});
+  cases.push_back({"G BN+relu 64@32x32", {0, 64, 32, 32}, [](bool h) { return batch_norm_act(h, 64, false); }});
+  cases.push_back({"D conv 3->64 k4s2p1", {0, 3, 64, 64}, [=](bool h) { return conv(h, k4s2p1(3, 64)); }});
+  cases.push_back({"D conv 128->256 k4s2p1", {0, 128, 16, 16}, [=](bool h) { return conv(h, k4s2p1(128, 256)); }});
+  cases.push_back({"D conv 512->1 k4s1p0", {0, 512, 4, 4}, [](bool h) { return conv(h, C(512, 1, 4).bias(false)); }});
+  cases.push_back({"D BN+leaky 128@16x16", {0, 128, 16, 16}, [](bool h) { return batch_norm_act(h, 128, true); }});
+  cases.push_back({"D BN+leaky 512@4x4", {0, 512, 4, 4}, [](bool h) { return batch_norm_act(h, 512, true); }});
+  cases.push_back({"CNN maxpool 2 10@26x26", {0, 10, 26, 26}, [](bool h) { return max_pool(h); }});
+  return cases;
+}
+
+void run(Report& report, const Options& options) {
+  const std::vector<Precision> precisions{{"tf32", false, false}, {"tf32", true, false}, {"bf16", true, true}};
+  const int rounds = options.quick ? 5 : 25;
+  for (const int64_t batch : options.pick_batches({64, 1024})) {
+    for (const Precision& precision : precisions) {
+      for (const LayerCase& layer : layer_cases()) {
+        std::vector<int64_t> shape = layer.input;
+        shape[0] = batch;
+        for (const bool hierpar : {false, true}) {
+          torch::manual_seed(0);
+          Side side = layer.make(hierpar);
+          torch::Tensor x = torch::randn(shape, torch::kCUDA);
+          if (precision.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+          x.requires_grad_(true);
+          hierpar::strategy::AutocastScope autocast(
+              at::kCUDA, precision.bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
+          const Timing forward_host = host_time([&] { side.forward(x); }, rounds);
+          const Timing forward_gpu = time_cuda([&] { side.forward(x); }, 5, rounds);
+          const torch::Tensor y = side.forward(x);
+          const torch::Tensor grad_y = torch::randn_like(y);
+          std::vector<torch::Tensor> wrt{x};
+          for (const torch::Tensor& p : side.parameters) wrt.push_back(p);
+          const auto backward = [&] { torch::autograd::grad({y}, wrt, {grad_y}, /*retain_graph=*/true); };
+          const Timing backward_host = host_time(backward, rounds);
+          const Timing backward_gpu = time_cuda(backward, 5, rounds);
+          // What the host did in a call, by CUDA runtime/driver call (count per call, host us per call), and the
+          // kernels launched: at batch 64 only (the same calls at every batch).
+          std::string calls_forward, calls_backward;
+          double kernels_forward = 0, kernels_backward = 0;
+          if (batch == 64) {
+            const Profile pf = profile([&] { side.forward(x); }, 4);
+            const Profile pb = profile(backward, 4);
+            calls_forward = runtime_text(pf);
+            calls_backward = runtime_text(pb);
+            kernels_forward = pf.kernels;
+            kernels_backward = pb.kernels;
+          }
+          Config config;
+          config.set("layer", layer.name).set("batch", batch).set("precision", precision.name)
+              .set("channels_last", precision.channels_last);
+          const char* impl = hierpar ? "hierpar" : "stock";
+          report.add("overhead_fwd", impl, config, forward_host,
+                     Config().set("gpu_us", forward_gpu.median_us).set("host_bound", forward_host.median_us > forward_gpu.median_us)
+                         .set("kernels", kernels_forward).set("runtime_calls", calls_forward));
+          report.add("overhead_bwd", impl, config, backward_host,
+                     Config().set("gpu_us", backward_gpu.median_us).set("host_bound", backward_host.median_us > backward_gpu.median_us)
+                         .set("kernels", kernels_backward).set("runtime_calls", calls_backward));
+        }
+      }
+    }
+  }
+}
+
+// The generator's parameters: its transposed convolutions' weights and its BatchNorms' weights and biases.
+void adam(Report& report, int rounds) {
+  const std::vector<std::vector<int64_t>> shapes{{100, 512, 4, 4}, {512}, {512}, {512, 256, 4, 4}, {256}, {256},
+                                                 {256, 128, 4, 4}, {128}, {128}, {128, 64, 4, 4}, {64}, {64},
+                                                 {64, 3, 4, 4}};
+  for (const bool hierpar : {false, true}) {
+    torch::manual_seed(0);
+    std::vector<torch::Tensor> parameters;
+    for (const auto& shape : shapes) {
+      parameters.push_back(torch::randn(shape, torch::kCUDA).requires_grad_(true));
+      parameters.back().mutable_grad() = torch::randn(shape, torch::kCUDA);
+    }
+    hierpar::strategy::FusedAdam optimizer(parameters, torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}),
+                                           hierpar ? hierpar::strategy::AdamKernel::hierpar
+                                                   : hierpar::strategy::AdamKernel::aten);
+    const auto step = [&] { optimizer.step(); };
+    const Timing host = host_time(step, rounds);
+    const Timing gpu = time_cuda(step, 5, rounds);
+    report.add("overhead_adam", hierpar ? "hierpar" : "stock", Config().set("network", "DCGAN G"), host,
+               Config().set("gpu_us", gpu.median_us).set("host_bound", host.median_us > gpu.median_us));
+  }
+}
+
+void run_all(Report& report, const Options& options) {
+  run(report, options);
+  adam(report, options.quick ? 5 : 25);
+}
+
+HIERPAR_BENCH_SUITE("overhead", run_all);
+
+}  // namespace
