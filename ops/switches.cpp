@@ -51,6 +51,8 @@ const std::vector<SwitchInfo>& switches() {
       {Switch::wgmma, "HIERPAR_WGMMA", true, "Hopper wgmma kernels for k4s2p1 (off: mma.sync)"},
       {Switch::wgmma_all_phases, "HIERPAR_WGMMA_ALL_PHASES", true, "wgmma for every k4s2p1 forward phase"},
       {Switch::wgmma_grad_input_patch, "HIERPAR_WGMMA_GRAD_INPUT_PATCH", true, "wgmma for the grad_input patch GEMM"},
+      {Switch::layer_routing, "HIERPAR_LAYER_ROUTING", true,
+       "hierpar::nn convolutions on ATen where hierpar's kernels lose (off: always hierpar's op)"},
       {Switch::poison_outputs, "HIERPAR_POISON_OUTPUTS", false, "outputs poisoned before kernels write them"},
   };
   return all;

@@ -1,8 +1,11 @@
 #include "hierpar/nn/conv2d.h"
 
 #include "hierpar/ops.h"
+#include "hierpar/routing.h"
 
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/conv2d.h>
+#include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/pad.h>
 #include <torch/nn/init.h>
 
@@ -93,6 +96,11 @@ torch::Tensor Conv2dImpl::convolve(const torch::Tensor& input, std::optional<dou
   const auto pad = padding_of(options);
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   auto conv = [&](const torch::Tensor& x, at::IntArrayRef padding) {
+    // cuDNN where hierpar's kernels measured slower for this call (hierpar/routing.h).
+    if (!ops::conv2d_on_hierpar(x, weight, *options.stride(), padding, *options.dilation(), options.groups())) {
+      const torch::Tensor y = at::conv2d(x, weight, b, *options.stride(), padding, *options.dilation(), options.groups());
+      return leaky_relu_slope ? at::leaky_relu(y, *leaky_relu_slope) : y;
+    }
     return ops::conv2d(x, weight, b, *options.stride(), padding, *options.dilation(), options.groups(),
                        leaky_relu_slope);
   };

@@ -1,6 +1,9 @@
 #include "hierpar/nn/conv_transpose.h"
 
 #include "hierpar/ops.h"
+#include "hierpar/routing.h"
+
+#include <ATen/ops/conv_transpose2d.h>
 
 #include <torch/nn/init.h>
 
@@ -92,9 +95,15 @@ std::vector<int64_t> ConvTranspose2dImpl::output_padding_for(const torch::Tensor
 torch::Tensor ConvTranspose2dImpl::forward(const torch::Tensor& input,
                                            const std::optional<at::IntArrayRef>& output_size) {
   const auto output_padding = output_padding_for(input, output_size);
-  return ops::conv_transpose2d(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                               *options.stride(), *options.padding(), output_padding, options.groups(),
-                               *options.dilation());
+  const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  // cuDNN where hierpar's kernels measured slower for this call (hierpar/routing.h).
+  if (!ops::conv_transpose2d_on_hierpar(input, weight, *options.stride(), *options.padding(), output_padding,
+                                        options.groups(), *options.dilation())) {
+    return at::conv_transpose2d(input, weight, b, *options.stride(), *options.padding(), output_padding,
+                                options.groups(), *options.dilation());
+  }
+  return ops::conv_transpose2d(input, weight, b, *options.stride(), *options.padding(), output_padding,
+                               options.groups(), *options.dilation());
 }
 
 }  // namespace hierpar::nn

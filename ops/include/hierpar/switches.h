@@ -22,6 +22,7 @@ enum class Switch : int {
   wgmma,                   // Hopper's wgmma kernels for k4s2p1 (off: mma.sync)
   wgmma_all_phases,        // wgmma for every phase of the k4s2p1 forward
   wgmma_grad_input_patch,  // wgmma for the k4s2p1 grad_input patch GEMM
+  layer_routing,           // hierpar::nn's convolutions take ATen's where hierpar's kernels lose (hierpar/routing.h)
   poison_outputs,          // outputs filled with NaN (or -1 / 255) before kernels write them (tests)
 };
 

@@ -23,15 +23,12 @@ struct Layer {
   std::function<torch::Tensor(const torch::Tensor&)> forward;
 };
 
-// hierpar::nn::ConvTranspose2d in the hierpar set only where hierpar's kernels beat cuDNN: a generator's projection
-// layer (kernel 4, stride 1, padding 0) and its small-C_out output layer (C_out <= 4, kernel 4, stride 2,
-// padding 1); torch::nn::ConvTranspose2d otherwise, and in the stock set.
+// hierpar::nn::ConvTranspose2d in the hierpar set (zero padding), torch::nn::ConvTranspose2d in the stock set. The
+// hierpar layer runs each call on hierpar's kernels or cuDNN's, as hierpar/routing.h's measured table says.
 Layer make_conv_transpose2d(LayerSet layers, const torch::nn::ConvTranspose2dOptions& options);
-// hierpar::nn::Conv2d in the hierpar set only where hierpar's kernels beat cuDNN: C_in <= 4, kernel 4, stride 2,
-// padding 1 (a discriminator's first layer), and a window covering the whole input (stride 1, no padding: a
-// discriminator's last layer; other input sizes take cuDNN per call); torch::nn::Conv2d otherwise, and in the
-// stock set. With
-// leaky_relu_slope the layer's forward includes leaky_relu (fused into hierpar's kernels, functional in stock's).
+// hierpar::nn::Conv2d in the hierpar set (routed per call likewise), torch::nn::Conv2d in the stock set. With
+// leaky_relu_slope the layer's forward includes leaky_relu (fused into hierpar's kernels where they run the call,
+// functional otherwise).
 Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options,
                   std::optional<double> leaky_relu_slope = std::nullopt);
 // BatchNorm2d followed by `activation` (negative_slope for leaky_relu).

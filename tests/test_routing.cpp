@@ -1,0 +1,146 @@
+// The layers' routing table (hierpar/routing.h): which convolution calls hierpar::nn's layers run on hierpar's
+// kernels and which on cuDNN's, for the DCGAN's layers and around its edges; and, on a GPU, that a layer's call
+// dispatches what the table says (a RecordFunction callback lists the operators a call dispatches).
+#include "testing.h"
+
+#include "hierpar/nn/conv2d.h"
+#include "hierpar/nn/conv_transpose.h"
+#include "hierpar/routing.h"
+#include "hierpar/switches.h"
+
+#include <ATen/record_function.h>
+
+#include <ATen/ops/conv_transpose2d.h>
+
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using hierpar::ops::ConvCall;
+
+// A CUDA call with a square kernel, stride and padding on a square input.
+ConvCall cuda_call(int64_t cin, int64_t cout, int64_t kernel, int64_t stride, int64_t padding, int64_t size,
+                   at::ScalarType dtype = at::kFloat, bool channels_last = false) {
+  ConvCall c;
+  c.cuda = true;
+  c.dtype = dtype;
+  c.channels_last = channels_last;
+  c.tf32 = true;
+  c.in_channels = cin;
+  c.out_channels = cout;
+  c.input_h = c.input_w = size;
+  c.kernel_h = c.kernel_w = kernel;
+  c.stride_h = c.stride_w = stride;
+  c.padding_h = c.padding_w = padding;
+  return c;
+}
+
+TEST(Routing, ConvTranspose2dTableForTheDcganGenerator) {
+  using hierpar::ops::hierpar_wins_conv_transpose2d;
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(100, 512, 4, 1, 0, 1, dtype))) << "projection";
+    EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(512, 256, 4, 2, 1, 4, dtype))) << "middle layer";
+    EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(128, 64, 4, 2, 1, 16, dtype))) << "middle layer";
+    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, dtype))) << "RGB output layer";
+    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 4, 4, 2, 1, 32, dtype))) << "C_out 4";
+    EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 5, 4, 2, 1, 32, dtype))) << "C_out 5";
+  }
+  ConvCall dilated = cuda_call(64, 3, 4, 2, 1, 32);
+  dilated.dilation_w = 2;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(dilated));
+  ConvCall padded_out = cuda_call(100, 512, 4, 1, 0, 1);
+  padded_out.output_padding_h = 1;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(padded_out));
+  ConvCall grouped = cuda_call(64, 4, 4, 2, 1, 32);
+  grouped.groups = 2;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(grouped));
+  ConvCall on_cpu = cuda_call(512, 256, 4, 2, 1, 4);
+  on_cpu.cuda = false;
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(on_cpu)) << "the CPU op chooses for itself";
+}
+
+TEST(Routing, Conv2dTableForTheDcganDiscriminator) {
+  using hierpar::ops::hierpar_wins_conv2d;
+  // The RGB input layer: 16-bit (or autocast) always; float32 only as TF32 tensor-core passes.
+  EXPECT_TRUE(hierpar_wins_conv2d(cuda_call(3, 64, 4, 2, 1, 64, at::kBFloat16)));
+  EXPECT_TRUE(hierpar_wins_conv2d(cuda_call(3, 64, 4, 2, 1, 64, at::kHalf, true)));
+  EXPECT_TRUE(hierpar_wins_conv2d(cuda_call(3, 64, 4, 2, 1, 64, at::kFloat, /*channels_last=*/true)));
+  EXPECT_FALSE(hierpar_wins_conv2d(cuda_call(3, 64, 4, 2, 1, 64, at::kFloat, /*channels_last=*/false)));
+  ConvCall no_tf32 = cuda_call(3, 64, 4, 2, 1, 64, at::kFloat, true);
+  no_tf32.tf32 = false;
+  EXPECT_FALSE(hierpar_wins_conv2d(no_tf32));
+  no_tf32.autocast = true;
+  EXPECT_TRUE(hierpar_wins_conv2d(no_tf32)) << "under autocast the call runs in 16 bits";
+  EXPECT_FALSE(hierpar_wins_conv2d(cuda_call(3, 8, 4, 2, 1, 64, at::kFloat, true))) << "C_out % 16 != 0 in TF32";
+  // The wider layers: cuDNN's.
+  EXPECT_FALSE(hierpar_wins_conv2d(cuda_call(64, 128, 4, 2, 1, 32, at::kBFloat16, true)));
+  EXPECT_FALSE(hierpar_wins_conv2d(cuda_call(256, 512, 4, 2, 1, 8)));
+  // The last layer: a window over the whole 4x4 map; the same layer on a larger map is an ordinary convolution.
+  EXPECT_TRUE(hierpar_wins_conv2d(cuda_call(512, 1, 4, 1, 0, 4)));
+  EXPECT_TRUE(hierpar_wins_conv2d(cuda_call(512, 1, 4, 1, 0, 4, at::kBFloat16, true)));
+  EXPECT_FALSE(hierpar_wins_conv2d(cuda_call(512, 1, 4, 1, 0, 5)));
+  ConvCall on_cpu = cuda_call(256, 512, 4, 2, 1, 8);
+  on_cpu.cuda = false;
+  EXPECT_TRUE(hierpar_wins_conv2d(on_cpu));
+}
+
+// On the CPU a layer always calls hierpar's op (which picks ATen or its reference kernels itself).
+TEST(Routing, CpuCallsTakeHierparsOp) {
+  const auto x = hierpar::testing::random_tensor({2, 64, 8, 8}, torch::TensorOptions().dtype(torch::kFloat));
+  const auto w = hierpar::testing::random_tensor({64, 32, 4, 4}, torch::TensorOptions().dtype(torch::kFloat));
+  EXPECT_TRUE(hierpar::ops::conv_transpose2d_on_hierpar(x, w, {2, 2}, {1, 1}, {0, 0}, 1, {1, 1}));
+  EXPECT_TRUE(hierpar::ops::conv2d_on_hierpar(x, w, {2, 2}, {1, 1}, {1, 1}, 1));
+}
+
+thread_local std::vector<std::string>* dispatched = nullptr;
+
+std::unique_ptr<at::ObserverContext> note_operator(const at::RecordFunction& fn) {
+  if (dispatched != nullptr) dispatched->emplace_back(fn.name());
+  return nullptr;
+}
+
+// The operators `f` dispatches on this thread.
+std::vector<std::string> operators_of(const std::function<void()>& f) {
+  std::vector<std::string> names;
+  dispatched = &names;
+  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&note_operator));
+  f();
+  at::removeCallback(handle);
+  dispatched = nullptr;
+  return names;
+}
+
+bool has(const std::vector<std::string>& names, const std::string& name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+// A generator's middle layer on the GPU runs cuDNN's transposed convolution, its output layer hierpar's; with
+// Switch::layer_routing off both run hierpar's; each agrees with ATen.
+TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
+  HIERPAR_REQUIRE_CUDA();
+  const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kFloat);
+  hierpar::nn::ConvTranspose2d middle(torch::nn::ConvTranspose2dOptions(64, 32, 4).stride(2).padding(1).bias(false));
+  hierpar::nn::ConvTranspose2d output(torch::nn::ConvTranspose2dOptions(32, 3, 4).stride(2).padding(1).bias(false));
+  middle->to(torch::kCUDA);
+  output->to(torch::kCUDA);
+  const auto x = hierpar::testing::random_tensor({2, 64, 8, 8}, opts);
+  const auto h = hierpar::testing::random_tensor({2, 32, 16, 16}, opts);
+  for (const bool routing : {true, false}) {
+    hierpar::SwitchScope scope(hierpar::Switch::layer_routing, routing);
+    torch::Tensor y_middle, y_output;
+    const auto middle_ops = operators_of([&] { y_middle = middle->forward(x); });
+    const auto output_ops = operators_of([&] { y_output = output->forward(h); });
+    EXPECT_EQ(has(middle_ops, "hierpar::conv_transpose2d"), !routing) << "routing " << routing;
+    EXPECT_EQ(has(middle_ops, "aten::conv_transpose2d"), routing) << "routing " << routing;
+    EXPECT_TRUE(has(output_ops, "hierpar::conv_transpose2d")) << "routing " << routing;
+    // TF32 may run on either side (cuDNN's default), so TF32's tolerance.
+    const hierpar::testing::Tolerance tf32{5e-3, 5e-3};
+    hierpar::testing::expect_close(y_middle, at::conv_transpose2d(x, middle->weight, {}, 2, 1), tf32, "middle layer");
+    hierpar::testing::expect_close(y_output, at::conv_transpose2d(h, output->weight, {}, 2, 1), tf32, "output layer");
+  }
+}
+
+}  // namespace
