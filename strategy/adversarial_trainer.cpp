@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/ops/_foreach_lerp.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -69,6 +70,7 @@ struct AdversarialTrainer::Replica {
   torch::nn::AnyModule discriminator;
   std::vector<torch::Tensor> generator_parameters;
   std::vector<torch::Tensor> discriminator_parameters;
+  std::vector<torch::Tensor> generator_ema;  // options.generator_ema_decay > 0: G's parameters' moving average
   std::unique_ptr<torch::optim::Adam> generator_optimizer;  // a FusedAdam with options.fused_adam
   std::unique_ptr<torch::optim::Adam> discriminator_optimizer;
   // The last step's losses (under graphs: the graph's outputs) and the device buffer of pending steps'
@@ -381,6 +383,8 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   placement_.validate();
   TORCH_CHECK(!generator.is_empty() && !discriminator.is_empty(), "AdversarialTrainer needs a generator and a discriminator module");
   TORCH_CHECK(options_.loss, "AdversarialTrainer: options.loss must be set");
+  TORCH_CHECK(options_.generator_ema_decay >= 0 && options_.generator_ema_decay < 1, "AdversarialTrainer: "
+              "options.generator_ema_decay must be in [0, 1) (0: no moving average), got ", options_.generator_ema_decay);
   TORCH_CHECK(options_.loss_log_steps >= 1, "AdversarialTrainer: options.loss_log_steps must be at least 1, got ",
               options_.loss_log_steps);
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
@@ -416,6 +420,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     replica->discriminator_parameters = replica->discriminator.ptr()->parameters();
     TORCH_CHECK(!replica->generator_parameters.empty() && !replica->discriminator_parameters.empty(),
                 "AdversarialTrainer: the generator and the discriminator must have parameters");
+    for (const torch::Tensor& p : replica->generator_parameters) {
+      if (options_.generator_ema_decay > 0) replica->generator_ema.push_back(p.detach().clone());
+    }
     auto make_optimizer = [&](const std::vector<torch::Tensor>& parameters,
                               const AdamSettings& settings) -> std::unique_ptr<torch::optim::Adam> {
       if (options_.fused_adam) {
@@ -532,6 +539,10 @@ torch::optim::Adam& AdversarialTrainer::generator_optimizer(int64_t local) {
 }
 torch::optim::Adam& AdversarialTrainer::discriminator_optimizer(int64_t local) {
   return *replicas_.at(local)->discriminator_optimizer;
+}
+
+const std::vector<torch::Tensor>& AdversarialTrainer::generator_ema(int64_t local) const {
+  return replicas_.at(local)->generator_ema;
 }
 
 void AdversarialTrainer::broadcast_from_replica0() {
@@ -987,6 +998,10 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   average(Network::generator);
   on(g_device, "G update", [&] {
     r.generator_optimizer->step();
+    if (!r.generator_ema.empty()) {
+      torch::NoGradGuard no_grad;
+      at::_foreach_lerp_(r.generator_ema, r.generator_parameters, 1.0 - options_.generator_ema_decay);
+    }
     at::autocast::clear_cache();
     // The fakes' autograd graph is spent: G's activations are freed now, not at the next step's forward.
     if (phase == Phase::eager) r.fake = r.fake.detach();

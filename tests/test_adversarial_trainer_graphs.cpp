@@ -65,6 +65,7 @@ struct TrainedRun {
   std::vector<torch::Tensor> state;  // G's then D's parameters and buffers, on the CPU
   torch::Tensor losses;              // take_losses() over the whole run
   std::vector<std::pair<double, double>> step_means;  // StepLosses::mean() of every step
+  std::vector<torch::Tensor> ema;    // G's moving average (options.generator_ema_decay > 0), on the CPU
   int64_t graph_nodes = 0;
 };
 
@@ -96,6 +97,7 @@ TrainedRun train(const hs::Placement& placement, hs::AdversarialOptions options,
     for (const auto& p : module->parameters()) run.state.push_back(p.detach().cpu().contiguous().clone());
     for (const auto& b : module->buffers()) run.state.push_back(b.detach().cpu().clone());
   }
+  for (const auto& e : trainer.generator_ema()) run.ema.push_back(e.detach().cpu().contiguous().clone());
   run.graph_nodes = trainer.graph_kernel_nodes();
   return run;
 }
@@ -111,6 +113,9 @@ void expect_same_run(const TrainedRun& actual, const TrainedRun& expected, Toler
   for (size_t i = 0; i < actual.state.size(); ++i)
     hierpar::testing::expect_close(actual.state[i], expected.state[i], tol, what + ": state tensor " + std::to_string(i));
   hierpar::testing::expect_close(actual.losses, expected.losses, tol, what + ": loss log");
+  ASSERT_EQ(actual.ema.size(), expected.ema.size()) << what;
+  for (size_t i = 0; i < actual.ema.size(); ++i)
+    hierpar::testing::expect_close(actual.ema[i], expected.ema[i], tol, what + ": G's moving average " + std::to_string(i));
 }
 
 // The run must have trained: a comparison of untouched parameters would pass for anything.
@@ -173,6 +178,45 @@ TEST(AdversarialTrainerSteps, DrawnNoiseEqualsGivenNoise) {
   }
 }
 
+// options.generator_ema_decay: G's moving average starts at the initial parameters and after every step is
+// decay * before + (1 - decay) * the updated parameters; every replica of a data placement holds the same one.
+TEST(AdversarialTrainerSteps, GeneratorEmaFollowsEachUpdate) {
+  const double decay = 0.5 + 0.49 * hierpar::testing::rand_int(0, 100) / 100.0;
+  const auto reals = batches(4, 4, torch::kCPU);
+  for (const auto& [scheme, devices] : {std::pair{"single", 1}, std::pair{"data", 2}}) {
+    SCOPED_TRACE(c10::str(scheme, ", decay ", decay));
+    auto options = base_options();
+    options.generator_ema_decay = decay;
+    torch::manual_seed(hierpar::testing::rng()());
+    PairNet g(true), d(false);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement(scheme, devices),
+                                   options);
+    const auto parameters = trainer.generator().ptr()->parameters();
+    std::vector<torch::Tensor> expected;
+    for (const auto& p : parameters) expected.push_back(p.detach().clone());
+    ASSERT_EQ(trainer.generator_ema().size(), parameters.size());
+    for (size_t i = 0; i < parameters.size(); ++i)
+      EXPECT_TRUE(torch::equal(trainer.generator_ema()[i], expected[i])) << "initially the parameters, " << i;
+    for (const auto& real : reals) {
+      trainer.step(real);
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        expected[i] = decay * expected[i] + (1 - decay) * parameters[i].detach();
+        hierpar::testing::expect_close(trainer.generator_ema()[i], expected[i], Tolerance{1e-6, 1e-7},
+                                       "moving average of parameter " + std::to_string(i));
+      }
+    }
+    EXPECT_FALSE(torch::equal(trainer.generator_ema()[0], parameters[0])) << "the average lags the parameters";
+    if (devices == 2) {
+      for (size_t i = 0; i < parameters.size(); ++i)
+        EXPECT_TRUE(torch::equal(trainer.generator_ema(1)[i], trainer.generator_ema(0)[i])) << "replica 1, " << i;
+    }
+  }
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer without(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1),
+                                 base_options());
+  EXPECT_TRUE(without.generator_ema().empty());
+}
+
 TEST(AdversarialTrainerSteps, FusedAdamMatchesTorchAdam) {
   const auto reals = batches(4, 6, torch::kCPU);
   auto fused = base_options();
@@ -209,6 +253,9 @@ TEST(AdversarialTrainerSteps, RejectsBadOptions) {
   options = base_options();
   options.loss_log_steps = 0;
   HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "loss_log_steps must be at least 1, got 0");
+  options = base_options();
+  options.generator_ema_decay = 1.0;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "generator_ema_decay must be in [0, 1)");
 }
 
 // ---- CUDA graphs ----------------------------------------------------------------------------------------
@@ -256,6 +303,7 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
     auto eager = base_options();
     eager.fused_adam = true;
     eager.loss_log_steps = 4;
+    eager.generator_ema_decay = 0.9;  // captured with G's update
     if (bf16) {
       eager.autocast_dtype = torch::kBFloat16;
       eager.channels_last = true;

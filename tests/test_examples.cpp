@@ -520,6 +520,58 @@ TEST(Examples, InterruptedRunResumesToTheSameWeights) {
   hierpar::testing::expect_close(sb.history, sa.history, "loss history");
 }
 
+// --ema: the checkpoint keeps G's moving average, which lags the trained weights by the decay; an interrupted run
+// resumes it to the same average as a run straight through; a grid is drawn from it beside G's; `generate --weights
+// ema` reads it; resuming it without --ema, or asking a checkpoint without one for it, is refused in one line.
+TEST(Examples, MovingAverageOfTheGeneratorIsKeptAndResumed) {
+  TempDir dir;
+  auto straight = tiny_training(dir / "straight");
+  straight.max_steps = 6;
+  straight.ema = 0.8;
+  ASSERT_EQ(train_dcgan(straight), 0);
+  auto live = load_generator(dir / "straight/checkpoint.pt", hierpar::LayerSet::stock, torch::kCPU);
+  auto average = load_generator(dir / "straight/checkpoint.pt", hierpar::LayerSet::stock, torch::kCPU, "ema");
+  auto live_parameters = live->named_parameters();
+  int differ = 0;
+  for (const auto& p : average->named_parameters()) {
+    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
+    differ += !p.value().equal(live_parameters[p.key()]);
+  }
+  EXPECT_EQ(differ, static_cast<int>(live_parameters.size())) << "the average lags every trained parameter";
+  EXPECT_TRUE(fs::exists(dir / "straight/samples/ema_epoch_000001.png"));
+  EXPECT_TRUE(fs::exists(dir / "straight/samples/epoch_000001.png"));
+
+  auto interrupted = tiny_training(dir / "resumed");
+  interrupted.max_steps = 6;
+  interrupted.ema = 0.8;
+  int polls = 0;
+  interrupted.should_stop = [&] { return ++polls == 3; };
+  ASSERT_EQ(train_dcgan(interrupted), 130);
+  auto without = tiny_training(dir / "resumed");
+  without.max_steps = 6;
+  without.resume = true;
+  EXPECT_ERROR_MSG(train_dcgan(without), "keeps a moving average of G's weights: pass --ema 0.8 to resume it");
+  auto resumed = without;
+  resumed.ema = 0.8;
+  ASSERT_EQ(train_dcgan(resumed), 0);
+  auto resumed_average = load_generator(dir / "resumed/checkpoint.pt", hierpar::LayerSet::stock, torch::kCPU, "ema");
+  auto straight_average = average->named_parameters();
+  for (const auto& p : resumed_average->named_parameters())
+    hierpar::testing::expect_close(p.value(), straight_average[p.key()], "resumed average " + p.key());
+
+  const auto out = dcgan_stdout("generate --device cpu --weights ema --count 4 --checkpoint " +
+                                (dir / "straight/checkpoint.pt") + " --output " + (dir / "ema.png"));
+  EXPECT_TRUE(fs::exists(dir / "ema.png")) << out;
+  auto plain = tiny_training(dir / "plain");
+  plain.max_steps = 1;
+  ASSERT_EQ(train_dcgan(plain), 0);
+  expect_one_line_error(run_dcgan("generate --device cpu --weights ema --checkpoint " + (dir / "plain/checkpoint.pt") +
+                                      " --output " + (dir / "g.png"), dir),
+                        "has no moving average of G's weights: it was trained without --ema", "--weights ema");
+  expect_one_line_error(run_dcgan("train --device cpu --data synthetic --ema 1 --out " + (dir / "bad"), dir),
+                        "--ema: expected a decay in [0, 1)", "--ema 1", 2);
+}
+
 TEST(Examples, CheckpointFromAnotherConfigurationIsRejected) {
   TempDir dir;
   auto config = tiny_training(dir.path.string());

@@ -68,6 +68,10 @@ struct DCGANTrainConfig {
   // (common/quality.h; Fashion-MNIST only) into <out>/quality.csv and quality.png.
   int64_t eval_every = 0;
   int64_t eval_samples = 2000;
+  // > 0: a moving average of G's weights with this decay (AdversarialOptions::generator_ema_decay): kept in the
+  // checkpoint as "generator_ema", drawn as samples/ema_*.png beside the live generator's grids, and the one the
+  // quality metric scores.
+  double ema = 0.0;
   // Polled on the training thread after every step; returning true stops like an interrupt (every rank at
   // one agreed step): checkpoint, then return 130.
   std::function<bool()> should_stop;
@@ -114,8 +118,10 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
 // throws FlagError naming the flag for unknown names and Error for impossible requests.
 hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config);
 
-// The generator stored in a checkpoint written by train_dcgan, built with `layers`, in eval mode.
-models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device);
+// The generator stored in a checkpoint written by train_dcgan, built with `layers`, in eval mode: its weights as
+// trained ("live") or their moving average ("ema", from a run with --ema).
+models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,
+                                 const std::string& weights = "live");
 
 // Which ops the exported TorchScript calls: those of the layers the generator was built from, or forced.
 enum class ExportOps { as_built, aten, hierpar };

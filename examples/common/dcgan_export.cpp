@@ -34,8 +34,12 @@ struct ExportResolver : torch::jit::Resolver {
 
 }  // namespace
 
-models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device) {
+models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,
+                                 const std::string& weights) {
+  if (weights != "live" && weights != "ema") throw FlagError("--weights: expected live or ema, got '" + weights + "'");
   const auto state = read_checkpoint_state(checkpoint);
+  if (weights == "ema" && state.config.count("ema") == 0)
+    throw Error(checkpoint + " has no moving average of G's weights: it was trained without --ema");
   auto field = [&](const char* key) {
     auto it = state.config.find(key);
     if (it == state.config.end()) throw Error(checkpoint + ": the configuration has no " + key);
@@ -48,7 +52,8 @@ models::Generator load_generator(const std::string& checkpoint, LayerSet layers,
   options.width = std::stod(field("width"));
   options.layers = layers;
   models::Generator generator(options);
-  load_checkpoint(checkpoint, {}, {{"generator", generator.get()}}, {}, device, /*restore_rng=*/false);
+  load_checkpoint(checkpoint, {}, {{weights == "ema" ? "generator_ema" : "generator", generator.get()}}, {}, device,
+                  /*restore_rng=*/false);
   generator->to(device);
   generator->eval();
   return generator;

@@ -38,7 +38,7 @@ void resolve_model(DCGANTrainConfig& config) {
 
 Config checkpoint_config(const DCGANTrainConfig& config) {
   const auto& m = config.model;
-  return {{"nz", std::to_string(m.nz)},
+  Config c{{"nz", std::to_string(m.nz)},
           {"image_size", std::to_string(m.image_size)},
           {"channels", std::to_string(m.channels)},
           {"width", format_number(m.width)},
@@ -48,6 +48,8 @@ Config checkpoint_config(const DCGANTrainConfig& config) {
           {"lr", format_number(config.lr)},
           {"beta1", format_number(config.beta1)},
           {"seed", std::to_string(config.seed)}};
+  if (config.ema > 0) c["ema"] = format_number(config.ema);  // absent without one: older checkpoints resume
+  return c;
 }
 
 hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
@@ -118,6 +120,7 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.autocast_dtype = step.autocast_dtype;
   options.channels_last = step.channels_last;
   options.loss_log_steps = config.log_every;
+  options.generator_ema_decay = config.ema;
   options.sync_batch_norm = config.sync_batch_norm;
   return options;
 }

@@ -10,6 +10,7 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/run_guard.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -52,6 +54,40 @@ void write_samples(models::GeneratorImpl& generator, const torch::Tensor& noise,
   auto images = generator.forward(noise);
   generator.train();
   write_image_grid(images, path);
+}
+
+// A generator whose parameters are `average` (the trainer's moving average of `live`'s: the same tensors, so it
+// follows every step) and whose buffers start as copies of `live`'s. Built without moving the CPU generator, so the
+// run draws the same noise and data order as without it.
+models::Generator ema_generator(const models::DCGANOptions& options, models::GeneratorImpl& live,
+                                const std::vector<torch::Tensor>& average) {
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  at::Tensor cpu_state;
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu_state = cpu.get_state();
+  }
+  models::Generator ema(options);
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_state(cpu_state);
+  }
+  auto parameters = ema->parameters();
+  const auto live_buffers = live.buffers();
+  auto buffers = ema->buffers();
+  TORCH_INTERNAL_ASSERT(parameters.size() == average.size() && buffers.size() == live_buffers.size());
+  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].set_data(average[i]);
+  for (size_t i = 0; i < buffers.size(); ++i) buffers[i].set_data(live_buffers[i].detach().clone());
+  return ema;
+}
+
+// The moving average keeps G's BatchNorm running statistics current: they are copied from the live generator before
+// the average is drawn, scored or saved.
+void copy_buffers(models::GeneratorImpl& live, models::GeneratorImpl& ema) {
+  torch::NoGradGuard no_grad;
+  const auto from = live.buffers();
+  auto to = ema.buffers();
+  for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
 }
 
 // Adam's state tensors are read onto the CPU (checkpoints load there); each goes to its parameter's device.
@@ -169,6 +205,8 @@ int train_dcgan(DCGANTrainConfig config) {
   if (config.eval_every > 0 && (config.data != "fashion-mnist" || config.model.channels != 1))
     throw FlagError("--eval-every: the quality metric is for --data fashion-mnist (one channel), got --data " +
                     config.data);
+  if (config.ema < 0 || config.ema >= 1)
+    throw FlagError("--ema: expected a decay in [0, 1) (0: none), e.g. 0.999, got " + format_number(config.ema));
   if (config.eval_samples < 2)
     throw FlagError("--eval-samples: expected an integer >= 2, got " + std::to_string(config.eval_samples));
 
@@ -183,6 +221,9 @@ int train_dcgan(DCGANTrainConfig config) {
     if (!fs::exists(checkpoint)) throw Error("--resume: no checkpoint at " + checkpoint);
     const auto found = read_checkpoint_state(checkpoint);
     require_config(checkpoint, found.config, state.config);
+    if (found.config.count("ema") > 0 && config.ema == 0)
+      throw Error(checkpoint + " keeps a moving average of G's weights: pass --ema " + found.config.at("ema") +
+                  " to resume it");
     if (found.epoch >= config.epochs || (config.max_steps > 0 && found.global_step >= config.max_steps)) {
       say("nothing to train: " + checkpoint + " has done " + std::to_string(found.global_step) + " steps (" +
           std::to_string(found.epoch) + " of --epochs " + std::to_string(config.epochs) + " epochs" +
@@ -274,8 +315,18 @@ int train_dcgan(DCGANTrainConfig config) {
       say("resumed from " + checkpoint + " at epoch " + std::to_string(state.epoch + 1) + ", step " +
           std::to_string(state.global_step));
     }
+    // --ema: a generator whose parameters are the trainer's moving average (the same tensors).
+    std::optional<models::Generator> ema;
+    if (config.ema > 0) {
+      ema = ema_generator(config.model, *generator, trainer->generator_ema());
+      if (resume) {
+        load_checkpoint(checkpoint, state.config, {{"generator_ema", ema->get()}}, {}, noise_device,
+                        /*restore_rng=*/false);
+      }
+    }
     // What a checkpoint saves: replica 0 (every replica holds the same networks after each step).
-    const NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
+    NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
+    if (ema) modules.emplace_back("generator_ema", ema->get());
     const NamedOptimizers optimizers{{"generator", &trainer->generator_optimizer(0)},
                                      {"discriminator", &trainer->discriminator_optimizer(0)}};
 
@@ -300,6 +351,7 @@ int train_dcgan(DCGANTrainConfig config) {
     auto save = [&] {
       flush_losses();
       if (!writer) return;
+      if (ema) copy_buffers(*generator, **ema);
       save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
                       config.keep_checkpoints);
       write_losses(config.out, state.history, loader.batches_per_epoch());
@@ -349,9 +401,11 @@ int train_dcgan(DCGANTrainConfig config) {
         }
         if (quality_log && state.global_step % config.eval_every == 0) {
           synchronize_devices(placement);  // the step's replays may still run on other streams
-          const auto quality = generator_quality(*generator, **classifier, real_features, config.eval_samples, 1);
+          if (ema) copy_buffers(*generator, **ema);
+          const auto quality = generator_quality(ema ? **ema : *generator, **classifier, real_features,
+                                                 config.eval_samples, 1);
           quality_log->add(state.global_step, state.epoch + 1, quality);
-          say("step " + std::to_string(state.global_step) + ": " + quality.to_string());
+          say("step " + std::to_string(state.global_step) + ": " + (ema ? "moving average: " : "") + quality.to_string());
         }
         if (stopped) break;
         if (config.checkpoint_every > 0 && state.global_step % config.checkpoint_every == 0 &&
@@ -362,22 +416,28 @@ int train_dcgan(DCGANTrainConfig config) {
       synchronize_devices(placement);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
       const int64_t steps_done = state.epoch_step - first_step;
-      std::string grid;
+      std::string grid, ema_grid;
       if (state.epoch_step == steps_per_epoch) {
         grid = sample_path(config.out, "epoch", state.epoch + 1);
+        ema_grid = sample_path(config.out, "ema_epoch", state.epoch + 1);
         ++state.epoch;
         state.epoch_step = 0;
       } else {
         grid = sample_path(config.out, "step", state.global_step);
+        ema_grid = sample_path(config.out, "ema_step", state.global_step);
       }
       if (writer) write_samples(*generator, fixed_noise, grid);
+      if (writer && ema) {
+        copy_buffers(*generator, **ema);
+        write_samples(**ema, fixed_noise, ema_grid);
+      }
       save();
       std::ostringstream line;
       line << std::fixed << std::setprecision(2) << (state.epoch_step == 0 ? "epoch " : "stopped in epoch ")
            << (state.epoch_step == 0 ? state.epoch : state.epoch + 1) << ": " << steps_done << " steps in " << seconds
            << " s (" << (seconds > 0 ? steps_done / seconds : 0.0) << " steps/s"
            << (state.epoch_step == 0 && first_step == 0 ? ", " + format_number(seconds) + " s per epoch" : "")
-           << "); samples " << grid;
+           << "); samples " << grid << (writer && ema ? " and " + ema_grid : "");
       say(line.str());
     }
     // After rank 0's checkpoint: with an interrupt, the other ranks wait for it before they exit.

@@ -127,7 +127,9 @@ int train(int argc, char** argv) {
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1)
       .add("eval-every", &config.eval_every, "steps between scoring samples with the quality metric (Fashion-MNIST; "
            "0: never): <out>/quality.csv and quality.png, docs/quality.md", 0)
-      .add("eval-samples", &config.eval_samples, "samples each of those scores", 2);
+      .add("eval-samples", &config.eval_samples, "samples each of those scores", 2)
+      .add("ema", &config.ema, "decay of a moving average of G's weights (e.g. 0.999; 0: none), sampled beside G and "
+           "scored by --eval-every", 0.0);
   if (!flags.parse(argc, argv, 2)) return 0;
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (resume != "off" && resume != "on" && resume != "auto")
@@ -182,7 +184,7 @@ int tune(int argc, char** argv) {
 }
 
 int evaluate(int argc, char** argv) {
-  std::string checkpoint = "runs/dcgan/checkpoint.pt", layers = "hierpar", device;
+  std::string checkpoint = "runs/dcgan/checkpoint.pt", layers = "hierpar", device, weights = "live";
   std::string fashion_mnist_dir = default_fashion_mnist_dir(), classifier_path = default_classifier_cache();
   int64_t count = 10000, seed = 0;
   Flags flags("hierpar-dcgan evaluate");
@@ -192,10 +194,11 @@ int evaluate(int argc, char** argv) {
       .add("layers", &layers, "stock or hierpar")
       .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)")
       .add("fashion-mnist-dir", &fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
-      .add("classifier", &classifier_path, "the feature network's cache (trained there once when missing)");
+      .add("classifier", &classifier_path, "the feature network's cache (trained there once when missing)")
+      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
   if (!flags.parse(argc, argv, 2)) return 0;
   auto classifier = fashion_mnist_classifier(fashion_mnist_dir, classifier_path, std::cerr);
-  auto generator = load_generator(checkpoint, parse_layers(layers), parse_device(device));
+  auto generator = load_generator(checkpoint, parse_layers(layers), parse_device(device), weights);
   const int64_t size = generator->options.image_size;
   const auto test_features = real_test_features(*classifier, fashion_mnist_dir, size);
   const auto samples = generator_quality(*generator, *classifier, test_features, count, static_cast<uint64_t>(seed));
@@ -209,6 +212,7 @@ int evaluate(int argc, char** argv) {
 
 int generate(int argc, char** argv) {
   std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "samples.png", layers = "hierpar", device;
+  std::string weights = "live";
   int64_t count = 64, seed = 0;
   Flags flags("hierpar-dcgan generate");
   flags.add("checkpoint", &checkpoint, "checkpoint written by train")
@@ -216,10 +220,11 @@ int generate(int argc, char** argv) {
       .add("seed", &seed, "noise seed", 0)
       .add("output", &output, "PNG file to write")
       .add("layers", &layers, "stock or hierpar")
-      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)");
+      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)")
+      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
   if (!flags.parse(argc, argv, 2)) return 0;
   const auto dev = parse_device(device);
-  auto generator = load_generator(checkpoint, parse_layers(layers), dev);
+  auto generator = load_generator(checkpoint, parse_layers(layers), dev, weights);
   auto noise = torch::randn({count, generator->options.nz}, at::make_generator<at::CPUGeneratorImpl>(seed)).to(dev);
   torch::NoGradGuard no_grad;
   write_image_grid(generator->forward(noise), output);
@@ -248,13 +253,14 @@ int plot(int argc, char** argv) {
 }
 
 int export_generator(int argc, char** argv) {
-  std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "generator.pt", layers = "hierpar";
+  std::string checkpoint = "runs/dcgan/checkpoint.pt", output = "generator.pt", layers = "hierpar", weights = "live";
   Flags flags("hierpar-dcgan export");
   flags.add("checkpoint", &checkpoint, "checkpoint written by train")
       .add("output", &output, "TorchScript file to write")
-      .add("layers", &layers, "stock (aten ops) or hierpar (torch.ops.hierpar where hierpar layers are built)");
+      .add("layers", &layers, "stock (aten ops) or hierpar (torch.ops.hierpar where hierpar layers are built)")
+      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
   if (!flags.parse(argc, argv, 2)) return 0;
-  auto generator = load_generator(checkpoint, parse_layers(layers), torch::kCPU);
+  auto generator = load_generator(checkpoint, parse_layers(layers), torch::kCPU, weights);
   auto module = hierpar::examples::export_generator(*generator);
   module.save(output);
   std::cout << "wrote " << output << ": in Python, torch.ops.load_library('<build>/libhierpar_ops.so'); "

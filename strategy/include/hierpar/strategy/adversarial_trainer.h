@@ -97,6 +97,10 @@ struct AdversarialOptions {
   std::optional<c10::ScalarType> autocast_dtype;
   // 4-d parameters and the real batches in channels_last (the networks' activations follow).
   bool channels_last = false;
+  // > 0: an exponential moving average of G's parameters, ema = decay * ema + (1 - decay) * p after each G
+  // update, starting from the initial parameters (generator_ema()); the GAN practice of sampling and evaluating
+  // from averaged weights. Part of the step: on G's device, in the captured graph too. In [0, 1).
+  double generator_ema_decay = 0.0;
   // Steps whose losses wait on the device before step() reads them back itself (a sync).
   int64_t loss_log_steps = 50;
   // Synchronized BatchNorm (--sync-bn; off by default, as in seed 000): the BatchNorm layers of
@@ -208,6 +212,9 @@ class AdversarialTrainer {
   torch::nn::AnyModule& discriminator(int64_t local = 0);
   torch::optim::Adam& generator_optimizer(int64_t local = 0);
   torch::optim::Adam& discriminator_optimizer(int64_t local = 0);
+  // With options.generator_ema_decay > 0: local replica `local`'s moving average of G's parameters, one tensor per
+  // parameter in parameters() order, updated in place by each step (copy a loaded state into them); else empty.
+  const std::vector<torch::Tensor>& generator_ema(int64_t local = 0) const;
 
  private:
   struct Replica;
