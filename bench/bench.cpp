@@ -76,6 +76,12 @@ Config& Config::set(const std::string& key, const std::vector<int64_t>& value) {
   return set_raw(key, s + "]");
 }
 
+Config& Config::set(const std::string& key, const std::vector<double>& value) {
+  std::string s = "[";
+  for (size_t i = 0; i < value.size(); ++i) s += (i ? "," : "") + json_number(value[i]);
+  return set_raw(key, s + "]");
+}
+
 std::string Config::to_json() const {
   std::string s = "{";
   for (size_t i = 0; i < entries_.size(); ++i) {

@@ -28,6 +28,7 @@ class Config {
   Config& set(const std::string& key, int value) { return set(key, static_cast<int64_t>(value)); }
   Config& set(const std::string& key, bool value);
   Config& set(const std::string& key, const std::vector<int64_t>& value);
+  Config& set(const std::string& key, const std::vector<double>& value);
 
   std::string to_json() const;  // {"key": value, ...} in insertion order
   std::string to_text() const;  // key=value key=value, for the table

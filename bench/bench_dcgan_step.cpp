@@ -17,6 +17,8 @@
 // Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
 // rows (bf16, and TF32 beside NCHW), CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
 //
+// Eager rows are measured in three alternating rounds of stock and hierpar (the host's speed drifts), each row
+// its median round, every round in extra.round_ms; graph rows in one round.
 // extra: ms_per_step, images_per_s, kernels_per_step and gpu_busy_us_per_step (kineto/CUPTI profile of 3
 // steps), layout_conversions_per_step (cuDNN NCHW<->NHWC kernels in that profile), graph_kernel_nodes
 // (kernel nodes of the captured graph, cudaGraphGetNodes: a cross-check of the profile for graph rows),
@@ -232,10 +234,17 @@ struct Row {
   int64_t graph_nodes;
 };
 
-// Warms `step` up, optionally captures it, times `steps_per_sample` steps per CUDA-event sample, profiles
-// and records one row.
-Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t batch, bool bf16, bool channels_last,
-            bool graphs, TrainingStep& step, double allocated_before_mb, const Options& options, std::ofstream* profile_out) {
+// One row's measurement, reported by record().
+struct Measured {
+  Row row;
+  Config config, extra;
+  Timing timing;
+  Profile profile;
+};
+
+// Warms `step` up, optionally captures it, times `steps_per_sample` steps per CUDA-event sample and profiles it.
+Measured measure(const std::string& bench, LayerSet layers, int64_t batch, bool bf16, bool channels_last, bool graphs,
+                 TrainingStep& step, double allocated_before_mb, const Options& options) {
   const int steps_per_sample = batch <= 256 ? 50 : batch <= 1024 ? 20 : 10;
   const int samples = options.quick ? 3 : 5;
   // Warm-up on a side stream (cuDNN's benchmark search, lazy initialisation, the optimiser's first steps),
@@ -310,13 +319,20 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
         .set("kernels_source", "kineto profile of 3 steps");
   }
   if (graphs) extra.set("graph_kernel_nodes", nodes);
-  report.add(bench, row.impl, config, t, extra);
+  return {row, config, extra, t, prof};
+}
+
+// Reports a measured row (and its kernels to HIERPAR_STEP_PROFILE's file).
+Row record(Report& report, const Measured& m, std::ofstream* profile_out) {
+  const Row& row = m.row;
+  const Profile& prof = m.profile;
+  report.add(row.bench, row.impl, m.config, m.timing, m.extra);
   if (profile_out) {
-    *profile_out << "== " << bench << " " << row.impl << " batch " << batch << " " << row.precision << " " << row.layout
+    *profile_out << "== " << row.bench << " " << row.impl << " batch " << row.batch << " " << row.precision << " " << row.layout
                  << " graphs " << row.graphs << ": " << std::fixed << std::setprecision(3) << row.ms << " ms/step, "
                  << std::setprecision(1) << prof.kernels << " kernels/step, GPU busy " << prof.busy_us
                  << " us/step, NCHW<->NHWC conversions " << prof.conversions << "/step";
-    if (graphs) *profile_out << ", graph kernel nodes " << nodes;
+    if (row.graphs == "on") *profile_out << ", graph kernel nodes " << row.graph_nodes;
     *profile_out << "\n";
     write_kernels(*profile_out, prof);
     for (const auto& [caller, count] : prof.copies_by_caller) {
@@ -325,6 +341,42 @@ Row measure(Report& report, const std::string& bench, LayerSet layers, int64_t b
     profile_out->unsetf(std::ios::fixed);
   }
   return row;
+}
+
+void release_memory() {
+  at::cuda::getCurrentCUDAStream().synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+// Stock's and hierpar's row of one configuration. Eager steps are host-bound, and a shared host's speed drifts by
+// tens of percent over seconds (batch 64 TF32 stock 6.4 to 8.0 ms/step in runs minutes apart on one H100), so their
+// eager rows are measured in alternating rounds (stock, hierpar, stock, ...): each reports its median round, every
+// round's ms/step in extra.round_ms. Graph rows are GPU-bound and steady: one round.
+void measure_pair(Report& report, std::vector<Row>& rows, const std::string& bench, int64_t batch, bool bf16,
+                  bool channels_last, bool graphs, const Options& options, std::ofstream* profile_out,
+                  const std::function<std::unique_ptr<TrainingStep>(LayerSet)>& make) {
+  const int rounds = graphs || options.quick ? 1 : 3;
+  std::vector<Measured> stock, hierpar;
+  for (int round = 0; round < rounds; ++round) {
+    for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+      at::manual_seed(0);
+      {
+        const double before = allocated_mb(false);
+        const std::unique_ptr<TrainingStep> step = make(layers);
+        (layers == LayerSet::stock ? stock : hierpar)
+            .push_back(measure(bench, layers, batch, bf16, channels_last, graphs, *step, before, options));
+      }
+      release_memory();
+    }
+  }
+  for (std::vector<Measured>* all : {&stock, &hierpar}) {
+    std::vector<double> round_ms;
+    for (const Measured& m : *all) round_ms.push_back(m.row.ms);
+    std::sort(all->begin(), all->end(), [](const Measured& a, const Measured& b) { return a.row.ms < b.row.ms; });
+    Measured& median = (*all)[all->size() / 2];
+    if (rounds > 1) median.extra.set("round_ms", round_ms);
+    rows.push_back(record(report, median, profile_out));
+  }
 }
 
 void warm_side_stream() {
@@ -339,10 +391,6 @@ void warm_side_stream() {
   at::cuda::device_synchronize();
 }
 
-void release_memory() {
-  at::cuda::getCurrentCUDAStream().synchronize();
-  c10::cuda::CUDACachingAllocator::emptyCache();
-}
 
 void print_rows(const std::vector<Row>& rows) {
   // Each hierpar row against the stock row of the same configuration and against stock's best row (any layout,
@@ -439,36 +487,18 @@ void dcgan_step_suite(Report& report, const Options& options) {
   for (int64_t batch : batches) {
     for (const auto& [bf16, channels_last] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, true}}) {
       for (bool graphs : {false, true}) {
-        for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
-          at::manual_seed(0);
-          {
-            const double before = allocated_mb(false);
-            std::unique_ptr<TrainingStep> step;
-            if (layers == LayerSet::stock) {
-              step = std::make_unique<StockDcganStep>(batch, bf16, channels_last);
-            } else {
-              step = std::make_unique<TrainerStep>(batch, bf16, channels_last, graphs);
-            }
-            rows.push_back(measure(report, "dcgan_step", layers, batch, bf16, channels_last, graphs, *step, before,
-                                   options, profile_out.get()));
-          }
-          release_memory();
-        }
+        measure_pair(report, rows, "dcgan_step", batch, bf16, channels_last, graphs, options, profile_out.get(),
+                     [&, bf16 = bf16, channels_last = channels_last](LayerSet layers) -> std::unique_ptr<TrainingStep> {
+                       if (layers == LayerSet::stock) return std::make_unique<StockDcganStep>(batch, bf16, channels_last);
+                       return std::make_unique<TrainerStep>(batch, bf16, channels_last, graphs);
+                     });
       }
     }
   }
   for (int64_t batch : {8, 128}) {
     for (bool graphs : {false, true}) {
-      for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
-        at::manual_seed(0);
-        {
-          const double before = allocated_mb(false);
-          CnnStep step(layers, batch);
-          rows.push_back(measure(report, "cnn_step", layers, batch, false, false, graphs, step, before, options,
-                                 profile_out.get()));
-        }
-        release_memory();
-      }
+      measure_pair(report, rows, "cnn_step", batch, false, false, graphs, options, profile_out.get(),
+                   [batch](LayerSet layers) { return std::make_unique<CnnStep>(layers, batch); });
     }
   }
   print_rows(rows);
