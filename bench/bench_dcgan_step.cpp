@@ -37,6 +37,7 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/captured_step.h"
 #include "hierpar/strategy/fused_adam.h"
+#include "hierpar/strategy/precision.h"
 
 #ifdef HIERPAR_BENCH_CHARTS
 #include "common/images.h"
@@ -475,8 +476,9 @@ void write_chart(const std::vector<Row>& rows, const std::string& path) {
 }
 
 void dcgan_step_suite(Report& report, const Options& options) {
-  at::globalContext().setAllowTF32CuDNN(true);
-  at::globalContext().setAllowTF32CuBLAS(true);
+  namespace hs = hierpar::strategy;
+  // Stock at its strongest: TF32 for float32 convolutions and matmuls, as the trainer's tf32 and bf16 precisions.
+  const hs::PrecisionScope tf32(hs::StepPrecision::from_flags("tf32", false, c10::DeviceType::CUDA));
   const char* profile_path = std::getenv("HIERPAR_STEP_PROFILE");
   std::unique_ptr<std::ofstream> profile_out;
   if (profile_path) profile_out = std::make_unique<std::ofstream>(profile_path);

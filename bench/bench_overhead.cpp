@@ -18,6 +18,7 @@
 #include "hierpar/nn.h"
 #include "hierpar/strategy/captured_step.h"
 #include "hierpar/strategy/fused_adam.h"
+#include "hierpar/strategy/precision.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -76,13 +77,6 @@ std::string runtime_text(const Profile& p) {
   }
   return text;
 }
-
-// One precision and layout of the step: TF32 (NCHW or channels_last) or bf16 autocast (channels_last).
-struct Precision {
-  const char* name;
-  bool channels_last;
-  bool bf16;
-};
 
 // A layer of one side: its forward, and the tensors its gradients are taken for (besides the input).
 struct Side {
@@ -163,10 +157,14 @@ std::vector<LayerCase> layer_cases() {
 }
 
 void run(Report& report, const Options& options) {
-  const std::vector<Precision> precisions{{"tf32", false, false}, {"tf32", true, false}, {"bf16", true, true}};
+  namespace hs = hierpar::strategy;
+  const std::vector<hs::StepPrecision> precisions{hs::StepPrecision::from_flags("tf32", false, c10::DeviceType::CUDA),
+                                                  hs::StepPrecision::from_flags("tf32", true, c10::DeviceType::CUDA),
+                                                  hs::StepPrecision::from_flags("bf16", true, c10::DeviceType::CUDA)};
   const int rounds = options.quick ? 5 : 25;
   for (const int64_t batch : options.pick_batches({64, 1024})) {
-    for (const Precision& precision : precisions) {
+    for (const hs::StepPrecision& precision : precisions) {
+      const hs::PrecisionScope tf32(precision);
       for (const LayerCase& layer : layer_cases()) {
         std::vector<int64_t> shape = layer.input;
         shape[0] = batch;
@@ -177,7 +175,7 @@ void run(Report& report, const Options& options) {
           if (precision.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
           x.requires_grad_(true);
           hierpar::strategy::AutocastScope autocast(
-              at::kCUDA, precision.bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
+              at::kCUDA, precision.autocast_dtype());
           const Timing forward_host = host_time([&] { side.forward(x); }, rounds);
           const Timing forward_gpu = time_cuda([&] { side.forward(x); }, 5, rounds);
           const torch::Tensor y = side.forward(x);
@@ -200,7 +198,7 @@ void run(Report& report, const Options& options) {
             kernels_backward = pb.kernels;
           }
           Config config;
-          config.set("layer", layer.name).set("batch", batch).set("precision", precision.name)
+          config.set("layer", layer.name).set("batch", batch).set("precision", precision.name())
               .set("channels_last", precision.channels_last);
           const char* impl = hierpar ? "hierpar" : "stock";
           report.add("overhead_fwd", impl, config, forward_host,

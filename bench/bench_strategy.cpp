@@ -2,7 +2,8 @@
 // 64x64x3 images, 256-128-64-32 channels) through hierpar::strategy::AdversarialTrainer under each
 // placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
 // (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
-// global batches 64 (the seed's), 1024 and 4096 in fp32 (TF32), and 1024 and 4096 in bf16. The stock row is the
+// global batches 64 (the seed's), 1024 and 4096 in tf32 (float32 with TF32), and 1024 and 4096 in bf16
+// (hierpar::strategy::StepPrecision, applied with a PrecisionScope). The stock row is the
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
 // layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
 // after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after
@@ -24,6 +25,7 @@
 
 #include "hierpar/models/dcgan.h"
 #include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/precision.h"
 #include "hierpar/strategy/placement.h"
 
 #ifdef HIERPAR_BENCH_CHARTS
@@ -62,11 +64,6 @@ struct Row {
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
 };
 
-struct Precision {
-  bool bf16;  // autocast to bfloat16 (fp32 weights and optimiser) and channels_last activations/weights
-  const char* name() const { return bf16 ? "bf16" : "fp32"; }
-  const char* layout() const { return bf16 ? "channels_last" : "nchw"; }
-};
 
 void to_channels_last(torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
@@ -209,10 +206,12 @@ void strategy_suite(Report& report, const Options& options) {
   };
   struct Case {
     int64_t batch;
-    Precision precision;
+    hs::StepPrecision precision;
   };
-  std::vector<Case> cases = {{64, {false}}, {1024, {false}}, {1024, {true}}, {4096, {false}}, {4096, {true}}};
-  if (options.quick) cases = {{64, {false}}, {1024, {false}}};
+  const auto tf32 = hs::StepPrecision::from_flags("tf32", false, c10::DeviceType::CUDA);
+  const auto bf16 = hs::StepPrecision::from_flags("bf16", true, c10::DeviceType::CUDA);
+  std::vector<Case> cases = {{64, tf32}, {1024, tf32}, {1024, bf16}, {4096, tf32}, {4096, bf16}};
+  if (options.quick) cases = {{64, tf32}, {1024, tf32}};
   if (!options.batches.empty()) {  // --batches narrows the cases to those global batches
     std::vector<Case> picked;
     for (const Case& c : cases) {
@@ -226,6 +225,7 @@ void strategy_suite(Report& report, const Options& options) {
   std::vector<Result> results;
   std::vector<std::string> skipped;
   for (const Case& c : cases) {
+    const hs::PrecisionScope precision(c.precision);  // TF32 on for both precisions' float32 work, whatever ran before
     for (const Row& row : rows) {
       const bool nccl = std::string(row.reduce) == "nccl";
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
@@ -256,7 +256,7 @@ void strategy_suite(Report& report, const Options& options) {
         torch::manual_seed(0);
         hierpar::models::Generator g(model);
         hierpar::models::Discriminator d(model);
-        if (c.precision.bf16) {
+        if (c.precision.channels_last) {
           to_channels_last(*g);
           to_channels_last(*d);
         }
@@ -268,8 +268,8 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.cuda_graphs = true;
         // The stock row on one stream, as stock LibTorch code runs a step.
         trainer_options.overlap_passes = row.layers != hierpar::LayerSet::stock;
-        trainer_options.autocast_dtype = c.precision.bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
-        trainer_options.channels_last = c.precision.bf16;
+        trainer_options.autocast_dtype = c.precision.autocast_dtype();
+        trainer_options.channels_last = c.precision.channels_last;
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;
@@ -282,7 +282,7 @@ void strategy_suite(Report& report, const Options& options) {
         for (const auto& r : placement.replicas) {
           auto real = torch::rand({share, model.channels, model.image_size, model.image_size},
                                   torch::TensorOptions().device(r.discriminator)) * 2 - 1;
-          reals.push_back(c.precision.bf16 ? real.contiguous(at::MemoryFormat::ChannelsLast) : real);
+          reals.push_back(c.precision.channels_last ? real.contiguous(at::MemoryFormat::ChannelsLast) : real);
         }
         const int steps = static_cast<int>(std::clamp<int64_t>((8192 + c.batch - 1) / c.batch, 5, 30));
         const Timing t = time_steps(trainer, reals, /*warmup=*/5, steps, runs);

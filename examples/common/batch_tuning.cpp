@@ -48,6 +48,7 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
   hs::BatchTrial trial;
   trial.batch = batch;
   std::unique_ptr<hs::AdversarialTrainer> trainer;
+  const hs::PrecisionScope precision(step.precision);  // the trials compute as the run they stand for will
   try {
     torch::manual_seed(static_cast<uint64_t>(config.seed));
     models::Generator generator(config.model);

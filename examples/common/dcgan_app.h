@@ -7,6 +7,7 @@
 #include "common/data.h"
 #include "hierpar/models/dcgan.h"
 #include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/precision.h"
 #include "hierpar/strategy/placement.h"
 
 #include <torch/script.h>
@@ -95,8 +96,8 @@ int train_dcgan(DCGANTrainConfig config);
 // How the step runs, resolved from the flags for the placement's device type: throws FlagError naming the
 // flag for unknown values and for requests the device cannot serve (graphs or bf16 on the CPU).
 struct StepSettings {
-  bool graphs = false, fused_adam = false, channels_last = false, tf32 = false, overlap = true;
-  std::optional<c10::ScalarType> autocast_dtype;
+  bool graphs = false, fused_adam = false, overlap = true;
+  hierpar::strategy::StepPrecision precision;  // applied around the steps with a PrecisionScope
   std::string describe() const;  // e.g. "CUDA graphs on, FusedAdam, bf16 autocast, channels_last"
 };
 StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type);

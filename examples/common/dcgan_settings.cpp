@@ -91,20 +91,19 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
     throw FlagError("--graphs: expected on or off, got '" + config.graphs + "'");
   if (config.overlap != "on" && config.overlap != "off")
     throw FlagError("--overlap: expected on or off, got '" + config.overlap + "'");
-  if (config.precision != "fp32" && config.precision != "tf32" && config.precision != "bf16")
-    throw FlagError("--precision: expected fp32, tf32 or bf16, got '" + config.precision + "'");
   if (config.optimizer != "auto" && config.optimizer != "adam" && config.optimizer != "fused")
     throw FlagError("--optimizer: expected adam or fused, got '" + config.optimizer + "'");
   if (config.log_every < 1) throw FlagError("--log-every: expected an integer >= 1, got " + std::to_string(config.log_every));
   if (config.graphs == "on" && !cuda) throw FlagError("--graphs on needs a CUDA device (this run is on the CPU)");
-  if (config.precision == "bf16" && !cuda) throw FlagError("--precision bf16 needs a CUDA device (this run is on the CPU)");
   s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda);
   if (s.graphs && config.optimizer == "adam")
     throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
   s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
-  s.tf32 = cuda && config.precision != "fp32";  // TF32 is a CUDA matmul mode; the CPU computes fp32
-  if (config.precision == "bf16") s.autocast_dtype = c10::kBFloat16;
-  s.channels_last = config.channels_last || config.precision == "bf16";
+  try {
+    s.precision = hierpar::strategy::StepPrecision::from_flags(config.precision, config.channels_last, device_type);
+  } catch (const c10::Error& e) {
+    throw FlagError(e.what_without_backtrace());
+  }
   s.overlap = config.overlap == "on" && cuda;
   return s;
 }
@@ -117,8 +116,8 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.fused_adam = step.fused_adam;
   options.cuda_graphs = step.graphs;
   options.overlap_passes = step.overlap;
-  options.autocast_dtype = step.autocast_dtype;
-  options.channels_last = step.channels_last;
+  options.autocast_dtype = step.precision.autocast_dtype();
+  options.channels_last = step.precision.channels_last;
   options.loss_log_steps = config.log_every;
   options.generator_ema_decay = config.ema;
   options.sync_batch_norm = config.sync_batch_norm;
@@ -127,8 +126,7 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
 
 std::string StepSettings::describe() const {
   std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
-  d += autocast_dtype ? ", bf16 autocast" : (tf32 ? ", fp32 with TF32" : ", fp32");
-  if (channels_last) d += ", channels_last";
+  d += ", " + precision.to_string();
   if (overlap) d += ", two streams";
   return d;
 }

@@ -253,9 +253,8 @@ int train_dcgan(DCGANTrainConfig config) {
       torch::cuda::manual_seed_all(static_cast<uint64_t>(config.seed));
       at::globalContext().setBenchmarkCuDNN(config.cudnn_benchmark);
       at::globalContext().setDeterministicCuDNN(!config.cudnn_benchmark);
-      at::globalContext().setAllowTF32CuDNN(step.tf32);
-      at::globalContext().setAllowTF32CuBLAS(step.tf32);
     }
+    const hs::PrecisionScope precision(step.precision);  // TF32 as --precision says, for the whole run
     // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
     models::Generator generator(config.model);
     models::Discriminator discriminator(config.model);
