@@ -1,4 +1,4 @@
-// Autograd kernels of hierpar::batch_norm_act (a torch::autograd::Function whose backward is the registered
+// Autograd kernels of hierpar::batch_norm_act (a backward node, backward_node.h, that calls the registered
 // hierpar::batch_norm_act_backward op) and of the backward op itself (double backward: a clear error).
 //
 // What is saved: the OUTPUT (plus weight, bias and the fp32 statistics) for identity and leaky_relu, whose
@@ -6,6 +6,7 @@
 // the negative half of the pre-activation is lost and grad_input needs xhat at every element (see
 // docs/batch_norm_act.md). The running statistics and num_batches_tracked are updated in place and are not
 // differentiable.
+#include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
 #include <ATen/core/Tensor.h>
@@ -18,7 +19,7 @@
 namespace hierpar::detail::bn {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
 bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -32,58 +33,29 @@ void bump_buffers(bool training, const std::optional<at::Tensor>& running_mean,
   }
 }
 
-class BatchNormActFunction : public torch::autograd::Function<BatchNormActFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-                               const std::optional<at::Tensor>& running_var, bool training, double momentum,
-                               double eps, c10::string_view activation, double slope,
-                               const std::optional<at::Tensor>& num_batches_tracked) {
-    at::Tensor output, save_mean, save_invstd;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
-          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
-          num_batches_tracked);
-    }
-    bump_buffers(training, running_mean, running_var, num_batches_tracked);
-    const bool relu = activation == "relu";
-    ctx->save_for_backward({relu ? input : at::Tensor(), output, present(weight) ? *weight : at::Tensor(),
-                            present(bias) ? *bias : at::Tensor(), save_mean, save_invstd});
-    ctx->saved_data["training"] = training;
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["activation"] = std::string(activation.data(), activation.size());
-    ctx->saved_data["slope"] = slope;
-    ctx->saved_data["has_weight"] = present(weight);
-    ctx->saved_data["has_bias"] = present(bias);
-    ctx->mark_non_differentiable({save_mean, save_invstd});
-    // The statistics never receive a gradient and an undefined grad_output means no gradient at all, so
-    // the engine need not materialise zeros for them: with the default it launched two fill kernels per
-    // backward (zeros for save_mean's and save_invstd's gradients), 26 a DCGAN step.
-    ctx->set_materialize_grads(false);
-    return {output, save_mean, save_invstd};
-  }
+// Edges: input, weight, bias (empty when absent). Only the output gets a gradient edge: the statistics are
+// non-differentiable outputs, so the engine materialises no zeros for them (with a Function it launched two fill
+// kernels per backward for them, 26 a DCGAN step).
+struct BatchNormActBackwardNode final : torch::autograd::Node {
+  std::string name() const override { return "hierpar::BatchNormActBackward"; }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(11);  // one per forward argument
-    const at::Tensor& grad_output = grads[0];
-    if (!grad_output.defined()) return result;
-    auto saved = ctx->get_saved_variables();
-    const bool has_weight = ctx->saved_data["has_weight"].toBool();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // needs_input_grad counts only the tensor arguments that were present (input, weight?, bias?, ...).
-    std::array<bool, 3> mask{ctx->needs_input_grad(0), has_weight && ctx->needs_input_grad(1),
-                             has_bias && ctx->needs_input_grad(has_weight ? 2 : 1)};
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(3);
+    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
     auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
     auto [grad_input, grad_weight, grad_bias] = hierpar::ops::batch_norm_act_backward(
-        grad_output, saved[1], opt(saved[0]), opt(saved[2]), opt(saved[3]), saved[4], saved[5],
-        ctx->saved_data["training"].toBool(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["activation"].toStringRef(), ctx->saved_data["slope"].toDouble(), mask);
-    result[0] = grad_input;
-    result[1] = grad_weight;
-    result[2] = grad_bias;
-    return result;
+        grads[0], output.unpack(shared_from_this()), opt(input.unpack()), opt(weight.unpack()), opt(bias.unpack()),
+        save_mean.unpack(), save_invstd.unpack(), training, eps, activation, slope, mask);
+    return {grad_input, grad_weight, grad_bias};
   }
+  void release_variables() override {
+    for (SavedVariable* v : {&input, &output, &weight, &bias, &save_mean, &save_invstd}) v->reset_data();
+  }
+
+  SavedVariable input, output, weight, bias, save_mean, save_invstd;
+  bool training = true;
+  double eps = 1e-5, slope = 0.01;
+  std::string activation;
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
@@ -91,23 +63,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
     double momentum, double eps, c10::string_view activation, double slope,
     const std::optional<at::Tensor>& num_batches_tracked) {
-  auto requires = [](const std::optional<at::Tensor>& t) { return present(t) && t->requires_grad(); };
-  if (!at::GradMode::is_enabled() || !(input.requires_grad() || requires(weight) || requires(bias))) {
-    // Nothing to differentiate (inference, or frozen inputs and parameters): no Function node, no saved
-    // tensors, only the kernel and the running statistics' version bump.
-    at::Tensor output, save_mean, save_invstd;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
-          input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
-          num_batches_tracked);
-    }
-    bump_buffers(training, running_mean, running_var, num_batches_tracked);
-    return {output, save_mean, save_invstd};
+  at::Tensor output, save_mean, save_invstd;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(output, save_mean, save_invstd) = hierpar::ops::batch_norm_act(
+        input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
+        num_batches_tracked);
   }
-  auto r = BatchNormActFunction::apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                       activation, slope, num_batches_tracked);
-  return {r[0], r[1], r[2]};
+  bump_buffers(training, running_mean, running_var, num_batches_tracked);
+  // Nothing to differentiate (inference, or frozen inputs and parameters): no node, no saved tensors.
+  if (!torch::autograd::compute_requires_grad(input, weight, bias)) return {output, save_mean, save_invstd};
+  auto node = new_backward_node<BatchNormActBackwardNode>(input, weight, bias);
+  if (activation == "relu") node->input = SavedVariable(input, /*is_output=*/false);
+  if (present(weight)) node->weight = SavedVariable(*weight, /*is_output=*/false);
+  if (present(bias)) node->bias = SavedVariable(*bias, /*is_output=*/false);
+  node->save_mean = SavedVariable(save_mean, /*is_output=*/false);
+  node->save_invstd = SavedVariable(save_invstd, /*is_output=*/false);
+  node->training = training;
+  node->eps = eps;
+  node->slope = slope;
+  node->activation = std::string(activation.data(), activation.size());
+  torch::autograd::set_history(output, node);
+  node->output = SavedVariable(output, /*is_output=*/true);
+  return {output, save_mean, save_invstd};
 }
 
 // The backward is not itself differentiated: with create_graph (grad mode on and a differentiable input)

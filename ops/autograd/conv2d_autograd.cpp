@@ -1,8 +1,9 @@
-// Autograd of hierpar::conv2d: a torch::autograd::Function whose backward calls the registered
-// hierpar::conv2d_backward with output_mask from needs_input_grad, so only the gradients autograd needs are
+// Autograd of hierpar::conv2d: a backward node (backward_node.h) that calls the registered
+// hierpar::conv2d_backward with output_mask from the edges that need a gradient, so only the gradients autograd needs are
 // computed. With the fused leaky_relu, the gradient first goes through leaky_relu's backward, whose mask comes from
 // the saved output (a non-negative slope keeps the sign), so the pre-activation is never kept. As for conv_transpose2d, the backward op is not differentiable: its Autograd kernel refuses to record
 // a graph (double backward) with a clear message instead of silently returning wrong second derivatives.
+#include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,49 +14,57 @@
 namespace hierpar::detail {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::Variable;
 using torch::autograd::variable_list;
 
-class Conv2dFunction : public torch::autograd::Function<Conv2dFunction> {
- public:
-  static Variable forward(AutogradContext* ctx, const Variable& input, const Variable& weight,
-                          const std::optional<Variable>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
-                          at::IntArrayRef dilation, int64_t groups, std::optional<double> leaky_relu_slope) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto output = ops::conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
-    ctx->save_for_backward({input, weight, leaky_relu_slope ? output : Variable()});
-    ctx->saved_data["leaky_relu_slope"] = leaky_relu_slope.value_or(-1.0);  // < 0: none (the op rejects those)
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["stride"] = stride.vec();
-    ctx->saved_data["padding"] = padding.vec();
-    ctx->saved_data["dilation"] = dilation.vec();
-    ctx->saved_data["groups"] = groups;
-    return output;
+// Edges: input, weight, bias (empty when absent). With the fused LeakyReLU the output is saved too: its backward
+// starts from the activation's.
+struct Conv2dBackwardNode final : torch::autograd::Node {
+  std::string name() const override { return "hierpar::Conv2dBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(3);
+    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
+    const at::Tensor grad = leaky_relu_slope ? at::leaky_relu_backward(grads[0], output.unpack(shared_from_this()),
+                                                                       *leaky_relu_slope, /*self_is_result=*/true)
+                                             : grads[0];
+    auto [grad_input, grad_weight, grad_bias] =
+        ops::conv2d_backward(grad, input.unpack(), weight.unpack(), stride, padding, dilation, groups, mask);
+    return {grad_input, grad_weight, grad_bias};
+  }
+  void release_variables() override {
+    input.reset_data();
+    weight.reset_data();
+    output.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // Edges are the tensor arguments present: input (0), weight (1) and, when given, bias (2).
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   has_bias && ctx->needs_input_grad(2)};
-    const double slope = ctx->saved_data["leaky_relu_slope"].toDouble();
-    const auto grad = slope >= 0 ? at::leaky_relu_backward(grad_outputs[0], saved[2], slope, /*self_is_result=*/true)
-                                 : grad_outputs[0];
-    auto [grad_input, grad_weight, grad_bias] = ops::conv2d_backward(
-        grad, saved[0], saved[1], ctx->saved_data["stride"].toIntVector(),
-        ctx->saved_data["padding"].toIntVector(), ctx->saved_data["dilation"].toIntVector(),
-        ctx->saved_data["groups"].toInt(), mask);
-    // One entry per forward argument: input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope.
-    return {grad_input, grad_weight, grad_bias, Variable(), Variable(), Variable(), Variable(), Variable()};
-  }
+  SavedVariable input, weight, output;
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups = 1;
+  std::optional<double> leaky_relu_slope;
 };
 
 at::Tensor conv2d_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                            int64_t groups, std::optional<double> leaky_relu_slope) {
-  return Conv2dFunction::apply(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    output = ops::conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+  }
+  if (!torch::autograd::compute_requires_grad(input, weight, bias)) return output;
+  auto node = new_backward_node<Conv2dBackwardNode>(input, weight, bias);
+  node->input = SavedVariable(input, /*is_output=*/false);
+  node->weight = SavedVariable(weight, /*is_output=*/false);
+  node->stride = stride.vec();
+  node->padding = padding.vec();
+  node->dilation = dilation.vec();
+  node->groups = groups;
+  node->leaky_relu_slope = leaky_relu_slope;
+  torch::autograd::set_history(output, node);
+  if (leaky_relu_slope) node->output = SavedVariable(output, /*is_output=*/true);
+  return output;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_autograd(

@@ -1,7 +1,8 @@
-// Autograd of hierpar::conv_transpose2d: a torch::autograd::Function whose backward calls the registered
-// hierpar::conv_transpose2d_backward with output_mask from needs_input_grad, so only the gradients autograd
+// Autograd of hierpar::conv_transpose2d: a backward node (backward_node.h) that calls the registered
+// hierpar::conv_transpose2d_backward with output_mask from the edges that need a gradient, so only the gradients autograd
 // needs are computed. The backward op itself is not differentiable: its Autograd kernel refuses to record
 // a graph (double backward) with a clear message instead of silently returning wrong second derivatives.
+#include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -11,47 +12,51 @@
 namespace hierpar::detail {
 namespace {
 
-using torch::autograd::AutogradContext;
+using torch::autograd::SavedVariable;
 using torch::autograd::Variable;
 using torch::autograd::variable_list;
 
-class ConvTranspose2dFunction : public torch::autograd::Function<ConvTranspose2dFunction> {
- public:
-  static Variable forward(AutogradContext* ctx, const Variable& input, const Variable& weight,
-                          const std::optional<Variable>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
-                          at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto output = ops::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
-    ctx->save_for_backward({input, weight});
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["stride"] = stride.vec();
-    ctx->saved_data["padding"] = padding.vec();
-    ctx->saved_data["output_padding"] = output_padding.vec();
-    ctx->saved_data["groups"] = groups;
-    ctx->saved_data["dilation"] = dilation.vec();
-    return output;
+// Edges: input, weight, bias (empty when absent).
+struct ConvTranspose2dBackwardNode final : torch::autograd::Node {
+  std::string name() const override { return "hierpar::ConvTranspose2dBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return variable_list(3);
+    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
+    auto [grad_input, grad_weight, grad_bias] = ops::conv_transpose2d_backward(
+        grads[0], input.unpack(), weight.unpack(), stride, padding, output_padding, groups, dilation, mask);
+    return {grad_input, grad_weight, grad_bias};
+  }
+  void release_variables() override {
+    input.reset_data();
+    weight.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    const auto saved = ctx->get_saved_variables();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // Edges are the tensor arguments present: input (0), weight (1) and, when given, bias (2).
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   has_bias && ctx->needs_input_grad(2)};
-    auto [grad_input, grad_weight, grad_bias] = ops::conv_transpose2d_backward(
-        grad_outputs[0], saved[0], saved[1], ctx->saved_data["stride"].toIntVector(),
-        ctx->saved_data["padding"].toIntVector(), ctx->saved_data["output_padding"].toIntVector(),
-        ctx->saved_data["groups"].toInt(), ctx->saved_data["dilation"].toIntVector(), mask);
-    // One entry per forward argument: input, weight, bias, stride, padding, output_padding, groups, dilation.
-    return {grad_input, grad_weight, grad_bias, Variable(), Variable(), Variable(), Variable(), Variable()};
-  }
+  SavedVariable input, weight;
+  std::vector<int64_t> stride, padding, output_padding, dilation;
+  int64_t groups = 1;
 };
 
 at::Tensor conv_transpose2d_autograd(const at::Tensor& input, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                      at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
                                      at::IntArrayRef dilation) {
-  return ConvTranspose2dFunction::apply(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  at::Tensor output;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    output = ops::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  }
+  if (!torch::autograd::compute_requires_grad(input, weight, bias)) return output;
+  auto node = new_backward_node<ConvTranspose2dBackwardNode>(input, weight, bias);
+  node->input = SavedVariable(input, /*is_output=*/false);
+  node->weight = SavedVariable(weight, /*is_output=*/false);
+  node->stride = stride.vec();
+  node->padding = padding.vec();
+  node->output_padding = output_padding.vec();
+  node->dilation = dilation.vec();
+  node->groups = groups;
+  torch::autograd::set_history(output, node);
+  return output;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_autograd(

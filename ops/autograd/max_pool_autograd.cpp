@@ -11,6 +11,8 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/gather.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 namespace hierpar::detail {
@@ -73,32 +75,23 @@ class MaxPool2dBackwardFunction : public torch::autograd::Function<MaxPool2dBack
   }
 };
 
-class MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Variable& input, const PoolArgs& args) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [output, indices] =
-        ops::max_pool2d(input, args.kernel_size, args.stride, args.padding, args.dilation, args.ceil_mode);
-    ctx->mark_non_differentiable({indices});
-    // indices never receive a gradient: without this the engine would fill a zero uint8 tensor of the
-    // output's size for them in every backward (one extra kernel per pooling layer and step).
-    ctx->set_materialize_grads(false);
-    ctx->save_for_backward({indices});
-    ctx->saved_data["input_size"] = input.sizes().vec();
-    args.save(ctx);
-    return {output, indices};
-  }
+// max_pool2d's backward node, written as ATen's generated ones are: its arguments as members and the indices as a
+// SavedVariable, no per-call map of saved values (a torch::autograd::Function's ctx->saved_data cost a few
+// microseconds of host time per call; docs/overhead.md). The indices get no gradient edge: non-differentiable.
+struct MaxPool2dBackwardNode final : torch::autograd::Node {
+  std::string name() const override { return "hierpar::MaxPool2dBackward"; }
 
-  static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
-    if (!grads[0].defined()) return {Variable(), Variable()};
-    const auto indices = ctx->get_saved_variables()[0];
-    const auto input_size = ctx->saved_data["input_size"].toIntVector();
-    const auto args = PoolArgs::load(ctx);
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return {Variable()};
     // Through the dispatcher, so that with create_graph max_pool2d_backward's own Autograd kernel records it.
-    return {ops::max_pool2d_backward(grads[0], indices, input_size, args.kernel_size, args.stride, args.padding,
-                                     args.dilation, args.ceil_mode),
-            Variable()};
+    return {ops::max_pool2d_backward(grads[0], indices.unpack(), input_size, args.kernel_size, args.stride,
+                                     args.padding, args.dilation, args.ceil_mode)};
   }
+  void release_variables() override { indices.reset_data(); }
+
+  torch::autograd::SavedVariable indices;
+  std::vector<int64_t> input_size;
+  PoolArgs args;
 };
 
 std::tuple<at::Tensor, at::Tensor> max_pool2d_autograd(const at::Tensor& input, at::IntArrayRef kernel_size,
@@ -108,9 +101,17 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_autograd(const at::Tensor& input, 
     at::AutoDispatchBelowADInplaceOrView guard;
     return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode);
   }
-  auto result = MaxPool2dFunction::apply(
-      input, PoolArgs{kernel_size.vec(), stride.vec(), padding.vec(), dilation.vec(), ceil_mode});
-  return {result[0], result[1]};
+  auto [output, indices] = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode);
+  }();
+  const std::shared_ptr<MaxPool2dBackwardNode> node(new MaxPool2dBackwardNode(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  node->indices = torch::autograd::SavedVariable(indices, /*is_output=*/false);
+  node->input_size = input.sizes().vec();
+  node->args = PoolArgs{kernel_size.vec(), stride.vec(), padding.vec(), dilation.vec(), ceil_mode};
+  torch::autograd::set_history(output, node);
+  return {output, indices};
 }
 
 at::Tensor max_pool2d_backward_autograd(const at::Tensor& grad_output, const at::Tensor& indices,
