@@ -188,12 +188,19 @@ std::vector<std::pair<std::string, Suite>>& registry() {
   static std::vector<std::pair<std::string, Suite>> all;
   return all;
 }
+std::set<std::string>& cpu_suites() {
+  static std::set<std::string> names;
+  return names;
+}
 }  // namespace
 
-bool register_suite(const std::string& name, Suite suite) {
+bool register_suite(const std::string& name, Suite suite, bool needs_cuda) {
   registry().emplace_back(name, std::move(suite));
+  if (!needs_cuda) cpu_suites().insert(name);
   return true;
 }
+
+bool suite_needs_cuda(const std::string& name) { return cpu_suites().count(name) == 0; }
 
 const std::vector<std::pair<std::string, Suite>>& suites() { return registry(); }
 

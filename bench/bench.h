@@ -126,8 +126,10 @@ const std::vector<ConvSetting>& conv_settings();
 std::unique_ptr<std::ofstream> profile_file();
 
 using Suite = std::function<void(Report&, const Options&)>;
-bool register_suite(const std::string& name, Suite suite);
+// needs_cuda false: the suite also runs on a machine without a GPU (its records then say gpu "none").
+bool register_suite(const std::string& name, Suite suite, bool needs_cuda = true);
 const std::vector<std::pair<std::string, Suite>>& suites();
+bool suite_needs_cuda(const std::string& name);
 
 }  // namespace hierpar::bench
 
@@ -135,3 +137,6 @@ const std::vector<std::pair<std::string, Suite>>& suites();
 #define HIERPAR_BENCH_CONCAT(a, b) HIERPAR_BENCH_CONCAT_(a, b)
 #define HIERPAR_BENCH_SUITE(name, fn) \
   static const bool HIERPAR_BENCH_CONCAT(hierpar_bench_suite_, __LINE__) = ::hierpar::bench::register_suite(name, fn)
+#define HIERPAR_BENCH_CPU_SUITE(name, fn)                                     \
+  static const bool HIERPAR_BENCH_CONCAT(hierpar_bench_suite_, __LINE__) = \
+      ::hierpar::bench::register_suite(name, fn, /*needs_cuda=*/false)

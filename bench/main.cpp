@@ -92,13 +92,16 @@ int main(int argc, char** argv) {
     bool known = std::any_of(suites().begin(), suites().end(), [&](const auto& s) { return s.first == name; });
     if (!known) return usage("no suite named '" + name + "' (--list shows them)");
   }
-  if (!at::cuda::is_available()) {
-    std::cerr << "hierpar-bench: no CUDA device; the benchmarks compare GPU kernels and need one\n";
-    return 2;
+  const bool cuda = at::cuda::is_available();
+  for (const auto& name : wanted) {
+    if (!cuda && suite_needs_cuda(name)) {
+      std::cerr << "hierpar-bench: no CUDA device; suite " << name << " compares GPU kernels and needs one\n";
+      return 2;
+    }
   }
   at::globalContext().setBenchmarkCuDNN(true);  // stock at its strongest
   std::filesystem::create_directories(out_dir);
-  const std::string gpu = slug(at::cuda::getCurrentDeviceProperties()->name);
+  const std::string gpu = cuda ? slug(at::cuda::getCurrentDeviceProperties()->name) : "cpu";
   int failed = 0;
   for (const auto& [name, suite] : suites()) {
     if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
