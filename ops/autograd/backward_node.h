@@ -8,9 +8,19 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <array>
 #include <memory>
+#include <tuple>
 
 namespace hierpar::detail {
+
+// Under create_graph (grad mode on inside a backward) a convolution's gradients through ATen's differentiable
+// at::convolution_backward, so that second derivatives work (R1 and WGAN-GP penalties differentiate a
+// gradient): hierpar's backward kernels compute first derivatives only. Unbatched (3-d) inputs are batched here.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> differentiable_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, int64_t out_channels,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+    at::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> mask);
 
 // A new node of type NodeT whose next edges are those of `inputs`, in order (an absent optional or an undefined
 // tensor gives an empty edge, whose gradient the engine ignores).

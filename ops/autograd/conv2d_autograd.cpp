@@ -1,8 +1,9 @@
 // Autograd of hierpar::conv2d: a backward node (backward_node.h) that calls the registered
 // hierpar::conv2d_backward with output_mask from the edges that need a gradient, so only the gradients autograd needs are
 // computed. With the fused leaky_relu, the gradient first goes through leaky_relu's backward, whose mask comes from
-// the saved output (a non-negative slope keeps the sign), so the pre-activation is never kept. As for conv_transpose2d, the backward op is not differentiable: its Autograd kernel refuses to record
-// a graph (double backward) with a clear message instead of silently returning wrong second derivatives.
+// the saved output (a non-negative slope keeps the sign), so the pre-activation is never kept. Under create_graph the node takes ATen's differentiable
+// convolution_backward instead, so second derivatives work. The backward op itself, called directly, is not
+// differentiable: its Autograd kernel refuses to record a graph with a clear message.
 #include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
@@ -29,6 +30,12 @@ struct Conv2dBackwardNode final : torch::autograd::Node {
     const at::Tensor grad = leaky_relu_slope ? at::leaky_relu_backward(grads[0], output.unpack(shared_from_this()),
                                                                        *leaky_relu_slope, /*self_is_result=*/true)
                                              : grads[0];
+    if (torch::autograd::GradMode::is_enabled()) {  // create_graph: second derivatives (backward_node.h)
+      const at::Tensor w = weight.unpack();
+      auto [grad_input, grad_weight, grad_bias] = differentiable_convolution_backward(
+          grad, input.unpack(), w, w.size(0), stride, padding, dilation, /*transposed=*/false, {0, 0}, groups, mask);
+      return {grad_input, grad_weight, grad_bias};
+    }
     auto [grad_input, grad_weight, grad_bias] =
         ops::conv2d_backward(grad, input.unpack(), weight.unpack(), stride, padding, dilation, groups, mask);
     return {grad_input, grad_weight, grad_bias};
@@ -73,8 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_autograd(
   const bool records_graph = torch::autograd::GradMode::is_enabled() &&
                              (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());
   TORCH_CHECK(!records_graph,
-              "hierpar::conv2d: double backward is not supported (the backward was asked to build a graph, e.g. "
-              "backward/autograd::grad with create_graph=true, on inputs that require grad)");
+              "hierpar::conv2d_backward is not differentiable (it was asked to record a graph for inputs that require "
+              "grad); for second derivatives differentiate hierpar::conv2d with create_graph=true");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return ops::conv2d_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
 }

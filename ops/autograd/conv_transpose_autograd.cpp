@@ -1,7 +1,8 @@
 // Autograd of hierpar::conv_transpose2d: a backward node (backward_node.h) that calls the registered
 // hierpar::conv_transpose2d_backward with output_mask from the edges that need a gradient, so only the gradients autograd
-// needs are computed. The backward op itself is not differentiable: its Autograd kernel refuses to record
-// a graph (double backward) with a clear message instead of silently returning wrong second derivatives.
+// needs are computed. Under create_graph the node takes ATen's differentiable convolution_backward instead,
+// so second derivatives work. The backward op itself, called directly, is not differentiable: its Autograd kernel
+// refuses to record a graph with a clear message instead of silently returning wrong second derivatives.
 #include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
@@ -23,6 +24,12 @@ struct ConvTranspose2dBackwardNode final : torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return variable_list(3);
     const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
+    if (torch::autograd::GradMode::is_enabled()) {  // create_graph: second derivatives (backward_node.h)
+      auto [grad_input, grad_weight, grad_bias] = differentiable_convolution_backward(
+          grads[0], input.unpack(), weight.unpack(), weight.unpack().size(1) * groups, stride, padding, dilation,
+          /*transposed=*/true, output_padding, groups, mask);
+      return {grad_input, grad_weight, grad_bias};
+    }
     auto [grad_input, grad_weight, grad_bias] = ops::conv_transpose2d_backward(
         grads[0], input.unpack(), weight.unpack(), stride, padding, output_padding, groups, dilation, mask);
     return {grad_input, grad_weight, grad_bias};
@@ -66,8 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_autogra
   const bool records_graph = torch::autograd::GradMode::is_enabled() &&
                              (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());
   TORCH_CHECK(!records_graph,
-              "hierpar::conv_transpose2d: double backward is not supported (the backward was asked to build a "
-              "graph, e.g. backward/autograd::grad with create_graph=true, on inputs that require grad)");
+              "hierpar::conv_transpose2d_backward is not differentiable (it was asked to record a graph for inputs "
+              "that require grad); for second derivatives differentiate hierpar::conv_transpose2d with create_graph=true");
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return ops::conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups,
                                         dilation, output_mask);

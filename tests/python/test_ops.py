@@ -139,3 +139,12 @@ def test_opcheck(op, dtype, device):
     for sample in SAMPLES[op](dtype, device):
         args, kwargs = sample if isinstance(sample[-1], dict) else (sample, {})
         opcheck(op, args, kwargs)
+
+
+def test_convolutions_have_second_derivatives():
+    """gradgradcheck in float64: an R1 or WGAN-GP penalty differentiates a gradient of these ops."""
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda a, b: hierpar.conv_transpose2d(a, b, stride=2), (x, w))
+    v = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda a, b: hierpar.conv2d(a, b, padding=1), (x, v))
