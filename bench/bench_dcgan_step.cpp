@@ -31,6 +31,7 @@
 // hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
 // examples (their PNG writer) are built.
 #include "bench.h"
+#include "dcgan_steps.h"
 
 #include "hierpar/models/cnn.h"
 #include "hierpar/models/dcgan.h"
@@ -68,127 +69,7 @@ using hierpar::strategy::CapturedStep;
 using hierpar::strategy::AdamKernel;
 using hierpar::strategy::FusedAdam;
 
-// torch.autocast(device_type="cuda", dtype=torch.bfloat16) when `bf16`, else nothing.
-hierpar::strategy::AutocastScope autocast_bf16(bool bf16) {
-  return hierpar::strategy::AutocastScope(at::kCUDA, bf16 ? std::optional<at::ScalarType>(at::kBFloat16) : std::nullopt);
-}
-
 const char* name_of(LayerSet layers) { return layers == LayerSet::stock ? "stock" : "hierpar"; }
-
-torch::optim::AdamOptions dcgan_adam() { return torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}); }
-
-// A training step that can run eagerly or be captured: owns its models, optimisers and static buffers.
-class TrainingStep {
- public:
-  virtual ~TrainingStep() = default;
-  virtual void run() = 0;
-  // A step that warms up, captures and replays itself (the trainer): measure() only calls run().
-  virtual bool captures_itself() const { return false; }
-  virtual int64_t graph_kernel_nodes() const { return -1; }
-};
-
-// The stock rows: torch::nn layers in the anchor's recipe, written out as a stock LibTorch user would.
-class StockDcganStep : public TrainingStep {
- public:
-  StockDcganStep(int64_t batch, bool bf16, bool channels_last) : bf16_(bf16) {
-    hierpar::models::DCGANOptions options;
-    options.layers = LayerSet::stock;
-    generator_ = hierpar::models::Generator(options);
-    discriminator_ = hierpar::models::Discriminator(options);
-    generator_->to(at::kCUDA);
-    discriminator_->to(at::kCUDA);
-    if (channels_last) {
-      hierpar::strategy::convert_to_channels_last(*generator_);
-      hierpar::strategy::convert_to_channels_last(*discriminator_);
-    }
-    generator_params_ = generator_->parameters();
-    optimizer_g_ = std::make_unique<FusedAdam>(generator_params_, dcgan_adam(), AdamKernel::aten);
-    optimizer_d_ = std::make_unique<FusedAdam>(discriminator_->parameters(), dcgan_adam(), AdamKernel::aten);
-    const auto cuda = at::TensorOptions().device(at::kCUDA);
-    real_ = at::rand({batch, options.channels, options.image_size, options.image_size}, cuda) * 2 - 1;
-    if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
-    ones_ = at::ones({batch}, cuda);
-    zeros_ = at::zeros({batch}, cuda);
-    noise_sizes_ = {batch, options.nz, 1, 1};
-  }
-
-  void run() override {
-    at::Tensor fake, e_real, e_fake, e_g;
-    {
-      auto autocast = autocast_bf16(bf16_);
-      const auto z = at::randn(noise_sizes_, real_.options());  // the default CUDA generator: graph-safe
-      optimizer_d_->zero_grad();
-      e_real = at::binary_cross_entropy_with_logits(discriminator_->forward(real_).to(at::kFloat), ones_);
-      fake = generator_->forward(z);
-      e_fake = at::binary_cross_entropy_with_logits(discriminator_->forward(fake.detach()).to(at::kFloat), zeros_);
-    }
-    const auto loss_d = e_real + e_fake;
-    loss_d.backward();
-    // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
-    // AccumulateGrad nodes from the warm-up stream, and autograd then syncs streams (and warns) every step.
-    loss_d_ = loss_d.detach();
-    optimizer_d_->step();
-    optimizer_g_->zero_grad();
-    {
-      auto autocast = autocast_bf16(bf16_);
-      e_g = at::binary_cross_entropy_with_logits(discriminator_->forward(fake).to(at::kFloat), ones_);
-    }
-    torch::autograd::backward({e_g}, {}, std::nullopt, false, generator_params_);
-    optimizer_g_->step();
-    loss_g_ = e_g.detach();
-  }
-
- private:
-  bool bf16_;
-  hierpar::models::Generator generator_{nullptr};
-  hierpar::models::Discriminator discriminator_{nullptr};
-  std::vector<at::Tensor> generator_params_;
-  std::unique_ptr<FusedAdam> optimizer_g_, optimizer_d_;
-  at::Tensor real_, ones_, zeros_, loss_d_, loss_g_;
-  std::vector<int64_t> noise_sizes_;
-};
-
-// hierpar's rows: the trainer its users run (strategy/adversarial_trainer.h, single placement) on hierpar's layer
-// set, with hierpar's fused Adam, its own CUDA graph capture (graph rows) and G's forward and D's pass over the
-// fakes on a second stream. Under graphs the batch moves into the trainer's graph input after the first step
-// (the bench's own copy is freed), so that, like the stock rows, the step reads one static batch in place.
-class TrainerStep : public TrainingStep {
- public:
-  TrainerStep(int64_t batch, bool bf16, bool channels_last, bool graphs) {
-    hierpar::models::DCGANOptions model;
-    model.layers = LayerSet::hierpar;
-    hierpar::models::Generator generator(model);
-    hierpar::models::Discriminator discriminator(model);
-    hierpar::strategy::AdversarialOptions options;  // DCGAN's Adam (2e-4, beta1 0.5), BCE with logits
-    options.noise_shape = {model.nz, 1, 1};
-    options.fused_adam = true;
-    options.cuda_graphs = graphs;
-    options.autocast_dtype = bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
-    options.channels_last = channels_last;
-    options.loss_log_steps = 1 << 14;  // no host sync inside the timed steps
-    // HIERPAR_BENCH_OVERLAP=0: the step on one stream (same-process A/B of options.overlap_passes).
-    const char* overlap = std::getenv("HIERPAR_BENCH_OVERLAP");
-    options.overlap_passes = !(overlap && overlap[0] == '0');
-    trainer_ = std::make_unique<hierpar::strategy::AdversarialTrainer>(
-        torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator),
-        hierpar::strategy::Placement::make(hierpar::strategy::Scheme::single, 1, hierpar::strategy::Reduce::host),
-        options);
-    const auto cuda = at::TensorOptions().device(at::kCUDA);
-    real_ = at::rand({batch, model.channels, model.image_size, model.image_size}, cuda) * 2 - 1;
-    if (channels_last) real_ = real_.contiguous(at::MemoryFormat::ChannelsLast);
-  }
-  void run() override {
-    trainer_->step(real_);
-    const at::Tensor input = trainer_->graph_input();
-    if (input.defined() && !input.is_same(real_)) real_ = input;  // the step copied it there
-  }
-  bool captures_itself() const override { return trainer_->graphs(); }
-  int64_t graph_kernel_nodes() const override { return trainer_->graph_kernel_nodes(); }
-
- private:
-  std::unique_ptr<hierpar::strategy::AdversarialTrainer> trainer_;
-  at::Tensor real_;
-};
 
 class CnnStep : public TrainingStep {
  public:

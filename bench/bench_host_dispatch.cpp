@@ -5,8 +5,13 @@
 // (`hierpar-bench overhead` measures those, docs/overhead.md).
 //  - bench "host_fwd": the forward in training mode on an input that needs gradients (a node recorded);
 //  - bench "host_bwd": torch::autograd::grad of that output for the input and parameters.
+//  - bench "host_step": one eager DCGAN training step with a model so small (nz 16, 32x32x1, width 0.125, batch
+//    2) that its kernels cost little: stock's hand-written step on torch::nn layers against hierpar's
+//    AdversarialTrainer on hierpar's layers; bench "host_step_trainer": the same stock step against the trainer on
+//    the stock layers, i.e. what the trainer's own per-step work costs.
 // timing: microseconds per call, the wall time of 2000 calls divided by 2000, median over 15 rounds, one thread.
 #include "bench.h"
+#include "dcgan_steps.h"
 
 #include "hierpar/nn.h"
 
@@ -114,6 +119,25 @@ void run(Report& report, const Options& options) {
       report.add("host_bwd", hierpar ? "hierpar" : "stock", config, backward);
     }
   }
+  hierpar::models::DCGANOptions small;
+  small.nz = 16;
+  small.image_size = 32;
+  small.channels = 1;
+  small.width = 0.125;
+  const int step_calls = options.quick ? 20 : 200;
+  const auto time_step = [&](TrainingStep& step) { return per_call([&] { step.run(); }, rounds, step_calls); };
+  Config config;
+  config.set("model", small.shape_key()).set("batch", int64_t{2}).set("device", "cpu");
+  torch::manual_seed(0);
+  StockDcganStep stock(2, false, false, small, at::kCPU);
+  TrainerStep trainer(2, false, false, false, hierpar::LayerSet::hierpar, small, at::kCPU);
+  TrainerStep trainer_stock_layers(2, false, false, false, hierpar::LayerSet::stock, small, at::kCPU);
+  const Timing stock_timing = time_step(stock);
+  report.add("host_step", "stock", config, stock_timing);
+  report.add("host_step", "hierpar", config, time_step(trainer));
+  report.add("host_step_trainer", "stock", config, stock_timing);
+  report.add("host_step_trainer", "hierpar", config, time_step(trainer_stock_layers),
+             Config().set("hierpar_layers", false));
   at::set_num_threads(threads);
 }
 
