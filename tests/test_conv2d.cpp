@@ -338,6 +338,23 @@ TEST(Conv2dAutocast, RunsInTheLowerPrecisionLikeAten) {
                "autocast conv2d");
 }
 
+// A float32 call with a bias whose output has positions reading only padding (width 1, padding 1, stride 2, dilation
+// 2): ATen's own CPU convolution crashed there (SIGSEGV in oneDNN's brgemm kernel, torch 2.11 on this project's CI
+// CPU); hierpar's CPU route adds the bias after the convolution there, and matches ATen in float64.
+TEST(Conv2dCpu, BiasWithOutputsReadingOnlyPadding) {
+  const auto options = torch::TensorOptions().dtype(torch::kFloat);
+  const auto x = random_tensor({2, 6, 4, 1}, options, Layout::channels_last);
+  const auto w = random_tensor({4, 3, 2, 1}, options, Layout::channels_last);
+  const auto b = random_tensor({4}, options);
+  const auto y = hierpar::ops::conv2d(x, w, b, {2, 2}, {0, 1}, {1, 2}, 2);
+  const std::vector<int64_t> stride{2, 2}, padding{0, 1}, dilation{1, 2};
+  const auto expected =
+      at::conv2d(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble), stride, padding, dilation, 2);
+  expect_close(y, expected, "conv2d with outputs in the padding");
+  // The output column that reads only padding holds the bias.
+  expect_close(y.select(3, 0), b.view({1, 4, 1}).expand({2, 4, 2}), "padding-only outputs");
+}
+
 TEST(Conv2dMeta, ShapesAndLayoutsMatchTheCpuKernel) {
   for (int trial = 0; trial < 10; ++trial) {
     const Case c = random_case();

@@ -16,6 +16,27 @@ void one_after_the_other(c10::Device, c10::function_ref<void()> first, c10::func
   second();
 }
 
+// Whether some output position of the convolution reads only padding along a spatial dimension (every tap of its
+// window falls outside the input).
+bool has_padding_only_outputs(at::IntArrayRef input_hw, at::IntArrayRef kernel_hw, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef dilation) {
+  auto at_or_first = [](at::IntArrayRef a, size_t i) { return a.size() > i ? a[i] : a[0]; };
+  for (size_t i = 0; i < 2; ++i) {
+    const int64_t in = input_hw[i], k = kernel_hw[i], s = at_or_first(stride, i), p = at_or_first(padding, i),
+                  d = at_or_first(dilation, i);
+    const int64_t out = (in + 2 * p - d * (k - 1) - 1) / s + 1;
+    for (int64_t o = 0; o < out; ++o) {
+      bool reads_input = false;
+      for (int64_t t = 0; t < k && !reads_input; ++t) {
+        const int64_t at = o * s - p + t * d;
+        reads_input = at >= 0 && at < in;
+      }
+      if (!reads_input) return true;
+    }
+  }
+  return false;
+}
+
 constexpr ConvTranspose2dBackend kCpu{&run_conv_transpose2d_forward_cpu, &run_conv_transpose2d_backward_cpu,
                                       &one_after_the_other};
 
@@ -26,7 +47,14 @@ at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const s
     check_conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
     const bool unbatched = input.dim() == 3;
     const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-    at::Tensor out = at::conv2d(input4, weight, bias, stride, padding, dilation, groups);
+    // ATen's float32 CPU convolution (oneDNN's brgemm kernel, torch 2.11) crashed with SIGSEGV on calls with a bias
+    // whose output has positions reading only padding (e.g. width 1, padding 1, stride 2, dilation 2); there the
+    // bias is added after the convolution instead.
+    const bool bias_after = bias.has_value() && bias->defined() &&
+                            has_padding_only_outputs(input4.sizes().slice(2), weight.sizes().slice(2), stride,
+                                                     padding, dilation);
+    at::Tensor out = at::conv2d(input4, weight, bias_after ? std::nullopt : bias, stride, padding, dilation, groups);
+    if (bias_after) out.add_(bias->view({1, -1, 1, 1}));
     if (leaky_relu_slope) at::leaky_relu_(out, *leaky_relu_slope);
     out = with_layout_strides(out, conv2d_output_layout(input4, weight));
     return unbatched ? out.squeeze(0) : out;
