@@ -529,7 +529,7 @@ TEST(ConvTransposeCuda, K4S2P1ChannelViewsAndEveryWeightLayout) {
 TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1, groups 1, C_out <= 4 (DCGAN's RGB / grayscale layer): the kernels of
-  // ops/cuda/conv_transpose_small_cout.cu, bias or not; float64 and C_in * C_out > 1024 take the general path.
+  // ops/cuda/small_cout/, bias or not; float64 and C_in * C_out > 1024 take the general path.
   //  - bf16 / fp16 with C_in % 16 == 0 take the tensor-core kernels (forward and grad_weight only for a channels_last
   //    input): half the random cases draw such a C_in, across the 32-channel chunks of the grad kernels (48, 80);
   //    sizes across the 32 x 8 position tile (odd, 1..40, non-square); batches large enough that the persistent
