@@ -7,6 +7,7 @@
 #include "testing.h"
 
 #include <ATen/cuda/CUDAGraph.h>
+#include <torch/autograd.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -104,6 +105,37 @@ inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch
 // into `operands` and the graph's outputs were filled with NaN: each replay's gradients must equal, bit for bit,
 // an eager call's on the same values (and so be written in full). The eager call comes first so that one-time
 // work outside a capture (the wgmma probe) is done, as in a training step warmed before capture.
+// Second derivatives, as an R1 or WGAN-GP penalty takes them: `forward(hierpar, x, w, b)` returns the output of
+// hierpar's op or of ATen's on fresh leaves; the first derivatives of (y * upstream).sum() for x and w are taken
+// with create_graph, and a penalty on both is differentiated for x, w (and b when defined). Expects hierpar's first
+// and second derivatives equal to ATen's (float64 tolerance).
+using ConvForward = std::function<torch::Tensor(bool hierpar, const torch::Tensor& x, const torch::Tensor& w,
+                                                const torch::Tensor& b)>;
+inline void expect_second_derivatives_match_aten(const ConvForward& forward, const torch::Tensor& input,
+                                                 const torch::Tensor& weight, const torch::Tensor& bias,
+                                                 const torch::Tensor& upstream) {
+  auto run = [&](bool hierpar) {
+    auto x = input.detach().clone().requires_grad_();
+    auto w = weight.detach().clone().requires_grad_();
+    auto b = bias.defined() ? bias.detach().clone().requires_grad_() : torch::Tensor();
+    const torch::Tensor y = forward(hierpar, x, w, b);
+    auto first = torch::autograd::grad({(y * upstream).sum()}, {x, w}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    const auto penalty = first[0].square().sum() + first[1].square().sum();
+    std::vector<torch::Tensor> wrt{x, w};
+    if (b.defined()) wrt.push_back(b);
+    auto second = torch::autograd::grad({penalty}, wrt, {}, std::nullopt, false, /*allow_unused=*/true);
+    return std::make_pair(first, second);
+  };
+  const auto [first, second] = run(true);
+  const auto [first_ref, second_ref] = run(false);
+  expect_close(first[0], first_ref[0], "grad_input");
+  expect_close(first[1], first_ref[1], "grad_weight");
+  for (size_t i = 0; i < second.size(); ++i) {
+    ASSERT_EQ(second[i].defined(), second_ref[i].defined()) << "second derivative " << i;
+    if (second[i].defined()) expect_close(second[i], second_ref[i], "second derivative " + std::to_string(i));
+  }
+}
+
 using Gradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
 inline void expect_graph_replay_equals_eager(const std::function<Gradients()>& backward,
                                              const std::vector<torch::Tensor>& operands, const std::string& what) {

@@ -229,30 +229,15 @@ TEST(ConvTransposeAutograd, SecondDerivativesMatchAten) {
     const Case c = random_case();
     SCOPED_TRACE(c.describe());
     const auto t = make_tensors(c, torch::kDouble);
-    auto run = [&](bool hierpar) {
-      auto x = t.input.detach().clone().requires_grad_();
-      auto w = t.weight.detach().clone().requires_grad_();
-      auto b = c.bias ? t.bias.detach().clone().requires_grad_() : torch::Tensor();
-      const torch::Tensor y =
-          hierpar ? hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
-                                                   c.dilation)
-                  : at::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
-      const auto first = torch::autograd::grad({(y * t.grad_output).sum()}, {x, w}, {}, /*retain_graph=*/true,
-                                               /*create_graph=*/true);
-      const auto penalty = first[0].square().sum() + first[1].square().sum();
-      std::vector<torch::Tensor> wrt{x, w};
-      if (c.bias) wrt.push_back(b);
-      auto second = torch::autograd::grad({penalty}, wrt, {}, std::nullopt, false, /*allow_unused=*/true);
-      return std::make_pair(first, second);
-    };
-    const auto [first, second] = run(true);
-    const auto [first_ref, second_ref] = run(false);
-    expect_close(first[0], first_ref[0], "grad_input");
-    expect_close(first[1], first_ref[1], "grad_weight");
-    for (size_t i = 0; i < second.size(); ++i) {
-      ASSERT_EQ(second[i].defined(), second_ref[i].defined()) << "second derivative " << i;
-      if (second[i].defined()) expect_close(second[i], second_ref[i], "second derivative " + std::to_string(i));
-    }
+    hierpar::testing::expect_second_derivatives_match_aten(
+        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+          if (hierpar) {
+            return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
+                                                  c.dilation);
+          }
+          return at::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
+        },
+        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
   }
 }
 
