@@ -123,6 +123,26 @@ Timing time_cuda(const std::function<void()>& fn, int warmup, int repeats) {
   return t;
 }
 
+Timing time_host(const std::function<void()>& fn, int rounds, int calls, int warmup_rounds,
+                 const std::function<void()>& before_round) {
+  std::vector<double> per_call;
+  for (int r = -warmup_rounds; r < rounds; ++r) {
+    if (before_round) before_round();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) fn();
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+    if (r >= 0) per_call.push_back(us / calls);
+  }
+  if (before_round) before_round();
+  std::sort(per_call.begin(), per_call.end());
+  Timing t;
+  t.repeats = rounds;
+  t.min_us = per_call.front();
+  const size_t n = per_call.size();
+  t.median_us = n % 2 ? per_call[n / 2] : 0.5 * (per_call[n / 2 - 1] + per_call[n / 2]);
+  return t;
+}
+
 void Report::add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,
                  const Config& extra) {
   records_.push_back({bench, impl, config, t, extra});

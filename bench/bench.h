@@ -49,6 +49,12 @@ struct Timing {
 // events; returns the median and minimum. fn must only enqueue work (no host synchronisation).
 Timing time_cuda(const std::function<void()>& fn, int warmup = 20, int repeats = 100);
 
+// Host microseconds per call of fn: `warmup_rounds` untimed rounds, then `rounds` rounds of `calls` calls each, timed
+// on the host's clock; the median and minimum over rounds, per call. `before_round` (if set) runs before every round
+// and after the last, untimed (e.g. a device synchronisation, so that queued GPU work never delays the calls).
+Timing time_host(const std::function<void()>& fn, int rounds, int calls, int warmup_rounds,
+                 const std::function<void()>& before_round = {});
+
 // `capture` (enqueue-only work that makes `calls` calls) captured in one CUDA graph on a pool stream (the legacy
 // default stream cannot capture); the median replay time over `repeats` replays, per call: GPU time with no launch
 // gaps, as a captured training step runs it. Warm up first what must not be captured (cuDNN's benchmark search).

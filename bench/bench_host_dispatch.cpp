@@ -32,19 +32,7 @@ namespace {
 using namespace hierpar::bench;
 
 Timing per_call(const std::function<void()>& fn, int rounds, int calls) {
-  for (int i = 0; i < calls; ++i) fn();
-  std::vector<double> us;
-  for (int r = 0; r < rounds; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) fn();
-    us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / calls);
-  }
-  std::sort(us.begin(), us.end());
-  Timing t;
-  t.repeats = rounds;
-  t.median_us = us[us.size() / 2];
-  t.min_us = us.front();
-  return t;
+  return time_host(fn, rounds, calls, /*warmup_rounds=*/1);
 }
 
 struct Layer {

@@ -41,27 +41,9 @@ using namespace hierpar::bench;
 
 constexpr int kCalls = 16;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
-// Host microseconds per call of fn (enqueue only), median over `rounds` rounds of kCalls calls.
+// Host microseconds per call of fn (enqueue only): rounds of kCalls calls, each after a device synchronisation.
 Timing host_time(const std::function<void()>& fn, int rounds) {
-  std::vector<double> per_call;
-  for (int r = -3; r < rounds; ++r) {  // 3 rounds of warm-up
-    c10::cuda::device_synchronize();
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < kCalls; ++i) fn();
-    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
-    if (r >= 0) per_call.push_back(us / kCalls);
-  }
-  c10::cuda::device_synchronize();
-  Timing t;
-  t.repeats = rounds;
-  t.median_us = median(per_call);
-  t.min_us = *std::min_element(per_call.begin(), per_call.end());
-  return t;
+  return time_host(fn, rounds, kCalls, /*warmup_rounds=*/3, [] { c10::cuda::device_synchronize(); });
 }
 
 // "cudaLaunchKernel 3x 4.2us, ..." per call, by host time.

@@ -8,7 +8,6 @@
 #include "hierpar/ops.h"
 #include "hierpar/switches.h"
 
-#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <functional>
@@ -31,22 +30,11 @@ torch::Tensor fixed(at::IntArrayRef sizes, uint64_t seed) {
   return torch::randn(sizes, at::make_generator<at::CPUGeneratorImpl>(seed), torch::kFloat);
 }
 
-thread_local std::vector<std::string>* dispatched = nullptr;
-
-std::unique_ptr<at::ObserverContext> note_operator(const at::RecordFunction& fn) {
-  if (dispatched != nullptr) dispatched->emplace_back(fn.name());
-  return nullptr;
-}
-
 // Runs `f` on route `on` (nullopt: the default); sets `called` to whether it dispatched the ATen operator `aten_op`.
 torch::Tensor run_route(std::optional<bool> on, const std::function<torch::Tensor()>& f, const std::string& aten_op,
                         bool& called) {
-  std::vector<std::string> names;
-  dispatched = &names;
-  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&note_operator));
-  torch::Tensor result = with_route(on, f);
-  at::removeCallback(handle);
-  dispatched = nullptr;
+  torch::Tensor result;
+  const std::vector<std::string> names = hierpar::testing::dispatched_operators([&] { result = with_route(on, f); });
   called = std::find(names.begin(), names.end(), aten_op) != names.end();
   return result;
 }

@@ -8,7 +8,6 @@
 #include "hierpar/routing.h"
 #include "hierpar/switches.h"
 
-#include <ATen/record_function.h>
 
 #include <ATen/ops/conv_transpose2d.h>
 
@@ -95,24 +94,6 @@ TEST(Routing, CpuCallsTakeHierparsOp) {
   EXPECT_TRUE(hierpar::ops::conv2d_on_hierpar(x, w, {2, 2}, {1, 1}, {1, 1}, 1));
 }
 
-thread_local std::vector<std::string>* dispatched = nullptr;
-
-std::unique_ptr<at::ObserverContext> note_operator(const at::RecordFunction& fn) {
-  if (dispatched != nullptr) dispatched->emplace_back(fn.name());
-  return nullptr;
-}
-
-// The operators `f` dispatches on this thread.
-std::vector<std::string> operators_of(const std::function<void()>& f) {
-  std::vector<std::string> names;
-  dispatched = &names;
-  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&note_operator));
-  f();
-  at::removeCallback(handle);
-  dispatched = nullptr;
-  return names;
-}
-
 bool has(const std::vector<std::string>& names, const std::string& name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
@@ -131,8 +112,8 @@ TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
   for (const bool routing : {true, false}) {
     hierpar::SwitchScope scope(hierpar::Switch::layer_routing, routing);
     torch::Tensor y_middle, y_output;
-    const auto middle_ops = operators_of([&] { y_middle = middle->forward(x); });
-    const auto output_ops = operators_of([&] { y_output = output->forward(h); });
+    const auto middle_ops = hierpar::testing::dispatched_operators([&] { y_middle = middle->forward(x); });
+    const auto output_ops = hierpar::testing::dispatched_operators([&] { y_output = output->forward(h); });
     EXPECT_EQ(has(middle_ops, "hierpar::conv_transpose2d"), !routing) << "routing " << routing;
     EXPECT_EQ(has(middle_ops, "aten::conv_transpose2d"), routing) << "routing " << routing;
     EXPECT_TRUE(has(output_ops, "hierpar::conv_transpose2d")) << "routing " << routing;

@@ -1,5 +1,7 @@
 #include "testing.h"
 
+#include <ATen/record_function.h>
+
 #include <cstdlib>
 #include <functional>
 #include <iostream>
@@ -92,6 +94,31 @@ const char* to_string(Layout layout) {
 }
 
 bool cuda_available() { return torch::cuda::is_available(); }
+
+namespace {
+thread_local std::vector<std::string>* dispatched = nullptr;
+
+std::unique_ptr<at::ObserverContext> note_operator(const at::RecordFunction& fn) {
+  if (dispatched != nullptr) dispatched->emplace_back(fn.name());
+  return nullptr;
+}
+}  // namespace
+
+std::vector<std::string> dispatched_operators(const std::function<void()>& f) {
+  std::vector<std::string> names;
+  dispatched = &names;
+  const auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&note_operator));
+  try {
+    f();
+  } catch (...) {
+    at::removeCallback(handle);
+    dispatched = nullptr;
+    throw;
+  }
+  at::removeCallback(handle);
+  dispatched = nullptr;
+  return names;
+}
 
 }  // namespace hierpar::testing
 

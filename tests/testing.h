@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -44,6 +45,10 @@ torch::Tensor random_tensor(at::IntArrayRef sizes, const torch::TensorOptions& o
 const char* to_string(Layout layout);
 
 bool cuda_available();
+
+// The names of the operators `f` dispatches on this thread (a RecordFunction callback), in order: which route a call
+// took, observed rather than inferred from its results.
+std::vector<std::string> dispatched_operators(const std::function<void()>& f);
 
 }  // namespace hierpar::testing
 
