@@ -461,11 +461,10 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       }
     }
   }
-  // Synchronized BatchNorm's sums meet at the averager's barriers from the step's own thread: gradient sums must
-  // not run beside them on the averager's threads. Captured steps wait too: overlapped averaging between replayed
-  // segments hung on 2 H100s (AdversarialTrainerGraphs.OverlappedHostAveragingEqualsWaiting).
+  // Synchronized BatchNorm's host sums meet at the host averager's barriers from the autograd threads: gradient
+  // buckets, summed on the averager's own threads during the backward, must not run beside them.
   AveragingOptions averaging = options_.averaging;
-  if (options_.sync_batch_norm || graphs_) averaging.host_overlap = false;
+  if (options_.sync_batch_norm && placement_.reduce == Reduce::host) averaging.bucket_cap_bytes = 0;
   averager_ = make_averager(placement_, averaging);
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.

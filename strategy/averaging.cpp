@@ -6,10 +6,9 @@
 // CMakeLists.txt adds the include directories it finds).
 #include "hierpar/strategy/averaging.h"
 
-#include "host_flag.h"
-
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -37,6 +36,7 @@
 #include <functional>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -440,20 +440,163 @@ void initialise_nccl_once() {
 }
 #endif
 
+// ---- buckets: averaging that starts while the backward runs ------------------------------------------
+
+// How one replica's bucket of one network is summed over every replica. start() is called as soon as the backward
+// has produced the bucket's gradients (on the thread that ran the hook, in bucket order, the same order on every
+// replica); wait() after the backward, in bucket order: then `flat` holds the sum (on a device: the current stream
+// is ordered after it).
+class BucketTransport {
+ public:
+  virtual ~BucketTransport() = default;
+  virtual void start(size_t bucket, const at::Tensor& flat, const std::string& who) = 0;
+  virtual void wait(size_t bucket, const at::Tensor& flat, const std::string& who) = 0;
+};
+
+// One replica's gradients of one network in buckets, summed as the backward produces them (the design of PyTorch
+// DDP's reducer): each parameter's post-accumulate-grad hook counts its bucket down; a complete bucket is copied
+// into its flat buffer (one cat kernel) and handed to the transport, in bucket order, so every replica starts the
+// same sums in the same order. Buckets follow reverse registration order (the backward reaches the last layers
+// first), the first one smaller so that the sums start early.
+class BucketReducer {
+ public:
+  BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes)
+      : parameters_(std::move(parameters)) {
+    bucket_of_.resize(parameters_.size());
+    for (int64_t i = static_cast<int64_t>(parameters_.size()) - 1; i >= 0; --i) {
+      const at::Tensor& p = parameters_[i];
+      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+      // The bucket being filled is the first one (smaller cap) or a later one.
+      const int64_t cap = buckets_.size() == 1 ? first_cap_bytes : cap_bytes;
+      if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) {
+        buckets_.emplace_back();
+      }
+      Bucket& bucket = buckets_.back();
+      bucket.members.push_back(i);
+      bucket.bytes += bytes;
+      bucket.numel += p.numel();
+      bucket_of_[i] = static_cast<int64_t>(buckets_.size()) - 1;
+    }
+    for (Bucket& bucket : buckets_) {
+      bucket.flat = at::empty({bucket.numel}, parameters_[bucket.members[0]].options().requires_grad(false));
+      bucket.pending = static_cast<int64_t>(bucket.members.size());
+    }
+  }
+
+  size_t buckets() const { return buckets_.size(); }
+  const at::Tensor& flat(size_t bucket) const { return buckets_[bucket].flat; }
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  void set_transport(std::unique_ptr<BucketTransport> transport) { transport_ = std::move(transport); }
+
+  // Whether the hooks of the coming backward count (GradientAverager::set_final_backward).
+  void set_final_backward(bool final) { final_backward_ = final; }
+
+  // Autograd's hook: parameter `index` has its gradient for this backward.
+  void ready(size_t index, const std::string& who) {
+    if (!final_backward_) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    Bucket& bucket = buckets_[bucket_of_[index]];
+    TORCH_CHECK(!bucket.started && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
+                "(two backward passes through the network in one step are not supported with bucketed averaging)");
+    --bucket.pending;
+    while (next_ < buckets_.size() && buckets_[next_].pending == 0) start(next_++, who);
+  }
+
+  // After the backward: starts what the hooks did not (parameters without gradients: `grads` holds zeros for
+  // them), waits for every bucket, divides by `replicas` and writes the averages into `grads`.
+  void finish(const std::vector<at::Tensor>& grads, int64_t replicas, const std::string& who) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(grads.size() == parameters_.size(), who, ": expected the gradients of the ", parameters_.size(),
+                " attached parameters, got ", grads.size());
+    while (next_ < buckets_.size()) start(next_++, who, &grads);
+    next_ = 0;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      bucket.started = false;
+      bucket.pending = static_cast<int64_t>(bucket.members.size());
+      transport_->wait(b, bucket.flat, who);
+      bucket.flat.div_(replicas);
+      int64_t offset = 0;
+      for (int64_t i : bucket.members) {
+        grads[i].copy_(bucket.flat.narrow(0, offset, grads[i].numel()).view(grads[i].sizes()));
+        offset += grads[i].numel();
+      }
+    }
+  }
+
+ private:
+  struct Bucket {
+    std::vector<int64_t> members;  // parameter indices, in the order the backward tends to produce them
+    int64_t bytes = 0, numel = 0;
+    at::Tensor flat;
+    int64_t pending = 0;  // members whose gradient this backward has not produced yet
+    bool started = false;
+  };
+
+  void start(size_t b, const std::string& who, const std::vector<at::Tensor>* grads = nullptr) {
+    Bucket& bucket = buckets_[b];
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(bucket.members.size());
+    for (int64_t i : bucket.members) {
+      const at::Tensor grad = grads != nullptr ? (*grads)[i] : parameters_[i].grad();
+      TORCH_CHECK(grad.defined(), "bucketed averaging: parameter ", i, " has no gradient");
+      pieces.push_back(grad.reshape({-1}));
+    }
+    at::cat_out(bucket.flat, pieces, 0);
+    bucket.started = true;
+    transport_->start(b, bucket.flat, who);
+  }
+
+  std::vector<at::Tensor> parameters_;
+  std::unique_ptr<BucketTransport> transport_;
+  std::vector<int64_t> bucket_of_;
+  std::vector<Bucket> buckets_;
+  size_t next_ = 0;  // the next bucket to start
+  std::mutex mutex_;
+  std::atomic<bool> final_backward_{true};
+};
+
+class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(BucketReducer* reducer, size_t index, std::string who)
+      : reducer_(reducer), index_(index), who_(std::move(who)) {}
+  void operator()(const torch::autograd::Variable&) override { reducer_->ready(index_, who_); }
+
+ private:
+  BucketReducer* reducer_;
+  size_t index_;
+  std::string who_;
+};
+
+void attach_hooks(BucketReducer& reducer, const std::string& who) {
+  const std::vector<at::Tensor>& parameters = reducer.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    TORCH_CHECK(parameters[i].is_leaf() && parameters[i].requires_grad(), who, ": parameter ", i,
+                " must be a leaf that requires grad to be averaged by hooks");
+    TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(parameters[i]), who, ": parameter ", i,
+                " already has a post-accumulate-grad hook (one averager per parameter)");
+    torch::autograd::impl::set_post_acc_grad_hooks(parameters[i], std::make_unique<ReadyHook>(&reducer, i, who));
+  }
+}
+
+// The modules outlive the averager (replica 0's are the caller's): their hooks must not call into it after it is gone.
+void detach_hooks(std::array<std::vector<std::unique_ptr<BucketReducer>>, 2>& reducers) {
+  for (auto& network_reducers : reducers) {
+    for (auto& reducer : network_reducers) {
+      if (!reducer) continue;
+      for (const at::Tensor& p : reducer->parameters()) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+    }
+  }
+}
+
 // ---- host averaging --------------------------------------------------------------------------------
 
 class HostAverager final : public GradientAverager {
  public:
-  HostAverager(const Placement& placement, const AveragingOptions& options)
-      : placement_(placement), options_(options), overlap_(options.host_overlap) {
-    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
-      for (Network network : kNetworks) overlap_ = overlap_ && HostFlag::available(device_of(placement, i, network));
-    }
-    if (overlap_) {
-      for (auto& network_states : overlapped_) {
-        for (int64_t i = 0; i < placement.local_replicas(); ++i) network_states.push_back(std::make_unique<Overlapped>());
-      }
-    }
+  HostAverager(const Placement& placement, const AveragingOptions& options) : placement_(placement), options_(options) {
+    TORCH_CHECK(options.bucket_cap_bytes >= 0 && options.first_bucket_cap_bytes >= 0,
+                "AveragingOptions: bucket caps must be >= 0 (0: no bucketing), got ", options.first_bucket_cap_bytes,
+                " and ", options.bucket_cap_bytes);
     // One barrier (and one cross-process group) per network: with synchronized BatchNorm on a
     // hierarchical placement, G's and D's sums of one replica run at the same time on their devices'
     // autograd threads, and must not count as each other's arrivals.
@@ -464,6 +607,15 @@ class HostAverager final : public GradientAverager {
         slot.device_flat.resize(placement.local_replicas());
       }
     }
+    for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
+  }
+
+  ~HostAverager() override {
+    detach_hooks(reducers_);
+    // Sums still queued by a step that failed end at once instead of waiting out the timeout; then the summing
+    // threads (owned by the reducers' transports) are joined while everything they use is still here.
+    abort("the averager is being destroyed");
+    for (auto& reducers : reducers_) reducers.clear();
   }
 
   void connect(int64_t local) override {
@@ -480,30 +632,56 @@ class HostAverager final : public GradientAverager {
     barriers_[0]->arrive_and_wait(local, c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
   }
 
-  // The queued sums finish before the replicas go (the last step's updates wait for them).
-  ~HostAverager() override {
-    for (auto& network_states : overlapped_) {
-      for (auto& state : network_states) state->thread.drain();
+  // Buckets summed during the backward (eager steps; the trainer attaches none to captured steps, nor with
+  // synchronized BatchNorm, whose sums meet at the same barriers from the autograd threads).
+  void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
+    if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
+    const int n = static_cast<int>(network);
+    const std::string who = where(placement_, local, network);
+    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+    {
+      std::lock_guard<std::mutex> lock(attach_mutex_);
+      BucketBuffers& buffers = bucket_buffers_[n];
+      if (buffers.sum.empty()) {  // the first replica to attach sets the layout
+        buffers.host.assign(reducer->buckets(), std::vector<at::Tensor>(placement_.local_replicas()));
+        for (size_t b = 0; b < reducer->buckets(); ++b) {
+          buffers.sum.push_back(at::empty({reducer->flat(b).numel()}, reducer->flat(b).options().device(at::kCPU)
+                                                                          .pinned_memory(pinned_any(network))));
+        }
+      }
+      TORCH_CHECK(buffers.sum.size() == reducer->buckets(), who, ": its parameters cut into ", reducer->buckets(),
+                  " buckets, another replica's into ", buffers.sum.size(), " (every replica needs the same parameters)");
+      for (size_t b = 0; b < reducer->buckets(); ++b) {
+        const at::Tensor& flat = reducer->flat(b);
+        TORCH_CHECK(buffers.sum[b].numel() == flat.numel(), who, ": bucket ", b, " has ", flat.numel(),
+                    " elements, another replica's ", buffers.sum[b].numel(), " (every replica needs the same parameters)");
+        // On the CPU the bucket's flat buffer is already in host memory.
+        buffers.host[b][local] = flat.is_cuda() ? at::empty({flat.numel()}, flat.options().device(at::kCPU).pinned_memory(true))
+                                                : flat;
+      }
     }
+    reducer->set_transport(std::make_unique<HostBuckets>(*this, local, network, reducer->buckets(), reducer->flat(0).device()));
+    attach_hooks(*reducer, who);
+    reducers_[n][local] = std::move(reducer);
   }
 
   void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
     entered();
-    Slot& slot = slots_[static_cast<int>(network)][kGradients];
-    at::Tensor flat = flatten_into(slot.device_flat[local], grads);
+    const int n = static_cast<int>(network);
     const std::string who = where(placement_, local, network);
-    if (overlap_) {
-      sum_over_replicas_overlapped(local, network, slot, flat, who);
-    } else {
-      sum_over_replicas(local, network, slot, flat, who);
+    if (BucketReducer* reducer = reducers_[n][local].get()) {
+      reducer->finish(grads, placement_.global_replicas(), who);
+      return;
     }
+    Slot& slot = slots_[n][kGradients];
+    at::Tensor flat = flatten_into(slot.device_flat[local], grads);
+    sum_over_replicas(local, network, slot, flat, who);
     flat.div_(placement_.global_replicas());
     unflatten_from(flat, grads);
   }
 
   void sum(int64_t local, Network network, const at::Tensor& tensor) override {
     entered();
-    drain(local);
     Slot& slot = slots_[static_cast<int>(network)][kStatistics];
     TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
     sum_over_replicas(local, network, slot, tensor.view({-1}), where(placement_, local, network) + " BatchNorm statistics");
@@ -511,7 +689,6 @@ class HostAverager final : public GradientAverager {
 
   void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
     entered();
-    drain(local);
     const std::string who = where(placement_, local, network) + " broadcast";
     ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     at::Tensor scratch;
@@ -536,6 +713,10 @@ class HostAverager final : public GradientAverager {
     barrier.arrive_and_wait(local, who);  // nobody reuses broadcast_ before every replica has read it
   }
 
+  void set_final_backward(int64_t local, Network network, bool final) override {
+    if (BucketReducer* reducer = reducers_[static_cast<int>(network)][local].get()) reducer->set_final_backward(final);
+  }
+
   // Gloo's host groups have no abort: their waits here end at once, and their threads when Gloo times out.
   void abort(const std::string& reason) override {
     aborted_.set(reason);
@@ -550,21 +731,78 @@ class HostAverager final : public GradientAverager {
   };
   static constexpr int kGradients = 0, kStatistics = 1;
 
-  // A replica's overlapped averaging of one network: the thread that sums, the flag its device waits for, the
-  // number of sums queued, and the first failure of a sum (rethrown by every later average()).
-  struct Overlapped {
-    JobThread thread;
-    HostFlag flag;
-    uint32_t queued = 0;
-    std::mutex mutex;
-    std::exception_ptr failure;
+  // One network's buckets in host memory: each replica's copy of every bucket, and every bucket's sum.
+  struct BucketBuffers {
+    std::vector<std::vector<at::Tensor>> host;  // [bucket][local replica]
+    std::vector<at::Tensor> sum;                // [bucket]
   };
 
-  void drain(int64_t local) {
-    for (auto& network_states : overlapped_) {
-      if (!network_states.empty()) network_states[local]->thread.drain();
+  // A bucket's trip through host memory, off the threads that queue the step: the hook copies the bucket to pinned
+  // memory on a side stream (the device never waits for the host, so no CUDA call anywhere can deadlock with it), a
+  // summing thread of the replica waits for that copy and sums its slice of the bucket over every replica's copy;
+  // wait() copies the sum back asynchronously on the step's stream. On the CPU the bucket's flat buffer is its host
+  // copy, and the summing thread works while autograd goes on.
+  class HostBuckets final : public BucketTransport {
+   public:
+    HostBuckets(HostAverager& averager, int64_t local, Network network, size_t buckets, c10::Device device)
+        : averager_(averager), local_(local), network_(network), buckets_(buckets) {
+      if (device.is_cuda()) side_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
     }
-  }
+
+    void start(size_t bucket, const at::Tensor& flat, const std::string& who) override {
+      averager_.entered();
+      BucketBuffers& buffers = averager_.bucket_buffers_[static_cast<int>(network_)];
+      std::shared_ptr<c10::Event> copied;
+      if (side_) {
+        c10::Event ready(flat.device().type());
+        ready.record(c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device()));
+        ready.block(*side_);
+        c10::StreamGuard on_side(*side_);
+        buffers.host[bucket][local_].copy_(flat, /*non_blocking=*/true);
+        copied = std::make_shared<c10::Event>(flat.device().type());
+        copied->record(*side_);
+      }
+      summer_.post([this, &buffers, bucket, copied, who, numel = flat.numel()] {
+        try {
+          if (copied) copied->synchronize();
+          averager_.sum_on_host(local_, network_, buffers.host[bucket], buffers.sum[bucket], numel, who);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!failure_) failure_ = std::current_exception();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++summed_;
+        }
+        summed_changed_.notify_all();
+      });
+    }
+
+    void wait(size_t bucket, const at::Tensor& flat, const std::string& /*who*/) override {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        summed_changed_.wait(lock, [&] { return summed_ > bucket; });
+        if (bucket + 1 == buckets_) summed_ = 0;  // the step's last bucket: the next step counts afresh
+        if (failure_) std::rethrow_exception(failure_);
+      }
+      const at::Tensor& sum = averager_.bucket_buffers_[static_cast<int>(network_)].sum[bucket];
+      // From pinned memory, asynchronously: the next write of `sum` comes after every replica's next copy of this
+      // bucket to the host, which its side stream orders after this copy back.
+      flat.copy_(sum, /*non_blocking=*/flat.is_cuda());
+    }
+
+   private:
+    HostAverager& averager_;
+    const int64_t local_;
+    const Network network_;
+    const size_t buckets_;
+    std::optional<c10::Stream> side_;
+    std::mutex mutex_;
+    std::condition_variable summed_changed_;
+    size_t summed_ = 0;  // buckets of this step summed so far
+    std::exception_ptr failure_;  // the first failed sum: rethrown by every later wait()
+    JobThread summer_;            // last: its thread runs jobs that use the members above
+  };
 
   // Sums `flat` (local replica `local`'s, on its device) over every replica, into `flat`.
   void sum_over_replicas(int64_t local, Network network, Slot& slot, const at::Tensor& flat, const std::string& who) {
@@ -572,54 +810,18 @@ class HostAverager final : public GradientAverager {
     at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
     host.copy_(flat);  // the host must read the values: this waits for the device, by design
     if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
-    const at::Tensor sum = sum_host_buffers(local, network, slot, numel, who);
+    const at::Tensor sum = sum_on_host(local, network, slot.host, slot.sum, numel, who);
     // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next (blocking)
     // device-to-host copy on the same stream, which orders after this one.
     flat.copy_(sum, /*non_blocking=*/true);
   }
 
-  // The same with nothing waiting on the host: flat -> pinned memory asynchronously; this replica's thread sums
-  // once that copy has landed and then sets the flag the stream waits for before copying the sum back. `sum` is
-  // next written only after every replica's next copy to the host, which their streams order after this copy back.
-  void sum_over_replicas_overlapped(int64_t local, Network network, Slot& slot, const at::Tensor& flat,
-                                    const std::string& who) {
-    Overlapped& state = *overlapped_[static_cast<int>(network)][local];
-    {
-      std::lock_guard<std::mutex> lock(state.mutex);
-      if (state.failure) std::rethrow_exception(state.failure);
-    }
-    const int64_t numel = flat.numel();
-    at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(true));
-    at::Tensor sum;
-    {
-      // Pinned, as the copy back is queued before the sum exists: from pageable memory CUDA would stage the
-      // (previous) values at once instead of when the stream gets there.
-      std::lock_guard<std::mutex> lock(sum_mutex_);  // the first replica here allocates it for all
-      sum = reserve(slot.sum, numel, host.options().pinned_memory(true));
-    }
-    const c10::Stream stream = c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device());
-    host.copy_(flat, /*non_blocking=*/true);
-    auto copied = std::make_shared<c10::Event>(flat.device().type());
-    copied->record(stream);
-    const uint32_t ticket = ++state.queued;
-    state.thread.post([this, local, network, &slot, numel, who, copied, ticket, &state] {
-      try {
-        copied->synchronize();
-        sum_host_buffers(local, network, slot, numel, who);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(state.mutex);
-        if (!state.failure) state.failure = std::current_exception();
-      }
-      state.flag.set(ticket);  // also after a failure: the stream must not wait for ever
-    });
-    state.flag.enqueue_wait(stream, ticket);
-    flat.copy_(sum, /*non_blocking=*/true);
-  }
-
-  // Sums the replicas' host buffers (the first `numel` elements) into slot.sum, over this process's replicas and
-  // then across processes, and returns that sum. Called by every local replica's thread. The caller reads the
-  // returned tensor, never slot.sum afterwards: replica 0 may already be growing slot.sum for the next call.
-  at::Tensor sum_host_buffers(int64_t local, Network network, Slot& slot, int64_t numel, const std::string& who) {
+  // Sums the replicas' host buffers `hosts` (their first `numel` elements) into `sum_buffer`, over this process's
+  // replicas and then across processes, and returns that sum. Called by one thread of every local replica. Both
+  // are read only after the first barrier, and the caller reads the returned tensor, never `sum_buffer` afterwards:
+  // replica 0 may already be growing it for the next call.
+  at::Tensor sum_on_host(int64_t local, Network network, const std::vector<at::Tensor>& hosts, const at::Tensor& sum_buffer,
+                         int64_t numel, const std::string& who) {
     ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
     barrier.arrive_and_wait(local, who);
 
@@ -628,11 +830,11 @@ class HostAverager final : public GradientAverager {
     const int64_t chunk = (numel + parties - 1) / parties;
     const int64_t begin = std::min(numel, local * chunk);
     const int64_t length = std::min(numel, begin + chunk) - begin;
-    at::Tensor sum = slot.sum.narrow(0, 0, numel);
+    at::Tensor sum = sum_buffer.narrow(0, 0, numel);
     if (length > 0) {
       at::Tensor out = sum.narrow(0, begin, length);
-      out.copy_(slot.host[0].narrow(0, begin, length));
-      for (int64_t i = 1; i < parties; ++i) out.add_(slot.host[i].narrow(0, begin, length));
+      out.copy_(hosts[0].narrow(0, begin, length));
+      for (int64_t i = 1; i < parties; ++i) out.add_(hosts[i].narrow(0, begin, length));
     }
     barrier.arrive_and_wait(local, who);
     if (placement_.launch.multi_process()) {
@@ -655,139 +857,18 @@ class HostAverager final : public GradientAverager {
 
   const Placement placement_;
   const AveragingOptions options_;
-  bool overlap_;                                                             // options.host_overlap, where possible
-  std::array<std::vector<std::unique_ptr<Overlapped>>, 2> overlapped_;       // [network][local replica]
-  std::mutex sum_mutex_;
   std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;  // [network]
   AbortState aborted_;
   std::array<std::array<Slot, 2>, 2> slots_;                 // [network][gradients | statistics]
+  std::array<BucketBuffers, 2> bucket_buffers_;              // [network]
+  std::mutex attach_mutex_;
   at::Tensor broadcast_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::array<c10::intrusive_ptr<c10d::Backend>, 2> host_groups_;  // [network]
+  std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;  // [network][local replica]
 };
 
 // ---- collective averaging ----------------------------------------------------------------------------
-
-// One replica's gradients of one network in buckets, all-reduced as the backward produces them (the
-// design of PyTorch DDP's reducer): each parameter's post-accumulate-grad hook counts its bucket down;
-// a complete bucket is copied into its flat buffer (one cat kernel) and its all-reduce launched
-// asynchronously, in bucket order, so every replica issues the same collectives in the same order. The replicas
-// of one process launch each bucket together (`launch_barrier`): a replica's NCCL kernel must not wait on its
-// device for a peer whose thread may block in a cudaFree meanwhile (that deadlocks: docs/strategy.md).
-class BucketReducer {
- public:
-  BucketReducer(std::vector<at::Tensor> parameters, int64_t first_cap_bytes, int64_t cap_bytes,
-                c10::intrusive_ptr<c10d::Backend> group, int64_t local, ReplicaBarrier& launch_barrier,
-                const AbortState& aborted, std::function<void()> entered)
-      : parameters_(std::move(parameters)),
-        group_(std::move(group)),
-        local_(local),
-        launch_barrier_(launch_barrier),
-        aborted_(aborted),
-        entered_(std::move(entered)) {
-    bucket_of_.resize(parameters_.size());
-    // Reverse registration order: the backward reaches the last layers first.
-    for (int64_t i = static_cast<int64_t>(parameters_.size()) - 1; i >= 0; --i) {
-      const at::Tensor& p = parameters_[i];
-      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-      // The bucket being filled is the first one (smaller cap) or a later one.
-      const int64_t cap = buckets_.size() == 1 ? first_cap_bytes : cap_bytes;
-      if (buckets_.empty() || (buckets_.back().bytes > 0 && buckets_.back().bytes + bytes > cap)) {
-        buckets_.emplace_back();
-      }
-      Bucket& bucket = buckets_.back();
-      bucket.members.push_back(i);
-      bucket.bytes += bytes;
-      bucket.numel += p.numel();
-      bucket_of_[i] = static_cast<int64_t>(buckets_.size()) - 1;
-    }
-    for (Bucket& bucket : buckets_) {
-      bucket.flat = at::empty({bucket.numel}, parameters_[bucket.members[0]].options().requires_grad(false));
-      bucket.pending = static_cast<int64_t>(bucket.members.size());
-    }
-  }
-
-  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
-
-  // Whether the hooks of the coming backward count (GradientAverager::set_final_backward).
-  void set_final_backward(bool final) { final_backward_ = final; }
-
-  // Autograd's hook: parameter `index` has its gradient for this backward.
-  void ready(size_t index, const std::string& who) {
-    if (!final_backward_) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    Bucket& bucket = buckets_[bucket_of_[index]];
-    TORCH_CHECK(!bucket.launched && bucket.pending > 0, who, ": a gradient was produced twice before averaging "
-                "(two backward passes through the network in one step are not supported with bucketed averaging)");
-    --bucket.pending;
-    while (next_ < buckets_.size() && buckets_[next_].pending == 0) launch(buckets_[next_++], who);
-  }
-
-  // After the backward: launches what the hooks did not (parameters without gradients: `grads` holds
-  // zeros for them), waits for every bucket, divides by `replicas` and writes the averages into `grads`.
-  void finish(const std::vector<at::Tensor>& grads, int64_t replicas, const std::string& who,
-              std::chrono::milliseconds timeout) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(grads.size() == parameters_.size(), who, ": expected the gradients of the ", parameters_.size(),
-                " attached parameters, got ", grads.size());
-    while (next_ < buckets_.size()) launch(buckets_[next_++], who, &grads);
-    for (Bucket& bucket : buckets_) {
-      wait_for(bucket.work, who, "all-reducing a gradient bucket", timeout, aborted_, bucket.flat.is_cuda());
-      bucket.work.reset();
-      bucket.flat.div_(replicas);
-      int64_t offset = 0;
-      for (int64_t i : bucket.members) {
-        grads[i].copy_(bucket.flat.narrow(0, offset, grads[i].numel()).view(grads[i].sizes()));
-        offset += grads[i].numel();
-      }
-      bucket.launched = false;
-      bucket.pending = static_cast<int64_t>(bucket.members.size());
-    }
-    next_ = 0;
-  }
-
-  const std::vector<at::Tensor>& parameters() const { return parameters_; }
-
- private:
-  struct Bucket {
-    std::vector<int64_t> members;  // parameter indices, in the order the backward tends to produce them
-    int64_t bytes = 0, numel = 0;
-    at::Tensor flat;
-    int64_t pending = 0;  // members whose gradient this backward has not produced yet
-    bool launched = false;
-    c10::intrusive_ptr<c10d::Work> work;
-  };
-
-  void launch(Bucket& bucket, const std::string& who, const std::vector<at::Tensor>* grads = nullptr) {
-    std::vector<at::Tensor> pieces;
-    pieces.reserve(bucket.members.size());
-    for (int64_t i : bucket.members) {
-      const at::Tensor grad = grads != nullptr ? (*grads)[i] : parameters_[i].grad();
-      TORCH_CHECK(grad.defined(), "bucketed averaging: parameter ", i, " has no gradient");
-      pieces.push_back(grad.reshape({-1}));
-    }
-    at::cat_out(bucket.flat, pieces, 0);
-    entered_();
-    launch_barrier_.arrive_and_wait(local_, who);
-    std::vector<at::Tensor> buffers{bucket.flat};
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    bucket.work = group_->allreduce(buffers, options);
-    bucket.launched = true;
-  }
-
-  std::vector<at::Tensor> parameters_;
-  c10::intrusive_ptr<c10d::Backend> group_;
-  const int64_t local_;              // the local replica whose gradients these are
-  ReplicaBarrier& launch_barrier_;  // the averager's, for this network
-  const AbortState& aborted_;       // the averager's
-  std::function<void()> entered_;   // counts the averager's progress
-  std::vector<int64_t> bucket_of_;
-  std::vector<Bucket> buckets_;
-  size_t next_ = 0;  // the next bucket to launch
-  std::mutex mutex_;
-  std::atomic<bool> final_backward_{true};
-};
 
 class CollectiveAverager final : public GradientAverager {
  public:
@@ -811,16 +892,7 @@ class CollectiveAverager final : public GradientAverager {
 #endif
   }
 
-  ~CollectiveAverager() override {
-    // The modules outlive the trainer (replica 0's are the caller's): their hooks must not call into
-    // this averager after it is gone.
-    for (auto& reducers : reducers_) {
-      for (auto& reducer : reducers) {
-        if (!reducer) continue;
-        for (const at::Tensor& p : reducer->parameters()) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
-      }
-    }
-  }
+  ~CollectiveAverager() override { detach_hooks(reducers_); }
 
   void connect(int64_t local) override {
     // Every local replica joins concurrently (Gloo's rendezvous needs all ranks at once); one group
@@ -877,17 +949,9 @@ class CollectiveAverager final : public GradientAverager {
   void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
     if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
     const int n = static_cast<int>(network);
-    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes,
-                                                   groups_[n][local], local, *barriers_[n], aborted_, [this] { entered(); });
-    const std::string who = where(placement_, local, network);
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      TORCH_CHECK(parameters[i].is_leaf() && parameters[i].requires_grad(), who, ": parameter ", i,
-                  " must be a leaf that requires grad to be averaged by hooks");
-      TORCH_CHECK(!torch::autograd::impl::post_acc_grad_hooks(parameters[i]), who, ": parameter ", i,
-                  " already has a post-accumulate-grad hook (one averager per parameter)");
-      torch::autograd::impl::set_post_acc_grad_hooks(
-          parameters[i], std::make_unique<ReadyHook>(reducer.get(), i, who));
-    }
+    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+    reducer->set_transport(std::make_unique<AllReducedBuckets>(*this, local, network, reducer->buckets()));
+    attach_hooks(*reducer, where(placement_, local, network));
     reducers_[n][local] = std::move(reducer);
   }
 
@@ -901,7 +965,7 @@ class CollectiveAverager final : public GradientAverager {
     aborted_.check(who);
     const int n = static_cast<int>(network);
     if (BucketReducer* reducer = reducers_[n][local].get()) {
-      reducer->finish(grads, placement_.global_replicas(), who, options_.timeout);
+      reducer->finish(grads, placement_.global_replicas(), who);
       return;
     }
     at::Tensor flat = flatten_into(flats_[n][local], grads);
@@ -963,16 +1027,33 @@ class CollectiveAverager final : public GradientAverager {
   }
 
  private:
-  class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+  // A bucket's all-reduce, launched asynchronously on the network's group. The replicas of one process launch each
+  // bucket together (the network's launch barrier): a replica's NCCL kernel must not wait on its device for a peer
+  // whose thread may block in a cudaFree meanwhile (that deadlocks, see average()).
+  class AllReducedBuckets final : public BucketTransport {
    public:
-    ReadyHook(BucketReducer* reducer, size_t index, std::string who)
-        : reducer_(reducer), index_(index), who_(std::move(who)) {}
-    void operator()(const torch::autograd::Variable&) override { reducer_->ready(index_, who_); }
+    AllReducedBuckets(CollectiveAverager& averager, int64_t local, Network network, size_t buckets)
+        : averager_(averager), local_(local), network_(network), works_(buckets) {}
+    void start(size_t bucket, const at::Tensor& flat, const std::string& who) override {
+      averager_.entered();
+      const int n = static_cast<int>(network_);
+      averager_.barriers_[n]->arrive_and_wait(local_, who);
+      std::vector<at::Tensor> buffers{flat};
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      works_[bucket] = averager_.groups_[n][local_]->allreduce(buffers, options);
+    }
+    void wait(size_t bucket, const at::Tensor& flat, const std::string& who) override {
+      c10::intrusive_ptr<c10d::Work> work = std::move(works_[bucket]);
+      wait_for(work, who, "all-reducing a gradient bucket", averager_.options_.timeout, averager_.aborted_,
+               flat.is_cuda());
+    }
 
    private:
-    BucketReducer* reducer_;
-    size_t index_;
-    std::string who_;
+    CollectiveAverager& averager_;
+    const int64_t local_;
+    const Network network_;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   };
 
   void all_reduce(int64_t local, Network network, const at::Tensor& tensor, const std::string& who, const char* what) {

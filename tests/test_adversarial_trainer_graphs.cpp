@@ -467,24 +467,30 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
   }
 }
 
-// Host averaging with AveragingOptions::host_overlap (the step's thread queues on while a thread of the replica
-// sums; the stream waits on a host flag) gives the numbers of host averaging that waits: data on 2 GPUs, eager, and
-// as graphs, where the trainer turns the overlap off (it hung between replayed segments) and must still agree.
-TEST(AdversarialTrainerGraphs, OverlappedHostAveragingEqualsWaiting) {
+// Host averaging on 2 GPUs: eager steps sum buckets on the replicas' threads during the backward (caps of a few
+// hundred bytes cut the networks into several), and give the numbers of one flat buffer per network after the
+// backward (caps 0) and of captured steps (flat, between the segments) bit for bit: every element is the same sum
+// of the same two values, divided alike. Two runs of each kind in one process, as a user's runs follow each other.
+TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   const auto placement = hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {});
-  for (const bool graphs : {false, true}) {
-    auto waiting = graphs ? eager_and_graph_options().second : eager_and_graph_options().first;
-    auto overlapped = waiting;
-    overlapped.averaging.host_overlap = true;
-    const TrainedRun a = train(placement, overlapped, reals, 4, 6);
-    const TrainedRun b = train(placement, waiting, reals, 4, 6);
+  auto bucketed = eager_and_graph_options().first;
+  bucketed.averaging.first_bucket_cap_bytes = 64;
+  bucketed.averaging.bucket_cap_bytes = 512;
+  auto flat = bucketed;
+  flat.averaging.bucket_cap_bytes = 0;
+  const auto graphs = eager_and_graph_options().second;
+  for (int round = 0; round < 2; ++round) {
+    const std::string what = "data x2, host averaging, round " + std::to_string(round) + ": ";
+    const TrainedRun a = train(placement, bucketed, reals, 4, 6);
+    const TrainedRun b = train(placement, flat, reals, 4, 6);
+    const TrainedRun c = train(placement, graphs, reals, 4, 6);
     expect_moved(a, 4);
-    expect_same_run(a, b, Tolerance{0, 0}, std::string("data x2, host averaging, ") + (graphs ? "graphs" : "eager") +
-                                               ": overlapped vs waiting");
+    expect_same_run(a, b, Tolerance{0, 0}, what + "bucketed vs flat");
+    expect_same_run(c, b, Tolerance{0, 0}, what + "graphs vs eager flat");
   }
 }
 

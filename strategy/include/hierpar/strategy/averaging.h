@@ -1,8 +1,9 @@
 // Gradient averaging across the replicas of a placement, behind one interface with two implementations:
-//  - host: each replica flattens a network's gradients into one pinned host buffer; one thread per replica
-//    (like seed 000's OpenMP threads) each sum one slice over all replicas; the sum goes back to every
-//    replica's device (across processes the host sums meet through Gloo). On CUDA the thread that queues a
-//    replica's step never waits for its device meanwhile (AveragingOptions::host_overlap);
+//  - host: the gradients go to pinned host memory, one thread per replica (like seed 000's OpenMP threads)
+//    each sums one slice over all replicas, and the sum goes back to every replica's device (across
+//    processes the host sums meet through Gloo). Eager steps move buckets as the backward produces them
+//    (copied on a side stream, summed on a thread of the replica while the backward goes on); captured steps
+//    move one flat buffer per network between the replayed segments;
 //  - collective: a c10d process group (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU) all-reduces
 //    the gradients, either in buckets launched by autograd hooks while the backward still runs (the
 //    default, like PyTorch DDP's reducer) or, with bucket_cap_bytes = 0, as ONE flat buffer per network
@@ -105,24 +106,17 @@ struct AveragingOptions {
   // Where the processes of a multi-process placement meet (a RunGuard's store, so that its heartbeats and the
   // process groups share one namespace); null: connect_launch_store(placement.launch, timeout).
   c10::intrusive_ptr<c10d::Store> store;
-  // Collective averaging only (host averaging always moves one flat buffer per network): gradients are
-  // grouped into buckets of at most this many bytes, in reverse registration order (the backward
-  // produces the last layers' gradients first); a bucket's all-reduce starts, asynchronously, as soon as
-  // the backward has produced all of its gradients and every earlier bucket has started (the same
-  // order on every replica). As in DDP the first bucket is smaller (first_bucket_cap_bytes) so that
-  // communication starts early. 0 turns bucketing off: one flat buffer per network, all-reduced after
-  // the backward (for comparison).
+  // Gradients are grouped into buckets of at most this many bytes, in reverse registration order (the
+  // backward produces the last layers' gradients first); a bucket's sum starts, asynchronously, as soon as
+  // the backward has produced all of its gradients and every earlier bucket has started (the same order on
+  // every replica): an all-reduce (collective), or a copy to pinned memory on a side stream that a thread of
+  // the replica sums over the replicas while the backward goes on (host; the device never waits for the host).
+  // As in DDP the first bucket is smaller (first_bucket_cap_bytes) so that the sums start early. Buckets need
+  // the backward's hooks, so captured steps (CUDA graphs) average one flat buffer per network between their
+  // segments, as does host averaging with synchronized BatchNorm. 0 turns bucketing off: one flat buffer per
+  // network after the backward (for comparison).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   int64_t first_bucket_cap_bytes = 1024 * 1024;
-  // Host averaging of CUDA gradients without the host waiting for the device: each replica's gradients go to
-  // pinned memory by an asynchronous copy, a thread of the replica's sums them when the copy has landed, and the
-  // device's stream waits for that thread's flag (cuStreamWaitValue32) before copying the average back. The
-  // thread that queues the step's device work goes on meanwhile (a task or hierarchical step then runs D's next
-  // real pass while G's gradients are summed). A failure in a sum is reported by the replica's next average().
-  // Eager steps only. Off (or without stream memory operations, with synchronized BatchNorm, whose sums share the
-  // replicas' barriers, or in a captured step, where it hung between replayed segments for a cause not found):
-  // the host waits for the copy, sums, and returns. Off by default, as CUDA graphs are on by default.
-  bool host_overlap = false;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).
