@@ -3,7 +3,7 @@
 // placement -- single (1 GPU), task (G and D on 2 GPUs), data (a replica per GPU, 2 and 4), hierarchical
 // (2 replicas x (G GPU, D GPU) = 4 GPUs) -- each multi-replica scheme with host and NCCL averaging, at
 // global batches 64 (the seed's), 1024 and 4096 in tf32 (float32 with TF32), and 1024 and 4096 in bf16
-// (hierpar::strategy::StepPrecision, applied with a PrecisionScope). The stock row is the
+// (hierpar::strategy::StepPrecision, which the trainer applies to its steps). The stock row is the
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
 // layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
 // after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after
@@ -225,7 +225,6 @@ void strategy_suite(Report& report, const Options& options) {
   std::vector<Result> results;
   std::vector<std::string> skipped;
   for (const Case& c : cases) {
-    const hs::PrecisionScope precision(c.precision);  // TF32 on for both precisions' float32 work, whatever ran before
     for (const Row& row : rows) {
       const bool nccl = std::string(row.reduce) == "nccl";
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
@@ -268,8 +267,7 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.cuda_graphs = true;
         // The stock row on one stream, as stock LibTorch code runs a step.
         trainer_options.overlap_passes = row.layers != hierpar::LayerSet::stock;
-        trainer_options.autocast_dtype = c.precision.autocast_dtype();
-        trainer_options.channels_last = c.precision.channels_last;
+        trainer_options.precision = c.precision;
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.sync_batch_norm = row.sync_bn;

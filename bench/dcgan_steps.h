@@ -113,8 +113,9 @@ class TrainerStep : public TrainingStep {
     options.noise_shape = {model.nz, 1, 1};
     options.fused_adam = true;
     options.cuda_graphs = graphs;
-    options.autocast_dtype = bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt;
-    options.channels_last = channels_last;
+    // The suite's float32 rows use TF32, as the scope it sets for the stock rows does.
+    options.precision.math = bf16 ? hierpar::strategy::StepPrecision::Math::bf16 : hierpar::strategy::StepPrecision::Math::tf32;
+    options.precision.channels_last = channels_last;
     options.loss_log_steps = 1 << 14;  // no host sync inside the timed steps
     // HIERPAR_BENCH_OVERLAP=0: the step on one stream (same-process A/B of options.overlap_passes).
     const char* overlap = std::getenv("HIERPAR_BENCH_OVERLAP");

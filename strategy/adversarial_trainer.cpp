@@ -412,7 +412,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       std::lock_guard<std::mutex> lock(cpu_generator.mutex());
       cpu_generator.set_state(cpu_generator_state);
     }
-    if (options_.channels_last) {
+    if (options_.precision.channels_last) {
       convert_to_channels_last(*replica->generator.ptr());
       convert_to_channels_last(*replica->discriminator.ptr());
     }
@@ -613,6 +613,7 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   losses->discriminator_fake.resize(reals.size());
   losses->generator.resize(reals.size());
   const int64_t step = steps_++;
+  const PrecisionScope precision(options_.precision);
   try {
     workers_->run(
         [this, losses, reals, shares, step](int64_t i) {
@@ -755,7 +756,7 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
   const ReplicaDevices& devices = placement_.replicas[local];
   if (!r.static_real.defined()) {
     r.static_real = torch::empty(real_share.sizes(), real_share.options().device(devices.discriminator),
-                                 options_.channels_last && real_share.dim() == 4 ? at::MemoryFormat::ChannelsLast
+                                 options_.precision.channels_last && real_share.dim() == 4 ? at::MemoryFormat::ChannelsLast
                                                                                  : at::MemoryFormat::Contiguous);
     r.noise_given = noise_share.defined();
     if (r.noise_given) r.static_noise = torch::empty(noise_share.sizes(), noise_share.options().device(devices.generator));
@@ -818,7 +819,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   const c10::Device& d_device = devices.discriminator;
   const bool two_devices = g_device != d_device;
   const AdversarialLoss& loss = options_.loss;
-  auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.autocast_dtype); };
+  auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.precision.autocast_dtype()); };
 
   // The step as pieces. on(device, name, work): work of one device, run now (eager) or captured into the open
   // segment of that device's CapturedStep, a new segment starting where the step moves to the other device.
@@ -878,7 +879,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     if (!two_devices) {
       main_stream = current_stream(d_device);
       fake_stream = fake_pass_stream(local);
-      autocast_cache_off.emplace(fake_stream.has_value() && options_.autocast_dtype.has_value());
+      autocast_cache_off.emplace(fake_stream.has_value() && options_.precision.autocast_dtype().has_value());
     }
     const torch::Tensor noise = noise_share.defined() ? noise_share.to(g_device, /*non_blocking=*/true)
                                                       : draw_noise(local, real_share.size(0));
@@ -897,7 +898,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   torch::Tensor d_loss_real, d_loss_fake, g_loss;
   on(d_device, "D real", [&] {
     torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
-    if (options_.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
+    if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
     r.discriminator_optimizer->zero_grad();
     {
       auto scope = autocast(d_device);

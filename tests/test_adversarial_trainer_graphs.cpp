@@ -230,7 +230,7 @@ TEST(AdversarialTrainerSteps, FusedAdamMatchesTorchAdam) {
 TEST(AdversarialTrainerSteps, ChannelsLastMatchesContiguous) {
   const auto reals = batches(3, 6, torch::kCPU);
   auto channels_last = base_options();
-  channels_last.channels_last = true;
+  channels_last.precision.channels_last = true;
   channels_last.fused_adam = true;
   auto contiguous = base_options();
   contiguous.fused_adam = true;
@@ -305,8 +305,7 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
     eager.loss_log_steps = 4;
     eager.generator_ema_decay = 0.9;  // captured with G's update
     if (bf16) {
-      eager.autocast_dtype = torch::kBFloat16;
-      eager.channels_last = true;
+      eager.precision = hs::StepPrecision{hs::StepPrecision::Math::bf16, true};
     }
     auto graphs = eager;
     graphs.cuda_graphs = true;
@@ -385,8 +384,7 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
     one_stream.fused_adam = true;
     one_stream.overlap_passes = false;
     if (bf16) {
-      one_stream.autocast_dtype = torch::kBFloat16;
-      one_stream.channels_last = true;
+      one_stream.precision = hs::StepPrecision{hs::StepPrecision::Math::bf16, true};
     }
     auto overlapped = one_stream;
     overlapped.overlap_passes = true;
@@ -419,11 +417,11 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
       hs::AdversarialOptions options;
       options.noise_shape = {model.nz, 1, 1};
       options.fused_adam = true;
-      options.channels_last = true;
+      options.precision.channels_last = true;
       options.overlap_passes = overlap;
       options.cuda_graphs = graphs;
       options.graph_warmup_steps = 2;
-      if (bf16) options.autocast_dtype = torch::kBFloat16;
+      if (bf16) options.precision.math = hs::StepPrecision::Math::bf16;
       hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
       torch::manual_seed(noise);
       torch::cuda::manual_seed_all(noise);

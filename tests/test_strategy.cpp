@@ -406,9 +406,9 @@ TEST(StrategyTrainer, Bf16AutocastTakesEffectAndKeepsTheSchemesConsistent) {
   const auto data = make_data(8, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   auto fp32 = test_options();
-  fp32.channels_last = true;
+  fp32.precision.channels_last = true;
   auto bf16 = fp32;
-  bf16.autocast_dtype = torch::kBFloat16;
+  bf16.precision.math = hs::StepPrecision::Math::bf16;
   const auto single_cpu = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {});
   for (bool bn : {false, true}) {
     const std::string what = bn ? "bf16 autocast, BatchNorm" : "bf16 autocast";
@@ -950,12 +950,11 @@ TEST(StrategyTrainerCuda, BucketedEqualsFlatAndSyncBatchNormMatchesSingle) {
   expect_states_equal(synced[1], synced[0], "NCCL sync BN replica 1 vs 0");
 }
 
-// Against the CPU's float32 reference the GPUs compute float32 too: with cuDNN's TF32 convolutions (on by default)
-// single weights ended 1% off after the test's Adam steps.
+// Against the CPU's float32 reference the GPUs compute float32 too (the trainer's default precision): with cuDNN's
+// TF32 convolutions, ATen's default, single weights ended 1% off after the test's Adam steps.
 TEST(StrategyTrainerCuda, HierarchicalMatchesPerPartReference) {
   HIERPAR_REQUIRE_GPUS(4);
   deterministic_cudnn();
-  const hs::PrecisionScope fp32(hs::StepPrecision{});
   const auto data = make_data(16, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   const auto reference = reference_per_part(true, data, 2, init);  // on the CPU, in fp32

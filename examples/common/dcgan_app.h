@@ -97,7 +97,7 @@ int train_dcgan(DCGANTrainConfig config);
 // flag for unknown values and for requests the device cannot serve (graphs or bf16 on the CPU).
 struct StepSettings {
   bool graphs = false, fused_adam = false, overlap = true;
-  hierpar::strategy::StepPrecision precision;  // applied around the steps with a PrecisionScope
+  hierpar::strategy::StepPrecision precision;  // the trainer applies it to its steps, train and tune to the rest
   std::string describe() const;  // e.g. "CUDA graphs on, FusedAdam, bf16 autocast, channels_last"
 };
 StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType device_type);

@@ -116,8 +116,7 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.fused_adam = step.fused_adam;
   options.cuda_graphs = step.graphs;
   options.overlap_passes = step.overlap;
-  options.autocast_dtype = step.precision.autocast_dtype();
-  options.channels_last = step.precision.channels_last;
+  options.precision = step.precision;
   options.loss_log_steps = config.log_every;
   options.generator_ema_decay = config.ema;
   options.sync_batch_norm = config.sync_batch_norm;

@@ -254,7 +254,7 @@ int train_dcgan(DCGANTrainConfig config) {
       at::globalContext().setBenchmarkCuDNN(config.cudnn_benchmark);
       at::globalContext().setDeterministicCuDNN(!config.cudnn_benchmark);
     }
-    const hs::PrecisionScope precision(step.precision);  // TF32 as --precision says, for the whole run
+    const hs::PrecisionScope precision(step.precision);  // TF32 as --precision says for the rest of the run (samples)
     // Built on the CPU; the trainer moves them to replica 0's devices and clones the other local replicas.
     models::Generator generator(config.model);
     models::Discriminator discriminator(config.model);

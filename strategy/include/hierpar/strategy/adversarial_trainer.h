@@ -45,6 +45,7 @@
 #include "hierpar/strategy/averaging.h"
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/placement.h"
+#include "hierpar/strategy/precision.h"
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -93,10 +94,11 @@ struct AdversarialOptions {
   // Needs CUDA devices; synchronized BatchNorm over several replicas falls back to eager steps.
   bool cuda_graphs = false;
   int64_t graph_warmup_steps = 3;
-  // The forward passes and losses run under autocast to this dtype (e.g. bf16 on CUDA); nullopt: none.
-  std::optional<c10::ScalarType> autocast_dtype;
-  // 4-d parameters and the real batches in channels_last (the networks' activations follow).
-  bool channels_last = false;
+  // How the step computes (precision.h): fp32, tf32 (TF32 convolutions and matmuls on CUDA) or bf16 autocast of the
+  // forward passes and losses, and whether 4-d parameters and the real batches are channels_last (the activations
+  // follow). Applied around every step as a PrecisionScope (ATen's TF32 switches are process-wide: set for the step,
+  // restored after). The default is plain float32, whatever ATen's own defaults.
+  StepPrecision precision;
   // > 0: an exponential moving average of G's parameters, ema = decay * ema + (1 - decay) * p after each G
   // update, starting from the initial parameters (generator_ema()); the GAN practice of sampling and evaluating
   // from averaged weights. Part of the step: on G's device, in the captured graph too. In [0, 1).
