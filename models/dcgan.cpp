@@ -1,5 +1,7 @@
 #include "hierpar/models/dcgan.h"
 
+#include "hierpar/nn/recompute.h"
+
 #include <torch/nn/init.h>
 
 #include <algorithm>
@@ -12,6 +14,13 @@ namespace {
 constexpr double kLeakySlope = 0.2;
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// A convolution followed by its BatchNorm and activation, recomputed in the backward when asked.
+torch::Tensor block(const Layer& conv, const Layer& norm, const torch::Tensor& x, bool recompute) {
+  if (!recompute) return norm.forward(conv.forward(x));
+  return nn::recompute([conv, norm](const torch::Tensor& in) { return norm.forward(conv.forward(in)); }, x,
+                       {conv.module, norm.module});
+}
 
 }  // namespace
 
@@ -90,7 +99,7 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
               "Generator: expected noise of shape [N, ", options.nz, "] or [N, ", options.nz, ", 1, 1], got ",
               z.sizes());
   auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
-  for (size_t i = 0; i < norms_.size(); ++i) x = norms_[i].forward(deconvs_[i].forward(x));
+  for (size_t i = 0; i < norms_.size(); ++i) x = block(deconvs_[i], norms_[i], x, options.recompute);
   return torch::tanh(deconvs_.back().forward(x));
 }
 
@@ -133,7 +142,7 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
   auto x = convs_[0].forward(images);  // conv1 and its LeakyReLU
-  for (size_t i = 0; i < norms_.size(); ++i) x = norms_[i].forward(convs_[i + 1].forward(x));
+  for (size_t i = 0; i < norms_.size(); ++i) x = block(convs_[i + 1], norms_[i], x, options.recompute);
   return convs_.back().forward(x).flatten();
 }
 

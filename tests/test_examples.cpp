@@ -787,6 +787,8 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
                     "batch 0");
   expect_flag_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
   expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
+  expect_flag_error(run_dcgan(base + "--memory offload", dir), "--memory: expected none or recompute, got 'offload'",
+                    "memory mode");
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
   expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
   expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");

@@ -329,7 +329,8 @@ int train_dcgan(DCGANTrainConfig config) {
     const NamedOptimizers optimizers{{"generator", &trainer->generator_optimizer(0)},
                                      {"discriminator", &trainer->discriminator_optimizer(0)}};
 
-    say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) + "; generator " +
+    say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
+        (config.model.recompute ? ", activations recomputed in the backward" : "") + "; generator " +
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
         std::to_string(count_parameters(*discriminator)) + "; data " +
         (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));

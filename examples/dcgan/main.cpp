@@ -2,7 +2,7 @@
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
 //                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl --sync-bn]
 //                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
-//                          [--overlap on|off]
+//                          [--overlap on|off --memory none|recompute]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //                          [--resume auto --timeout S --inject-fault KIND@STEP[:REPLICA]]
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
@@ -45,7 +45,7 @@ constexpr const char* kUsage =
 
 // The flags that define the data, the model, the placement and the step: train and tune take them alike.
 struct RunFlags {
-  std::string layers = "hierpar", batch_size = "64";
+  std::string layers = "hierpar", batch_size = "64", memory = "none";
   int64_t image_size = 64, channels = 0, nz = 100;
   double width = 1.0;
 };
@@ -67,6 +67,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("channels", &run.channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
       .add("width", &run.width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
       .add("nz", &run.nz, "noise dimension", 1)
+      .add("memory", &run.memory, "activation memory: none, or recompute (each convolution block keeps only its input "
+           "and runs its forward again in the backward: less memory, one more forward, the same numbers)")
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
@@ -90,6 +92,9 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   config.model.channels = run.channels;
   config.model.width = run.width;
   config.model.nz = run.nz;
+  if (run.memory != "none" && run.memory != "recompute")
+    throw FlagError("--memory: expected none or recompute, got '" + run.memory + "'");
+  config.model.recompute = run.memory == "recompute";
   if (run.image_size != 32 && run.image_size != 64 && run.image_size != 128)
     throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(run.image_size));
   if (run.channels != 0 && run.channels != 1 && run.channels != 3)

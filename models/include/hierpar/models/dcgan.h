@@ -31,6 +31,9 @@ struct DCGANOptions {
   int64_t channels = 3;      // image channels: 1 or 3
   double width = 1.0;        // channel multiplier: the layer next to the image has round(32 * width)
   LayerSet layers = LayerSet::stock;
+  // Activation recomputation (hierpar/nn/recompute.h, seed 001): each convolution with its BatchNorm and activation
+  // keeps only its input for the backward and runs again there. Less memory, one more forward; same numbers.
+  bool recompute = false;
 
   // Throws c10::Error naming the option and the accepted values.
   void validate() const;

@@ -1,0 +1,209 @@
+// hierpar::nn::recompute (models/include/hierpar/nn/recompute.h) and the DCGAN's --memory recompute: the same
+// numbers as keeping the activations, forward, backward, second derivatives, BatchNorm's running statistics, under
+// autocast and through the trainer; and less memory on CUDA.
+#include "testing.h"
+
+#include "hierpar/models/dcgan.h"
+#include "hierpar/models/layer_factory.h"
+#include "hierpar/nn/recompute.h"
+#include "hierpar/strategy/adversarial_trainer.h"
+#include "hierpar/strategy/placement.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/torch.h>
+
+namespace {
+
+using hierpar::LayerSet;
+namespace hs = hierpar::strategy;
+
+// A convolution with its BatchNorm and LeakyReLU, from either layer set; `copy` takes another block's state.
+struct ConvBlock {
+  hierpar::models::Layer conv, norm;
+  ConvBlock(LayerSet layers, int64_t in, int64_t out) {
+    conv = hierpar::models::make_conv2d(layers, torch::nn::Conv2dOptions(in, out, 3).stride(2).padding(1).bias(false));
+    norm = hierpar::models::make_batch_norm_act2d(layers, out, hierpar::nn::Activation::leaky_relu, 0.2);
+  }
+  torch::Tensor forward(const torch::Tensor& x) const { return norm.forward(conv.forward(x)); }
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const { return {conv.module, norm.module}; }
+  std::vector<torch::Tensor> parameters() const {
+    auto p = conv.module->parameters();
+    for (const auto& t : norm.module->parameters()) p.push_back(t);
+    return p;
+  }
+  std::vector<torch::Tensor> buffers() const { return norm.module->buffers(); }
+  void copy(const ConvBlock& other) {
+    torch::NoGradGuard no_grad;
+    auto mine = parameters(), theirs = other.parameters();
+    for (size_t i = 0; i < mine.size(); ++i) mine[i].copy_(theirs[i]);
+  }
+};
+
+void expect_all_equal(const std::vector<torch::Tensor>& actual, const std::vector<torch::Tensor>& expected,
+                      const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_TRUE(actual[i].defined() && expected[i].defined()) << what << ": tensor " << i;
+    hierpar::testing::expect_close(actual[i], expected[i], {0, 0}, what + ": tensor " + std::to_string(i));
+  }
+}
+
+std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.grad().defined() ? t.grad().clone() : torch::Tensor());
+  return out;
+}
+
+}  // namespace
+
+// Output, input and parameter gradients and the running statistics of a block run through recompute() equal the
+// block run directly, for both layer sets, odd sizes and channels_last; the statistics advance once per forward.
+TEST(Recompute, BlockEqualsTheBlockRunDirectly) {
+  for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+    for (const bool channels_last : {false, true}) {
+      const std::string what = std::string(layers == LayerSet::stock ? "stock" : "hierpar") +
+                               (channels_last ? ", channels_last" : "");
+      const int64_t batch = hierpar::testing::rand_int(1, 4), in = 3, out = hierpar::testing::rand_int(2, 6);
+      const int64_t size = hierpar::testing::rand_int(5, 11);
+      ConvBlock direct(layers, in, out), recomputed(layers, in, out);
+      recomputed.copy(direct);
+      auto x = hierpar::testing::random_tensor({batch, in, size, size}, torch::kFloat);
+      if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+      const auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+      const auto y1 = direct.forward(x1);
+      const auto y2 = hierpar::nn::recompute([&](const torch::Tensor& t) { return recomputed.forward(t); }, x2,
+                                             recomputed.modules());
+      EXPECT_EQ(y2.grad_fn()->name(), "hierpar::RecomputeBackward") << what;
+      hierpar::testing::expect_close(y2, y1, {0, 0}, what + ": output");
+      const auto grad = hierpar::testing::random_tensor(y1.sizes(), torch::kFloat);
+      y1.backward(grad);
+      y2.backward(grad);
+      hierpar::testing::expect_close(x2.grad(), x1.grad(), {0, 0}, what + ": input gradient");
+      expect_all_equal(grads_of(recomputed.parameters()), grads_of(direct.parameters()), what + ": parameter gradients");
+      expect_all_equal(recomputed.buffers(), direct.buffers(), what + ": running statistics after one forward");
+    }
+  }
+}
+
+// Without a restore of the buffers the recomputation would count the batch twice: the statistics would differ.
+TEST(Recompute, RecomputationLeavesTheBuffersAsTheForwardLeftThem) {
+  ConvBlock block(LayerSet::hierpar, 3, 4);
+  const auto x = hierpar::testing::random_tensor({2, 3, 8, 8}, torch::kFloat).requires_grad_(true);
+  const auto y = hierpar::nn::recompute([&](const torch::Tensor& t) { return block.forward(t); }, x, block.modules());
+  std::vector<torch::Tensor> after_forward;
+  for (const auto& b : block.buffers()) after_forward.push_back(b.clone());
+  y.sum().backward();
+  expect_all_equal(block.buffers(), after_forward, "buffers after the backward's recomputation");
+}
+
+// Second derivatives (an R1-style penalty: the squared norm of the input gradient, differentiated again) through
+// recompute() equal those of the block run directly: stock layers in double, which differentiate twice.
+TEST(Recompute, SecondDerivativesEqualTheBlockRunDirectly) {
+  ConvBlock direct(LayerSet::stock, 2, 3), recomputed(LayerSet::stock, 2, 3);
+  for (auto* b : {&direct, &recomputed}) {
+    b->conv.module->to(torch::kDouble);
+    b->norm.module->to(torch::kDouble);
+  }
+  recomputed.copy(direct);
+  const auto x = hierpar::testing::random_tensor({3, 2, 7, 7}, torch::kDouble);
+  auto penalty = [](const torch::Tensor& y, const torch::Tensor& input) {
+    const auto g = torch::autograd::grad({y.square().sum()}, {input}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    return g.square().sum();
+  };
+  const auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+  penalty(direct.forward(x1), x1).backward();
+  penalty(hierpar::nn::recompute([&](const torch::Tensor& t) { return recomputed.forward(t); }, x2, recomputed.modules()),
+          x2)
+      .backward();
+  const hierpar::testing::Tolerance tol{1e-10, 1e-12};
+  hierpar::testing::expect_close(x2.grad(), x1.grad(), tol, "input gradient of the penalty");
+  const auto a = grads_of(recomputed.parameters()), b = grads_of(direct.parameters());
+  for (size_t i = 0; i < a.size(); ++i) hierpar::testing::expect_close(a[i], b[i], tol, "parameter " + std::to_string(i));
+}
+
+// The recomputation runs under the autocast state of the forward, even when the backward runs outside it.
+TEST(Recompute, RecomputesUnderTheForwardsAutocast) {
+  ConvBlock direct(LayerSet::stock, 3, 4), recomputed(LayerSet::stock, 3, 4);
+  recomputed.copy(direct);
+  const auto x = hierpar::testing::random_tensor({2, 3, 9, 9}, torch::kFloat);
+  const auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+  torch::Tensor y1, y2;
+  {
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    y1 = direct.forward(x1);
+    y2 = hierpar::nn::recompute([&](const torch::Tensor& t) { return recomputed.forward(t); }, x2, recomputed.modules());
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+  EXPECT_EQ(y2.scalar_type(), y1.scalar_type());
+  y1.sum().backward();
+  y2.sum().backward();
+  hierpar::testing::expect_close(x2.grad(), x1.grad(), {0, 0}, "input gradient under bf16 autocast");
+  expect_all_equal(grads_of(recomputed.parameters()), grads_of(direct.parameters()), "parameter gradients");
+}
+
+// The DCGAN with recompute trains as without it, through the trainer: single and data on two CPU replicas (bucketed
+// host averaging, whose hooks see the parameters' gradients come out of the recomputation), both layer sets.
+TEST(Recompute, DcganTrainsAsWithoutRecompute) {
+  for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+    for (const char* scheme : {"single", "data"}) {
+      std::vector<std::vector<torch::Tensor>> states;
+      for (const bool recompute : {false, true}) {
+        hierpar::models::DCGANOptions model;
+        model.image_size = 32;
+        model.channels = 1;
+        model.width = 0.25;
+        model.nz = 8;
+        model.layers = layers;
+        model.recompute = recompute;
+        torch::manual_seed(5);
+        hierpar::models::Generator g(model);
+        hierpar::models::Discriminator d(model);
+        hs::AdversarialOptions options;
+        options.noise_shape = {model.nz, 1, 1};
+        hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
+                                       hs::Placement::from_flags(scheme, std::string(scheme) == "data" ? 2 : 1, "host",
+                                                                 c10::DeviceType::CPU, {}),
+                                       options);
+        torch::manual_seed(6);
+        for (int step = 0; step < 3; ++step) trainer.step(torch::rand({4, 1, 32, 32}) * 2 - 1);
+        std::vector<torch::Tensor> state;
+        for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
+          for (const auto& p : module->parameters()) state.push_back(p.detach().clone());
+          for (const auto& b : module->buffers()) state.push_back(b.detach().clone());
+        }
+        states.push_back(state);
+      }
+      expect_all_equal(states[1], states[0], std::string(scheme) + (layers == LayerSet::stock ? ", stock" : ", hierpar") +
+                                                 ": recompute vs keeping the activations");
+    }
+  }
+}
+
+// What recomputation is for: the seed's DCGAN at batch 256 keeps less between the forward and the backward. Peak
+// memory of one D and G forward and backward, with and without, on one GPU.
+TEST(Recompute, LowersPeakMemoryOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  auto peak = [](bool recompute) {
+    hierpar::models::DCGANOptions model;
+    model.layers = LayerSet::hierpar;
+    model.recompute = recompute;
+    torch::manual_seed(0);
+    hierpar::models::Generator g(model);
+    hierpar::models::Discriminator d(model);
+    g->to(torch::kCUDA);
+    d->to(torch::kCUDA);
+    const auto z = torch::randn({256, model.nz, 1, 1}, torch::kCUDA);
+    torch::cuda::synchronize();
+    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+    const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+    d->forward(g->forward(z)).square().mean().backward();
+    torch::cuda::synchronize();
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
+  };
+  const int64_t keeping = peak(false), recomputing = peak(true);
+  std::cout << "peak bytes above the start: keeping " << keeping << ", recomputing " << recomputing << "\n";
+  EXPECT_LT(recomputing, keeping * 3 / 4) << "recompute should keep at least a quarter less";
+}
