@@ -26,20 +26,12 @@
 namespace hierpar::bench {
 namespace {
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
-
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
+// Six significant digits, as the records have always had; not finite: null.
+nlohmann::ordered_json rounded(double v) {
+  if (!std::isfinite(v)) return nullptr;
   std::ostringstream os;
   os << std::setprecision(6) << v;
-  return os.str();
+  return std::stod(os.str());
 }
 
 std::string gpu_name() {
@@ -56,46 +48,24 @@ std::string today() {
 
 }  // namespace
 
-Config& Config::set_raw(const std::string& key, std::string json) {
-  for (auto& [k, v] : entries_) {
-    if (k == key) {
-      v = std::move(json);
-      return *this;
-    }
-  }
-  entries_.emplace_back(key, std::move(json));
+Config& Config::set(const std::string& key, const std::string& value) { values_[key] = value; return *this; }
+Config& Config::set(const std::string& key, double value) { values_[key] = rounded(value); return *this; }
+Config& Config::set(const std::string& key, int64_t value) { values_[key] = value; return *this; }
+Config& Config::set(const std::string& key, bool value) { values_[key] = value; return *this; }
+Config& Config::set(const std::string& key, const std::vector<int64_t>& value) { values_[key] = value; return *this; }
+Config& Config::set(const std::string& key, const std::vector<double>& value) {
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (double v : value) list.push_back(rounded(v));
+  values_[key] = std::move(list);
   return *this;
 }
-Config& Config::set(const std::string& key, const std::string& value) { return set_raw(key, json_string(value)); }
-Config& Config::set(const std::string& key, double value) { return set_raw(key, json_number(value)); }
-Config& Config::set(const std::string& key, int64_t value) { return set_raw(key, std::to_string(value)); }
-Config& Config::set(const std::string& key, bool value) { return set_raw(key, value ? "true" : "false"); }
-Config& Config::set(const std::string& key, const std::vector<int64_t>& value) {
-  std::string s = "[";
-  for (size_t i = 0; i < value.size(); ++i) s += (i ? "," : "") + std::to_string(value[i]);
-  return set_raw(key, s + "]");
-}
 
-Config& Config::set(const std::string& key, const std::vector<double>& value) {
-  std::string s = "[";
-  for (size_t i = 0; i < value.size(); ++i) s += (i ? "," : "") + json_number(value[i]);
-  return set_raw(key, s + "]");
-}
-
-std::string Config::to_json() const {
-  std::string s = "{";
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    s += (i ? ", " : "") + json_string(entries_[i].first) + ": " + entries_[i].second;
-  }
-  return s + "}";
-}
+std::string Config::to_json() const { return values_.dump(); }
 
 std::string Config::to_text() const {
   std::string s;
-  for (const auto& [k, v] : entries_) {
-    std::string value = v;
-    value.erase(std::remove(value.begin(), value.end(), '"'), value.end());
-    s += (s.empty() ? "" : " ") + k + "=" + value;
+  for (const auto& [key, value] : values_.items()) {
+    s += (s.empty() ? "" : " ") + key + "=" + (value.is_string() ? value.get<std::string>() : value.dump());
   }
   return s;
 }
@@ -182,25 +152,43 @@ void Report::print_table(std::ostream& os) const {
 }
 
 void Report::write_json(const std::string& path) const {
+  const char* commit = std::getenv("HIERPAR_COMMIT");
+  nlohmann::ordered_json doc;
+  doc["gpu"] = gpu_name();
+  doc["gpus"] = at::cuda::is_available() ? at::cuda::device_count() : 0;
+  doc["torch"] = TORCH_VERSION;
+  doc["cuda"] = at::cuda::is_available()
+                    ? std::to_string(CUDA_VERSION / 1000) + "." + std::to_string(CUDA_VERSION % 1000 / 10)
+                    : "none";
+  doc["commit"] = commit ? commit : "unknown";
+  doc["date"] = today();
+  doc["records"] = nlohmann::ordered_json::array();
+  for (const auto& r : records_) {
+    nlohmann::ordered_json record{{"bench", r.bench}, {"impl", r.impl}, {"config", r.config.values()},
+                                  {"median_us", rounded(r.timing.median_us)}, {"min_us", rounded(r.timing.min_us)},
+                                  {"repeats", r.timing.repeats}};
+    for (const auto& [key, value] : r.extra.values().items()) record[key] = value;
+    doc["records"].push_back(std::move(record));
+  }
+  // One record per line, as the committed records read.
   std::ofstream out(path + ".tmp");
   if (!out) throw std::runtime_error("cannot write " + path);
-  const char* commit = std::getenv("HIERPAR_COMMIT");
-  out << "{\n  \"gpu\": " << json_string(gpu_name()) << ", \"gpus\": " << (at::cuda::is_available() ? at::cuda::device_count() : 0)
-      << ", \"torch\": " << json_string(TORCH_VERSION) << ", \"cuda\": "
-      << json_string(at::cuda::is_available() ? std::to_string(CUDA_VERSION / 1000) + "." + std::to_string(CUDA_VERSION % 1000 / 10) : "none")
-      << ", \"commit\": " << json_string(commit ? commit : "unknown") << ",\n  \"date\": " << json_string(today())
-      << ",\n  \"records\": [\n";
-  for (size_t i = 0; i < records_.size(); ++i) {
-    const auto& r = records_[i];
-    out << "    {\"bench\": " << json_string(r.bench) << ", \"impl\": " << json_string(r.impl)
-        << ", \"config\": " << r.config.to_json() << ", \"median_us\": " << json_number(r.timing.median_us)
-        << ", \"min_us\": " << json_number(r.timing.min_us) << ", \"repeats\": " << r.timing.repeats;
-    for (const auto& [k, v] : r.extra.entries()) out << ", " << json_string(k) << ": " << v;
-    out << "}" << (i + 1 < records_.size() ? "," : "") << "\n";
+  out << "{\n";
+  size_t field = 0;
+  for (const auto& [key, value] : doc.items()) {
+    out << "  " << nlohmann::ordered_json(key).dump() << ": ";
+    if (key == "records") {
+      out << "[\n";
+      for (size_t i = 0; i < value.size(); ++i) out << "    " << value[i].dump() << (i + 1 < value.size() ? "," : "") << "\n";
+      out << "  ]";
+    } else {
+      out << value.dump();
+    }
+    out << (++field < doc.size() ? ",\n" : "\n");
   }
-  out << "  ]\n}\n";
+  out << "}\n";
   out.close();
-  if (std::rename((path + ".tmp").c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename to " + path);
+  if (!out || std::rename((path + ".tmp").c_str(), path.c_str()) != 0) throw std::runtime_error("cannot write " + path);
 }
 
 namespace {

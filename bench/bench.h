@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdint>
@@ -32,12 +33,11 @@ class Config {
 
   std::string to_json() const;  // {"key": value, ...} in insertion order
   std::string to_text() const;  // key=value key=value, for the table
-  bool empty() const { return entries_.empty(); }
-  const std::vector<std::pair<std::string, std::string>>& entries() const { return entries_; }
+  bool empty() const { return values_.empty(); }
+  const nlohmann::ordered_json& values() const { return values_; }
 
  private:
-  Config& set_raw(const std::string& key, std::string json);
-  std::vector<std::pair<std::string, std::string>> entries_;  // key, JSON text
+  nlohmann::ordered_json values_ = nlohmann::ordered_json::object();
 };
 
 struct Timing {

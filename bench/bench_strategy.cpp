@@ -174,22 +174,23 @@ void write_chart(const std::vector<Result>& results, const std::string& path) {
 
 // Steps [first, first + 2) as a Chrome trace: a process per GPU, a thread per replica on it.
 void write_trace(const std::vector<hs::TimelineSpan>& spans, int64_t first, const std::string& path) {
-  std::ofstream out(path);
-  out << "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n";
-  bool comma = false;
   double zero = 1e300;
   for (const auto& s : spans) {
     if (s.step >= first && s.step < first + 2) zero = std::min(zero, s.start_ms);
   }
+  nlohmann::ordered_json events = nlohmann::ordered_json::array();
   for (const auto& s : spans) {
     if (s.step < first || s.step >= first + 2) continue;
-    out << (comma ? ",\n" : "") << "{\"name\": \"" << s.piece << " (step " << s.step - first + 1
-        << ")\", \"cat\": \"" << (s.compute ? "compute" : "transfer") << "\", \"ph\": \"X\", \"pid\": \"GPU "
-        << s.device.str() << "\", \"tid\": \"replica " << s.replica << "\", \"ts\": " << (s.start_ms - zero) * 1e3
-        << ", \"dur\": " << (s.end_ms - s.start_ms) * 1e3 << "}";
-    comma = true;
+    events.push_back({{"name", s.piece + " (step " + std::to_string(s.step - first + 1) + ")"},
+                      {"cat", s.compute ? "compute" : "transfer"},
+                      {"ph", "X"},
+                      {"pid", "GPU " + s.device.str()},
+                      {"tid", "replica " + std::to_string(s.replica)},
+                      {"ts", (s.start_ms - zero) * 1e3},
+                      {"dur", (s.end_ms - s.start_ms) * 1e3}});
   }
-  out << "\n]}\n";
+  std::ofstream out(path);
+  out << nlohmann::ordered_json{{"displayTimeUnit", "ms"}, {"traceEvents", std::move(events)}}.dump(1) << "\n";
 }
 
 void strategy_suite(Report& report, const Options& options) {
