@@ -4,6 +4,8 @@
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/sync_batch_norm.h"
 
+#include "hierpar/ops.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
@@ -15,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -387,6 +390,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
               "options.generator_ema_decay must be in [0, 1) (0: no moving average), got ", options_.generator_ema_decay);
   TORCH_CHECK(options_.loss_log_steps >= 1, "AdversarialTrainer: options.loss_log_steps must be at least 1, got ",
               options_.loss_log_steps);
+  TORCH_CHECK(std::isfinite(options_.r1_gamma) && options_.r1_gamma >= 0, "AdversarialTrainer: options.r1_gamma must "
+              "be >= 0 (0: no R1 penalty), got ", options_.r1_gamma);
+  TORCH_CHECK(options_.r1_every >= 1, "AdversarialTrainer: options.r1_every must be at least 1, got ", options_.r1_every);
+  TORCH_CHECK(!(options_.r1_gamma > 0 && options_.sync_batch_norm), "AdversarialTrainer: the R1 penalty "
+              "(options.r1_gamma) cannot differentiate through synchronized BatchNorm (options.sync_batch_norm)");
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
               options_.graph_warmup_steps);
   for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -450,6 +458,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     if (options_.sync_batch_norm && placement_.global_replicas() > 1) {
       graph_fallback_ = "CUDA graphs off: synchronized BatchNorm sums statistics across replicas inside the "
                         "forward and backward passes, which this trainer does not capture; steps run eagerly";
+    } else if (options_.r1_gamma > 0) {
+      graph_fallback_ = "CUDA graphs off: the R1 penalty runs on every " + std::to_string(options_.r1_every) +
+                        "th step only, and one captured step would run it on all or none; steps run eagerly";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -899,16 +910,29 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   on(d_device, "D real", [&] {
     torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
     if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
+    const bool r1 = options_.r1_gamma > 0 && (steps_ - 1) % options_.r1_every == 0;
+    if (r1) real = real.detach().requires_grad_(true);
     r.discriminator_optimizer->zero_grad();
+    torch::Tensor real_logits;
     {
       auto scope = autocast(d_device);
       hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
-      d_loss_real = loss(r.discriminator.forward<torch::Tensor>(real), true);
+      std::optional<hierpar::ops::DoubleBackwardScope> keep_inputs;
+      if (r1) keep_inputs.emplace();
+      real_logits = r.discriminator.forward<torch::Tensor>(real);
+      d_loss_real = loss(real_logits, true);
+    }
+    torch::Tensor d_objective_real = d_loss_real;
+    if (r1) {
+      const torch::Tensor grad = torch::autograd::grad({real_logits.sum()}, {real}, {}, /*retain_graph=*/true,
+                                                       /*create_graph=*/true)[0];
+      const torch::Tensor penalty = grad.to(torch::kFloat).square().flatten(1).sum(1).mean();
+      d_objective_real = d_loss_real + penalty * (0.5 * options_.r1_gamma * static_cast<double>(options_.r1_every));
     }
     // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
     if (fake_stream) order(*main_stream, *fake_stream);
     if (averager_) averager_->set_final_backward(local, Network::discriminator, false);
-    d_loss_real.backward();
+    d_objective_real.backward();
   });
 
   // The fakes to D's device (ATen's copy orders both devices' streams with events); on one device, the same memory.

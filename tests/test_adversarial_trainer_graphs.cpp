@@ -256,6 +256,102 @@ TEST(AdversarialTrainerSteps, RejectsBadOptions) {
   options = base_options();
   options.generator_ema_decay = 1.0;
   HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "generator_ema_decay must be in [0, 1)");
+  options = base_options();
+  options.r1_gamma = -1;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "options.r1_gamma must be >= 0");
+  options.r1_gamma = 1;
+  options.r1_every = 0;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "options.r1_every must be at least 1, got 0");
+  options.r1_every = 4;
+  options.sync_batch_norm = true;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("data", 2)), "cannot differentiate through synchronized BatchNorm");
+}
+
+// The R1 penalty: on its steps (every r1_every-th, the first included) D's gradient is that of loss(D(real), real) +
+// (gamma / 2) * r1_every * mean |d sum D(real) / d real|^2 + loss(D(fakes), fake), computed here by hand; on the other
+// steps it has no penalty. With a learning rate of 0 the networks stay as initialised, so every step's gradient
+// can be computed by hand from the same networks; the penalised and plain gradients differ (the test can fail).
+TEST(AdversarialTrainerSteps, R1PenaltyJoinsDsLossOnItsSteps) {
+  const int64_t batch = 4;
+  const auto reals = batches(2, batch, torch::kCPU);
+  const auto noise = torch::randn({batch, kNoise, 1, 1});
+  const double gamma = 3.0;
+  auto expected = [&](bool penalised, int64_t every, size_t k) {
+    torch::manual_seed(11);
+    PairNet g(true), d(false);
+    const auto fakes = g->forward(noise).detach();
+    const auto real = reals[k].clone().requires_grad_(true);
+    const auto logits = d->forward(real);
+    torch::Tensor objective = hs::bce_with_logits_loss(logits, true);
+    if (penalised) {
+      const auto grad = torch::autograd::grad({logits.sum()}, {real}, {}, true, true)[0];
+      objective = objective + grad.square().flatten(1).sum(1).mean() * (0.5 * gamma * static_cast<double>(every));
+    }
+    objective.backward();
+    hs::bce_with_logits_loss(d->forward(fakes), false).backward();
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : d->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  auto trained = [&](int64_t every, int steps) {
+    auto options = base_options();
+    options.generator_adam.lr = options.discriminator_adam.lr = 0.0;
+    options.r1_gamma = gamma;
+    options.r1_every = every;
+    torch::manual_seed(11);
+    PairNet g(true), d(false);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1), options);
+    for (int k = 0; k < steps; ++k) trainer.step(reals[k], noise);
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : trainer.discriminator().ptr()->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  auto expect_all_close = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, const std::string& what) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      hierpar::testing::expect_close(a[i], b[i], {1e-5, 1e-7}, what + ", D gradient " + std::to_string(i));
+    }
+  };
+  expect_all_close(trained(2, 1), expected(true, 2, 0), "every 2, step 0 (penalised)");
+  expect_all_close(trained(2, 2), expected(false, 2, 1), "every 2, step 1 (plain)");
+  expect_all_close(trained(1, 2), expected(true, 1, 1), "every 1, step 1 (penalised)");
+  const auto penalised = expected(true, 1, 0), plain = expected(false, 1, 0);
+  double largest = 0;
+  for (size_t i = 0; i < plain.size(); ++i) largest = std::max(largest, (penalised[i] - plain[i]).abs().max().item<double>());
+  EXPECT_GT(largest, 1e-4) << "the penalty should change D's gradient";
+}
+
+// hierpar's layer set computes the penalty through its own layers (their second derivatives: conv2d with its fused
+// LeakyReLU, BatchNorm + LeakyReLU keeping its input for the R1 pass) as stock's does: the seed's DCGAN, 3 steps.
+TEST(AdversarialTrainerSteps, R1ThroughHierparLayersMatchesStock) {
+  std::vector<std::vector<torch::Tensor>> states;
+  const auto reals = batches(3, 4, torch::kCPU);
+  for (const auto layers : {hierpar::LayerSet::stock, hierpar::LayerSet::hierpar}) {
+    hierpar::models::DCGANOptions model;
+    model.image_size = 32;
+    model.width = 0.25;
+    model.nz = kNoise;
+    model.layers = layers;
+    torch::manual_seed(21);
+    hierpar::models::Generator g(model);
+    hierpar::models::Discriminator d(model);
+    auto options = base_options();
+    options.r1_gamma = 5.0;
+    options.r1_every = 1;
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1), options);
+    torch::manual_seed(22);
+    std::vector<torch::Tensor> state;
+    for (int k = 0; k < 3; ++k) {
+      trainer.step(torch::nn::functional::interpolate(reals[k], torch::nn::functional::InterpolateFuncOptions()
+                                                                    .size(std::vector<int64_t>{32, 32})
+                                                                    .mode(torch::kNearest)));
+    }
+    for (const auto& p : trainer.discriminator().ptr()->parameters()) state.push_back(p.detach().clone());
+    states.push_back(state);
+  }
+  for (size_t i = 0; i < states[0].size(); ++i) {
+    hierpar::testing::expect_close(states[1][i], states[0][i], kReorderTolerance, "D parameter " + std::to_string(i));
+  }
 }
 
 // ---- CUDA graphs ----------------------------------------------------------------------------------------

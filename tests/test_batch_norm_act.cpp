@@ -362,7 +362,60 @@ TEST(BatchNormActCpu, DoubleBackwardIsAClearError) {
   auto out = std::get<0>(hierpar::ops::batch_norm_act(x, w, std::nullopt, std::nullopt, std::nullopt, true, 0.1,
                                                       1e-5, "leaky_relu", 0.2));
   HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({out}, {x}, {torch::ones_like(out)}, true, true),
-                           "hierpar::batch_norm_act_backward: double backward is not supported");
+                           "a second derivative (create_graph) needs the layer's input, which leaky_relu does not keep: "
+                           "run the forward inside a hierpar::ops::DoubleBackwardScope");
+}
+
+// Second derivatives (what an R1 or WGAN-GP penalty takes): the gradient of a function of the input gradient,
+// against the stock composition (ATen's batch_norm and activation) in double, every activation, training and eval,
+// with and without weight; identity and leaky_relu inside a DoubleBackwardScope (relu keeps its input anyway).
+TEST(BatchNormActCpu, SecondDerivativesMatchAten) {
+  for (const char* activation : {"identity", "relu", "leaky_relu"}) {
+    for (const bool training : {true, false}) {
+      for (const bool affine : {true, false}) {
+        const std::string what = std::string(activation) + (training ? ", training" : ", eval") +
+                                 (affine ? "" : ", no weight");
+        const int64_t c = hierpar::testing::rand_int(1, 4);
+        const auto x0 = random_tensor({hierpar::testing::rand_int(2, 4), c, 3, 5}, torch::kDouble);
+        const auto w0 = random_tensor({c}, torch::kDouble) + 1.5, b0 = random_tensor({c}, torch::kDouble);
+        const auto rm = random_tensor({c}, torch::kDouble), rv = random_tensor({c}, torch::kDouble).abs() + 0.5;
+        auto penalty = [&](bool ours) {
+          auto x = x0.clone().requires_grad_();
+          auto w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+          auto rm_copy = rm.clone(), rv_copy = rv.clone();
+          torch::Tensor y;
+          if (ours) {
+            hierpar::ops::DoubleBackwardScope keep_inputs;
+            y = std::get<0>(hierpar::ops::batch_norm_act(x, affine ? std::optional<at::Tensor>(w) : std::nullopt,
+                                                         affine ? std::optional<at::Tensor>(b) : std::nullopt, rm_copy,
+                                                         rv_copy, training, 0.1, 1e-5, activation, 0.2));
+          } else {
+            y = torch::batch_norm(x, affine ? w : torch::Tensor(), affine ? b : torch::Tensor(), rm_copy, rv_copy,
+                                  training, 0.1, 1e-5, false);
+            if (std::string(activation) == "relu") y = torch::relu(y);
+            if (std::string(activation) == "leaky_relu") y = torch::leaky_relu(y, 0.2);
+          }
+          // An R1-like penalty: the squared norm of d(sum y^2 sin)/dx, then its gradient.
+          const auto g = torch::autograd::grad({(y.square() * y.sin()).sum()}, {x}, {}, true, true)[0];
+          const auto p = g.square().sum();
+          std::vector<torch::Tensor> wrt{x};
+          if (affine) {
+            wrt.push_back(w);
+            wrt.push_back(b);
+          }
+          auto grads = torch::autograd::grad({p}, wrt, {}, false, false, /*allow_unused=*/true);
+          for (size_t i = 0; i < grads.size(); ++i) {
+            if (!grads[i].defined()) grads[i] = torch::zeros_like(wrt[i]);  // unused: a zero gradient either way
+          }
+          return grads;
+        };
+        const auto ours = penalty(true), theirs = penalty(false);
+        for (size_t i = 0; i < ours.size(); ++i) {
+          hierpar::testing::expect_close(ours[i], theirs[i], {1e-9, 1e-11}, what + ": gradient " + std::to_string(i));
+        }
+      }
+    }
+  }
 }
 
 // Without gradients (no_grad, or nothing requiring grad) the autograd kernel skips its Function: same

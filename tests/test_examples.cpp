@@ -726,6 +726,25 @@ TEST(Examples, ResumingAFinishedRunSaysHowToGoOn) {
   EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
 }
 
+// --r1 trains with the penalty (the run says its steps are eager on a GPU; on the CPU they are anyway), records it in
+// the checkpoint, and a resume without it is refused in one line that says what to pass.
+TEST(Examples, R1RunTrainsAndResumesOnlyWithIt) {
+  TempDir dir;
+  const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 "
+                           "--layers hierpar --samples 4 --out " + (dir / "out") + " ";
+  const auto first = run_dcgan(tiny + "--epochs 1 --r1 2 --r1-every 2", dir);
+  ASSERT_EQ(first.status, 0) << c10::Join("\n", first.stderr_lines);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").config.at("r1"), "2");
+  const auto without = run_dcgan(tiny + "--epochs 2 --resume", dir);
+  EXPECT_NE(without.status, 0);
+  ASSERT_EQ(without.stderr_lines.size(), 1u) << c10::Join("\n", without.stderr_lines);
+  EXPECT_NE(without.stderr_lines[0].find("was trained with the R1 penalty: pass --r1 2 --r1-every 2 to resume it"),
+            std::string::npos) << without.stderr_lines[0];
+  const auto with = run_dcgan(tiny + "--epochs 2 --resume --r1 2 --r1-every 2", dir);
+  EXPECT_EQ(with.status, 0) << c10::Join("\n", with.stderr_lines);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
+}
+
 TEST(Examples, TorchScriptExportGivesTheSameOutput) {
   TempDir dir;
   hierpar::models::DCGANOptions options;

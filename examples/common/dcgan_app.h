@@ -73,6 +73,9 @@ struct DCGANTrainConfig {
   // checkpoint as "generator_ema", drawn as samples/ema_*.png beside the live generator's grids, and the one the
   // quality metric scores.
   double ema = 0.0;
+  // > 0: the R1 penalty's weight on D's real batch, applied every `r1_every` steps (AdversarialOptions::r1_gamma).
+  double r1 = 0.0;
+  int64_t r1_every = 16;
   // Polled on the training thread after every step; returning true stops like an interrupt (every rank at
   // one agreed step): checkpoint, then return 130.
   std::function<bool()> should_stop;

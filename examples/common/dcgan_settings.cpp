@@ -49,6 +49,10 @@ Config checkpoint_config(const DCGANTrainConfig& config) {
           {"beta1", format_number(config.beta1)},
           {"seed", std::to_string(config.seed)}};
   if (config.ema > 0) c["ema"] = format_number(config.ema);  // absent without one: older checkpoints resume
+  if (config.r1 > 0) {
+    c["r1"] = format_number(config.r1);
+    c["r1_every"] = std::to_string(config.r1_every);
+  }
   return c;
 }
 
@@ -119,6 +123,8 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.precision = step.precision;
   options.loss_log_steps = config.log_every;
   options.generator_ema_decay = config.ema;
+  options.r1_gamma = config.r1;
+  options.r1_every = config.r1_every;
   options.sync_batch_norm = config.sync_batch_norm;
   return options;
 }

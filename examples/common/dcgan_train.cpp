@@ -224,6 +224,9 @@ int train_dcgan(DCGANTrainConfig config) {
     if (found.config.count("ema") > 0 && config.ema == 0)
       throw Error(checkpoint + " keeps a moving average of G's weights: pass --ema " + found.config.at("ema") +
                   " to resume it");
+    if (found.config.count("r1") > 0 && config.r1 == 0)
+      throw Error(checkpoint + " was trained with the R1 penalty: pass --r1 " + found.config.at("r1") + " --r1-every " +
+                  found.config.at("r1_every") + " to resume it");
     if (found.epoch >= config.epochs || (config.max_steps > 0 && found.global_step >= config.max_steps)) {
       say("nothing to train: " + checkpoint + " has done " + std::to_string(found.global_step) + " steps (" +
           std::to_string(found.epoch) + " of --epochs " + std::to_string(config.epochs) + " epochs" +

@@ -134,7 +134,10 @@ int train(int argc, char** argv) {
            "0: never): <out>/quality.csv and quality.png, docs/quality.md", 0)
       .add("eval-samples", &config.eval_samples, "samples each of those scores", 2)
       .add("ema", &config.ema, "decay of a moving average of G's weights (e.g. 0.999; 0: none), sampled beside G and "
-           "scored by --eval-every", 0.0);
+           "scored by --eval-every", 0.0)
+      .add("r1", &config.r1, "R1 penalty weight gamma on D's gradient at the real images (StyleGAN's regulariser; "
+           "0: none; steps then run without CUDA graphs)", 0.0)
+      .add("r1-every", &config.r1_every, "steps between R1 penalties (lazy regularisation, scaled by it)", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (resume != "off" && resume != "on" && resume != "auto")

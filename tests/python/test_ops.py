@@ -148,3 +148,16 @@ def test_convolutions_have_second_derivatives():
     assert torch.autograd.gradgradcheck(lambda a, b: hierpar.conv_transpose2d(a, b, stride=2), (x, w))
     v = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda a, b: hierpar.conv2d(a, b, padding=1), (x, v))
+
+
+def test_batch_norm_relu_has_second_derivatives():
+    """gradgradcheck in float64 of BatchNorm + ReLU in training mode, which keeps its input (identity and leaky_relu
+    keep it inside a C++ hierpar::ops::DoubleBackwardScope; tests/test_batch_norm_act.cpp checks those)."""
+    x = torch.randn(3, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(2, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+
+    def f(a, weight, bias):
+        return torch.ops.hierpar.batch_norm_act(a, weight, bias, None, None, True, 0.1, 1e-5, "relu", 0.0, None)[0]
+
+    assert torch.autograd.gradgradcheck(f, (x, w, b))

@@ -35,6 +35,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act(
     double momentum, double eps, c10::string_view activation = "identity", double slope = 0.01,
     const std::optional<at::Tensor>& num_batches_tracked = std::nullopt);
 
+// While one is alive on this thread, batch_norm_act's autograd keeps the layer's input with identity and leaky_relu
+// too (relu always keeps it), so that its backward can be differentiated again (create_graph: an R1 or WGAN-GP
+// penalty through a discriminator with BatchNorm). Costs one activation per layer run inside the scope.
+class DoubleBackwardScope {
+ public:
+  DoubleBackwardScope();
+  ~DoubleBackwardScope();
+  DoubleBackwardScope(const DoubleBackwardScope&) = delete;
+  DoubleBackwardScope& operator=(const DoubleBackwardScope&) = delete;
+  static bool active();
+};
+
 // Backward of batch_norm_act from its saved output (the pre-activation is recovered by inverting the
 // activation); `input` is needed only for "relu", which loses the negative half. Returns
 // (grad_input, grad_weight, grad_bias), each computed only where output_mask says so.

@@ -103,6 +103,15 @@ struct AdversarialOptions {
   // update, starting from the initial parameters (generator_ema()); the GAN practice of sampling and evaluating
   // from averaged weights. Part of the step: on G's device, in the captured graph too. In [0, 1).
   double generator_ema_decay = 0.0;
+  // R1 regularisation of D (Mescheder et al., 2018; StyleGAN's): r1_gamma / 2 times the mean over the real batch of
+  // the squared norm of the gradient of D's logits (their sum, as StyleGAN computes it) with respect to the images,
+  // added to D's loss on the real batch. Lazy, as StyleGAN2: on every r1_every-th step (the first included), scaled by
+  // r1_every. It differentiates a gradient, which both layer sets support (hierpar's BatchNorm keeps its input for
+  // these passes: hierpar::ops::DoubleBackwardScope). The logged D losses do not include it. A captured step would
+  // run it on every step or on none: with cuda_graphs the steps run eagerly and graph_fallback() says so. Not with
+  // synchronized BatchNorm. 0: off.
+  double r1_gamma = 0.0;
+  int64_t r1_every = 16;
   // Steps whose losses wait on the device before step() reads them back itself (a sync).
   int64_t loss_log_steps = 50;
   // Synchronized BatchNorm (--sync-bn; off by default, as in seed 000): the BatchNorm layers of
