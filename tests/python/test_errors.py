@@ -81,11 +81,12 @@ def test_device_mismatch():
         hierpar.batch_norm_act(torch.randn(2, 3, 4, 4, device="cuda"), torch.zeros(3), torch.ones(3))
 
 
-def test_double_backward_of_batch_norm_act_is_refused_with_a_message():
+def test_double_backward_of_batch_norm_act_without_its_input_is_refused_with_a_message():
+    """leaky_relu keeps only its output; a second derivative needs the input (C++: hierpar::ops::DoubleBackwardScope)."""
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
     out = hierpar.batch_norm_act(x, None, None, torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64),
                                  training=True, activation="leaky_relu", negative_slope=0.2)
-    with raises("double backward is not supported"):
+    with raises("a second derivative (create_graph) needs the layer's input, which leaky_relu does not keep"):
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
 
