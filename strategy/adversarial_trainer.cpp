@@ -26,11 +26,31 @@
 
 namespace hierpar::strategy {
 
-torch::Tensor bce_with_logits_loss(const torch::Tensor& logits, bool real_target) {
+torch::Tensor bce_with_logits_loss(const torch::Tensor& logits, LossTerm term) {
   // Against a constant target the loss is -log(sigmoid(x)) = softplus(-x) (real) or -log(1 - sigmoid(x)) =
   // softplus(x) (fake): binary_cross_entropy_with_logits with a target tensor took 8 kernels forward and 6 backward
   // (the target's fill among them), a captured batch-64 step 3 such losses, 2 of them on its critical path.
-  return torch::softplus(real_target ? -logits : logits).mean();
+  return torch::softplus(term == LossTerm::fake ? logits : -logits).mean();
+}
+
+torch::Tensor hinge_loss(const torch::Tensor& logits, LossTerm term) {
+  switch (term) {
+    case LossTerm::real: return torch::relu(1 - logits).mean();
+    case LossTerm::fake: return torch::relu(1 + logits).mean();
+    case LossTerm::generator: break;
+  }
+  return -logits.mean();
+}
+
+torch::Tensor wasserstein_loss(const torch::Tensor& logits, LossTerm term) {
+  return term == LossTerm::fake ? logits.mean() : -logits.mean();
+}
+
+AdversarialLoss loss_by_name(const std::string& name, const std::string& flag) {
+  if (name == "bce") return bce_with_logits_loss;
+  if (name == "hinge") return hinge_loss;
+  if (name == "wasserstein") return wasserstein_loss;
+  TORCH_CHECK(false, "--", flag, ": expected bce, hinge or wasserstein, got '", name, "'");
 }
 
 std::pair<double, double> StepLosses::mean() const {
@@ -395,6 +415,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   TORCH_CHECK(options_.r1_every >= 1, "AdversarialTrainer: options.r1_every must be at least 1, got ", options_.r1_every);
   TORCH_CHECK(!(options_.r1_gamma > 0 && options_.sync_batch_norm), "AdversarialTrainer: the R1 penalty "
               "(options.r1_gamma) cannot differentiate through synchronized BatchNorm (options.sync_batch_norm)");
+  TORCH_CHECK(std::isfinite(options_.gradient_penalty) && options_.gradient_penalty >= 0, "AdversarialTrainer: "
+              "options.gradient_penalty must be >= 0 (0: none), got ", options_.gradient_penalty);
+  TORCH_CHECK(!(options_.gradient_penalty > 0 && options_.sync_batch_norm), "AdversarialTrainer: the gradient "
+              "penalty (options.gradient_penalty) cannot differentiate through synchronized BatchNorm "
+              "(options.sync_batch_norm)");
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
               options_.graph_warmup_steps);
   for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -461,6 +486,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     } else if (options_.r1_gamma > 0) {
       graph_fallback_ = "CUDA graphs off: the R1 penalty runs on every " + std::to_string(options_.r1_every) +
                         "th step only, and one captured step would run it on all or none; steps run eagerly";
+    } else if (options_.gradient_penalty > 0) {
+      graph_fallback_ = "CUDA graphs off: the gradient penalty's double backward is not captured by this trainer; "
+                        "steps run eagerly";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -479,7 +507,8 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   averager_ = make_averager(placement_, averaging);
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
-  if (options_.overlap_passes && !(averager_ && !graphs_)) {
+  // The gradient penalty's pass reads the real batch and the fakes together: one stream.
+  if (options_.overlap_passes && !(averager_ && !graphs_) && options_.gradient_penalty == 0) {
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       const ReplicaDevices& devices = placement_.replicas[i];
       if (devices.generator != devices.discriminator || !devices.generator.is_cuda()) continue;
@@ -906,10 +935,11 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
 
   // D's pass over the real batch, forward and backward: it needs no fakes, so on a task or hierarchical placement it
   // runs on D's device while G's device runs G's backward and update of the previous step and its forward.
-  torch::Tensor d_loss_real, d_loss_fake, g_loss;
+  torch::Tensor d_loss_real, d_loss_fake, g_loss, real_on_d;
   on(d_device, "D real", [&] {
     torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
     if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
+    real_on_d = real;
     const bool r1 = options_.r1_gamma > 0 && (steps_ - 1) % options_.r1_every == 0;
     if (r1) real = real.detach().requires_grad_(true);
     r.discriminator_optimizer->zero_grad();
@@ -920,7 +950,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       std::optional<hierpar::ops::DoubleBackwardScope> keep_inputs;
       if (r1) keep_inputs.emplace();
       real_logits = r.discriminator.forward<torch::Tensor>(real);
-      d_loss_real = loss(real_logits, true);
+      d_loss_real = loss(real_logits, LossTerm::real);
     }
     torch::Tensor d_objective_real = d_loss_real;
     if (r1) {
@@ -954,7 +984,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       auto scope = autocast(d_device);
       hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
       c10::OptionalStreamGuard on_fake_stream(fake_stream);
-      d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d.detach()), false);
+      d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d.detach()), LossTerm::fake);
     }
     if (fake_stream) {
       // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
@@ -962,8 +992,26 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       r.fake_on_d.record_stream(*main_stream);
       d_loss_fake.record_stream(*main_stream);
     }
+    torch::Tensor d_objective_fake = d_loss_fake;
+    if (options_.gradient_penalty > 0) {
+      const torch::Tensor fake = r.fake_on_d.detach();
+      std::vector<int64_t> per_image(fake.dim(), 1);
+      per_image[0] = fake.size(0);
+      const torch::Tensor e = torch::rand(per_image, fake.options().dtype(torch::kFloat));
+      const torch::Tensor mixed = (real_on_d * e + fake * (1 - e)).requires_grad_(true);
+      torch::Tensor mixed_logits;
+      {
+        auto scope = autocast(d_device);
+        hierpar::ops::DoubleBackwardScope keep_inputs;
+        mixed_logits = r.discriminator.forward<torch::Tensor>(mixed);
+      }
+      const torch::Tensor grad = torch::autograd::grad({mixed_logits.sum()}, {mixed}, {}, /*retain_graph=*/true,
+                                                       /*create_graph=*/true)[0];
+      const torch::Tensor penalty = (grad.to(torch::kFloat).flatten(1).norm(2, {1}) - 1).square().mean();
+      d_objective_fake = d_loss_fake + penalty * options_.gradient_penalty;
+    }
     if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
-    d_loss_fake.backward();
+    d_objective_fake.backward();
     // Its nodes ran on `fake_stream`; autograd has made the main stream wait for them (D's update reads those
     // gradients), and so does a capture's end: made explicit here and after G's backward.
     if (fake_stream) order(*fake_stream, *main_stream);
@@ -983,7 +1031,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       {
         auto scope = autocast(d_device);
         hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
-        g_loss = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d), true);
+        g_loss = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d), LossTerm::generator);
       }
       g_loss.backward();
     }

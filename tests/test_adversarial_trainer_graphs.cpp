@@ -282,13 +282,13 @@ TEST(AdversarialTrainerSteps, R1PenaltyJoinsDsLossOnItsSteps) {
     const auto fakes = g->forward(noise).detach();
     const auto real = reals[k].clone().requires_grad_(true);
     const auto logits = d->forward(real);
-    torch::Tensor objective = hs::bce_with_logits_loss(logits, true);
+    torch::Tensor objective = hs::bce_with_logits_loss(logits, hs::LossTerm::real);
     if (penalised) {
       const auto grad = torch::autograd::grad({logits.sum()}, {real}, {}, true, true)[0];
       objective = objective + grad.square().flatten(1).sum(1).mean() * (0.5 * gamma * static_cast<double>(every));
     }
     objective.backward();
-    hs::bce_with_logits_loss(d->forward(fakes), false).backward();
+    hs::bce_with_logits_loss(d->forward(fakes), hs::LossTerm::fake).backward();
     std::vector<torch::Tensor> grads;
     for (const auto& p : d->parameters()) grads.push_back(p.grad().clone());
     return grads;
@@ -321,9 +321,58 @@ TEST(AdversarialTrainerSteps, R1PenaltyJoinsDsLossOnItsSteps) {
   EXPECT_GT(largest, 1e-4) << "the penalty should change D's gradient";
 }
 
-// hierpar's layer set computes the penalty through its own layers (their second derivatives: conv2d with its fused
-// LeakyReLU, BatchNorm + LeakyReLU keeping its input for the R1 pass) as stock's does: the seed's DCGAN, 3 steps.
-TEST(AdversarialTrainerSteps, R1ThroughHierparLayersMatchesStock) {
+// The hinge and Wasserstein losses and WGAN-GP's gradient penalty: D's gradient of one step against a hand computation
+// from the same networks (lr 0 keeps them as initialised), the penalty's interpolation weights drawn alike.
+TEST(AdversarialTrainerSteps, LossesAndGradientPenaltyGiveDsGradient) {
+  const int64_t batch = 4;
+  const auto real = batches(1, batch, torch::kCPU)[0];
+  const auto noise = torch::randn({batch, kNoise, 1, 1});
+  struct Variant {
+    const char* name;
+    hs::AdversarialLoss loss;
+    double penalty;
+  };
+  for (const Variant& v : {Variant{"hinge", hs::hinge_loss, 0.0}, Variant{"wasserstein", hs::wasserstein_loss, 0.0},
+                           Variant{"wasserstein + gradient penalty", hs::wasserstein_loss, 10.0}}) {
+    std::vector<torch::Tensor> expected;
+    {
+      torch::manual_seed(31);
+      PairNet g(true), d(false);
+      const auto fakes = g->forward(noise).detach();
+      v.loss(d->forward(real), hs::LossTerm::real).backward();
+      torch::Tensor objective = v.loss(d->forward(fakes), hs::LossTerm::fake);
+      if (v.penalty > 0) {
+        torch::manual_seed(32);
+        const auto e = torch::rand({batch, 1, 1, 1});
+        const auto mixed = (real * e + fakes * (1 - e)).requires_grad_(true);
+        const auto grad = torch::autograd::grad({d->forward(mixed).sum()}, {mixed}, {}, true, true)[0];
+        objective = objective + (grad.flatten(1).norm(2, {1}) - 1).square().mean() * v.penalty;
+      }
+      objective.backward();
+      for (const auto& p : d->parameters()) expected.push_back(p.grad().clone());
+    }
+    auto options = base_options();
+    options.generator_adam.lr = options.discriminator_adam.lr = 0.0;
+    options.loss = v.loss;
+    options.gradient_penalty = v.penalty;
+    torch::manual_seed(31);
+    PairNet g(true), d(false);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1), options);
+    torch::manual_seed(32);
+    trainer.step(real, noise);
+    const auto params = trainer.discriminator().ptr()->parameters();
+    ASSERT_EQ(params.size(), expected.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      hierpar::testing::expect_close(params[i].grad(), expected[i], {1e-5, 1e-7},
+                                     std::string(v.name) + ", D gradient " + std::to_string(i));
+    }
+  }
+}
+
+// hierpar's layer set computes the penalties through its own layers (their second derivatives: conv2d with its fused
+// LeakyReLU, BatchNorm + LeakyReLU keeping its input for the penalties' passes) as stock's does: the seed's DCGAN, 3
+// steps of WGAN-GP with R1 on every step.
+TEST(AdversarialTrainerSteps, PenaltiesThroughHierparLayersMatchStock) {
   std::vector<std::vector<torch::Tensor>> states;
   const auto reals = batches(3, 4, torch::kCPU);
   for (const auto layers : {hierpar::LayerSet::stock, hierpar::LayerSet::hierpar}) {
@@ -338,6 +387,8 @@ TEST(AdversarialTrainerSteps, R1ThroughHierparLayersMatchesStock) {
     auto options = base_options();
     options.r1_gamma = 5.0;
     options.r1_every = 1;
+    options.loss = hs::wasserstein_loss;
+    options.gradient_penalty = 10.0;
     hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), cpu_placement("single", 1), options);
     torch::manual_seed(22);
     std::vector<torch::Tensor> state;

@@ -745,6 +745,25 @@ TEST(Examples, R1RunTrainsAndResumesOnlyWithIt) {
   EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
 }
 
+// --loss wgan-gp and hinge train (the penalty's double backward through hierpar's layers), are recorded, and a
+// resume without the loss is refused in one line.
+TEST(Examples, OtherLossesTrainAndResumeOnlyWithThem) {
+  TempDir dir;
+  for (const char* loss : {"hinge", "wgan-gp"}) {
+    const std::string out = dir / (std::string("out-") + loss);
+    const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 "
+                             "--width 0.25 --layers hierpar --samples 4 --out " + out + " ";
+    const auto first = run_dcgan(tiny + "--epochs 1 --loss " + loss, dir);
+    ASSERT_EQ(first.status, 0) << c10::Join("\n", first.stderr_lines);
+    EXPECT_EQ(read_checkpoint_state(out + "/checkpoint.pt").config.at("loss"), loss);
+    const auto without = run_dcgan(tiny + "--epochs 2 --resume", dir);
+    EXPECT_NE(without.status, 0);
+    ASSERT_EQ(without.stderr_lines.size(), 1u) << c10::Join("\n", without.stderr_lines);
+    EXPECT_NE(without.stderr_lines[0].find(std::string("was trained with --loss ") + loss), std::string::npos)
+        << without.stderr_lines[0];
+  }
+}
+
 TEST(Examples, TorchScriptExportGivesTheSameOutput) {
   TempDir dir;
   hierpar::models::DCGANOptions options;
@@ -808,6 +827,7 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
   expect_flag_error(run_dcgan(base + "--memory offload", dir), "--memory: expected none or recompute, got 'offload'",
                     "memory mode");
+  expect_flag_error(run_dcgan(base + "--loss lsgan", dir), "--loss: expected bce, hinge or wgan-gp, got 'lsgan'", "loss");
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
   expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
   expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");

@@ -198,11 +198,11 @@ std::vector<torch::Tensor> reference_per_part(bool batch_norm, const Data& data,
     std::vector<torch::Tensor> fakes;
     for (int64_t i = 0; i < parts; ++i) fakes.push_back(g->forward(data.noise[k].narrow(0, i * share, share)));
     averaged_backward(*d, [&](int64_t i) {
-      return hs::bce_with_logits_loss(d->forward(data.real[k].narrow(0, i * share, share)), true) +
-             hs::bce_with_logits_loss(d->forward(fakes[i].detach()), false);
+      return hs::bce_with_logits_loss(d->forward(data.real[k].narrow(0, i * share, share)), hs::LossTerm::real) +
+             hs::bce_with_logits_loss(d->forward(fakes[i].detach()), hs::LossTerm::fake);
     });
     d_opt.step();
-    averaged_backward(*g, [&](int64_t i) { return hs::bce_with_logits_loss(d->forward(fakes[i]), true); });
+    averaged_backward(*g, [&](int64_t i) { return hs::bce_with_logits_loss(d->forward(fakes[i]), hs::LossTerm::generator); });
     g_opt.step();
   }
   std::vector<torch::Tensor> state;
@@ -277,7 +277,7 @@ TEST(StrategyLoss, BceWithLogitsMatchesAten) {
     logits.index_put_({torch::indexing::Slice(0, 4)}, torch::tensor({-40.0, -19.5, 25.0, 90.0}, dtype).view({4, 1}));
     for (bool real : {true, false}) {
       auto ours_in = logits.clone().requires_grad_(), aten_in = logits.clone().requires_grad_();
-      auto ours = hs::bce_with_logits_loss(ours_in, real);
+      auto ours = hs::bce_with_logits_loss(ours_in, real ? hs::LossTerm::real : hs::LossTerm::fake);
       auto aten = torch::binary_cross_entropy_with_logits(aten_in, torch::full_like(logits, real ? 1.0 : 0.0));
       ours.backward();
       aten.backward();
@@ -287,6 +287,23 @@ TEST(StrategyLoss, BceWithLogitsMatchesAten) {
           << what << ": largest gradient difference " << (ours_in.grad() - aten_in.grad()).abs().max().item<double>();
     }
   }
+  const auto logits = torch::tensor({-2.0, 0.5, 3.0});
+  EXPECT_TRUE(torch::equal(hs::bce_with_logits_loss(logits, hs::LossTerm::generator),
+                           hs::bce_with_logits_loss(logits, hs::LossTerm::real))) << "G's BCE targets real";
+}
+
+// The hinge and Wasserstein losses on known logits, each term; the loss names and their one-line error.
+TEST(StrategyLoss, HingeAndWassersteinTerms) {
+  const auto l = torch::tensor({-2.0, 0.5, 3.0}, torch::kDouble);
+  auto value = [](const torch::Tensor& t) { return t.item<double>(); };
+  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::real)), (3.0 + 0.5 + 0.0) / 3);   // relu(1 - l)
+  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::fake)), (0.0 + 1.5 + 4.0) / 3);   // relu(1 + l)
+  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::generator)), -(1.5 / 3));
+  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::real)), -(1.5 / 3));
+  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::fake)), 1.5 / 3);
+  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::generator)), -(1.5 / 3));
+  EXPECT_DOUBLE_EQ(value(hs::loss_by_name("hinge")(l, hs::LossTerm::fake)), value(hs::hinge_loss(l, hs::LossTerm::fake)));
+  HIERPAR_EXPECT_THROW_MSG(hs::loss_by_name("lsgan"), "--loss: expected bce, hinge or wasserstein, got 'lsgan'");
 }
 
 TEST(StrategyPlacement, PrintsEachScheme) {
@@ -656,9 +673,9 @@ TEST(StrategyTrainer, FailingReplicaStopsItsPeersAndTheTrainerRefusesLaterSteps)
   const auto main_thread = std::this_thread::get_id();
   for (const char* reduce : cpu_reductions()) {
     auto options = test_options(std::chrono::seconds(60));
-    options.loss = [main_thread](const torch::Tensor& logits, bool real) {
+    options.loss = [main_thread](const torch::Tensor& logits, hs::LossTerm term) {
       TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
-      return hs::bce_with_logits_loss(logits, real);
+      return hs::bce_with_logits_loss(logits, term);
     };
     auto trainer_owner = two_cpu_replicas(reduce, options);
     hs::AdversarialTrainer& trainer = *trainer_owner;

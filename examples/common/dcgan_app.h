@@ -76,6 +76,10 @@ struct DCGANTrainConfig {
   // > 0: the R1 penalty's weight on D's real batch, applied every `r1_every` steps (AdversarialOptions::r1_gamma).
   double r1 = 0.0;
   int64_t r1_every = 16;
+  // The adversarial loss: "bce" (DCGAN's), "hinge", or "wgan-gp" (the Wasserstein loss with a gradient penalty of
+  // weight `gp`).
+  std::string loss = "bce";
+  double gp = 10.0;
   // Polled on the training thread after every step; returning true stops like an interrupt (every rank at
   // one agreed step): checkpoint, then return 130.
   std::function<bool()> should_stop;

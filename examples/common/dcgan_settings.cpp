@@ -53,6 +53,8 @@ Config checkpoint_config(const DCGANTrainConfig& config) {
     c["r1"] = format_number(config.r1);
     c["r1_every"] = std::to_string(config.r1_every);
   }
+  if (config.loss != "bce") c["loss"] = config.loss;
+  if (config.loss == "wgan-gp") c["gp"] = format_number(config.gp);
   return c;
 }
 
@@ -125,6 +127,8 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.generator_ema_decay = config.ema;
   options.r1_gamma = config.r1;
   options.r1_every = config.r1_every;
+  options.loss = hierpar::strategy::loss_by_name(config.loss == "wgan-gp" ? "wasserstein" : config.loss);
+  options.gradient_penalty = config.loss == "wgan-gp" ? config.gp : 0.0;
   options.sync_batch_norm = config.sync_batch_norm;
   return options;
 }

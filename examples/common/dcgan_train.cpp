@@ -224,6 +224,8 @@ int train_dcgan(DCGANTrainConfig config) {
     if (found.config.count("ema") > 0 && config.ema == 0)
       throw Error(checkpoint + " keeps a moving average of G's weights: pass --ema " + found.config.at("ema") +
                   " to resume it");
+    if (found.config.count("loss") > 0 && config.loss == "bce")
+      throw Error(checkpoint + " was trained with --loss " + found.config.at("loss") + ": pass it to resume it");
     if (found.config.count("r1") > 0 && config.r1 == 0)
       throw Error(checkpoint + " was trained with the R1 penalty: pass --r1 " + found.config.at("r1") + " --r1-every " +
                   found.config.at("r1_every") + " to resume it");

@@ -137,9 +137,14 @@ int train(int argc, char** argv) {
            "scored by --eval-every", 0.0)
       .add("r1", &config.r1, "R1 penalty weight gamma on D's gradient at the real images (StyleGAN's regulariser; "
            "0: none; steps then run without CUDA graphs)", 0.0)
-      .add("r1-every", &config.r1_every, "steps between R1 penalties (lazy regularisation, scaled by it)", 1);
+      .add("r1-every", &config.r1_every, "steps between R1 penalties (lazy regularisation, scaled by it)", 1)
+      .add("loss", &config.loss, "bce (DCGAN's), hinge, or wgan-gp (Wasserstein loss with a gradient penalty; steps "
+           "then run without CUDA graphs)")
+      .add("gp", &config.gp, "the gradient penalty's weight with --loss wgan-gp", 0.0);
   if (!flags.parse(argc, argv, 2)) return 0;
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
+  if (config.loss != "bce" && config.loss != "hinge" && config.loss != "wgan-gp")
+    throw FlagError("--loss: expected bce, hinge or wgan-gp, got '" + config.loss + "'");
   if (resume != "off" && resume != "on" && resume != "auto")
     throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
   config.resume = resume == "on";

@@ -61,11 +61,21 @@
 
 namespace hierpar::strategy {
 
-// A loss on D's logits against an all-real (true) or all-fake (false) target.
-using AdversarialLoss = std::function<torch::Tensor(const torch::Tensor& logits, bool real_target)>;
+// The three terms of the adversarial objective: D's loss on real images, D's loss on fakes, and G's loss (on D's
+// logits of the fakes).
+enum class LossTerm { real, fake, generator };
+using AdversarialLoss = std::function<torch::Tensor(const torch::Tensor& logits, LossTerm term)>;
 // Binary cross-entropy with logits, mean over the batch (DCGAN's loss with the sigmoid folded in): the values and
-// gradients of torch::binary_cross_entropy_with_logits against a target of all ones (real) or all zeros.
-torch::Tensor bce_with_logits_loss(const torch::Tensor& logits, bool real_target);
+// gradients of torch::binary_cross_entropy_with_logits against a target of all ones (real, generator) or all zeros
+// (fake).
+torch::Tensor bce_with_logits_loss(const torch::Tensor& logits, LossTerm term);
+// The hinge loss (SAGAN, BigGAN): real mean(relu(1 - l)), fake mean(relu(1 + l)), generator -mean(l).
+torch::Tensor hinge_loss(const torch::Tensor& logits, LossTerm term);
+// The Wasserstein critic's loss (WGAN; with a gradient penalty, WGAN-GP): real -mean(l), fake mean(l), generator
+// -mean(l).
+torch::Tensor wasserstein_loss(const torch::Tensor& logits, LossTerm term);
+// "bce", "hinge" or "wasserstein"; throws c10::Error naming `flag` and the accepted names otherwise.
+AdversarialLoss loss_by_name(const std::string& name, const std::string& flag = "loss");
 
 struct AdamSettings {
   double lr = 2e-4;
@@ -112,6 +122,11 @@ struct AdversarialOptions {
   // synchronized BatchNorm. 0: off.
   double r1_gamma = 0.0;
   int64_t r1_every = 16;
+  // > 0: WGAN-GP's gradient penalty on D (Gulrajani et al., 2017): this weight times the mean over the batch of
+  // (|d D(x) / d x| - 1)^2 at random interpolates x = e real + (1 - e) fake (e uniform per image), added to D's loss
+  // on the fakes; the penalty's D pass also updates BatchNorm's running statistics, as any D forward does (WGAN-GP
+  // critics usually have none). Second derivatives as for R1; eager steps on one stream (graph_fallback() says so).
+  double gradient_penalty = 0.0;
   // Steps whose losses wait on the device before step() reads them back itself (a sync).
   int64_t loss_log_steps = 50;
   // Synchronized BatchNorm (--sync-bn; off by default, as in seed 000): the BatchNorm layers of
