@@ -309,6 +309,48 @@ TEST(Data, ImageFolderUnreadableImage) {
   EXPECT_ERROR_MSG(load_image_folder(dir.path.string(), 3, 8), "broken.jpg: cannot read image");  // the first by path
 }
 
+// Placement files: batches decoded from the image files as they are read are those of the folder decoded into
+// memory, batch for batch, over two epochs and after a resume's skip, with more batches gathered ahead than one.
+TEST(Data, ImageFilesStreamTheBatchesOfTheDecodedFolder) {
+  TempDir dir;
+  fs::create_directories(dir.path / "class_a");
+  const int64_t count = rand_int(9, 14);
+  for (int64_t i = 0; i < count; ++i) {
+    const int w = static_cast<int>(rand_int(6, 20)), h = static_cast<int>(rand_int(6, 20));
+    write_png(dir / ((i % 2 ? "class_a/" : "") + std::to_string(100 + i) + ".png"), w, h, 3, random_bytes(w * h * 3));
+  }
+  const int64_t batch = rand_int(2, 4);
+  const auto decoded = load_image_folder(dir.path.string(), 3, 8);
+  BatchLoader in_memory(decoded.images, torch::kCPU, batch, BatchLoader::Placement::streaming, 5);
+  BatchLoader from_files(std::make_shared<const ImageFiles>(dir.path.string(), 3, 8), torch::kCPU, batch, 5,
+                         /*prefetch=*/3);
+  ASSERT_EQ(from_files.batches_per_epoch(), in_memory.batches_per_epoch());
+  for (const auto& [epoch, skip] : std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {1, 0}, {2, 1}}) {
+    in_memory.start_epoch(epoch, skip);
+    from_files.start_epoch(epoch, skip);
+    int64_t served = 0;
+    for (auto a = in_memory.next(), b = from_files.next(); a.defined(); a = in_memory.next(), b = from_files.next()) {
+      ASSERT_TRUE(b.defined()) << "epoch " << epoch << ": files ran out first";
+      EXPECT_TRUE(a.equal(b)) << "epoch " << epoch << ", batch " << served + skip;
+      ++served;
+    }
+    EXPECT_FALSE(from_files.next().defined());
+    EXPECT_EQ(served, in_memory.batches_per_epoch() - skip);
+  }
+  EXPECT_EQ(ImageFiles(dir.path.string(), 3, 8, /*limit=*/4).count(), 4);
+}
+
+// An unreadable file among the files is reported, by path, by the batch that reads it.
+TEST(Data, ImageFilesUnreadableImageIsReportedByItsBatch) {
+  TempDir dir;
+  write_png(dir / "a.png", 8, 8, 1, random_bytes(64));
+  write_png(dir / "b.png", 8, 8, 1, random_bytes(64));
+  std::ofstream(dir / "c_broken.png") << "not a PNG";
+  BatchLoader loader(std::make_shared<const ImageFiles>(dir.path.string(), 1, 8), torch::kCPU, 3, 1);
+  loader.start_epoch(0);
+  EXPECT_ERROR_MSG(loader.next(), "c_broken.png: cannot read image");
+}
+
 TEST(Data, PrepareResizesConvertsAndNormalises) {
   const int64_t n = rand_int(1, 4), size = std::vector<int64_t>{32, 64}[rand_int(0, 1)];
   auto grey = torch::randint(0, 256, {n, 1, 28, 28}, torch::kUInt8);
@@ -828,6 +870,8 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_flag_error(run_dcgan(base + "--memory offload", dir), "--memory: expected none or recompute, got 'offload'",
                     "memory mode");
   expect_flag_error(run_dcgan(base + "--loss lsgan", dir), "--loss: expected bce, hinge or wgan-gp, got 'lsgan'", "loss");
+  expect_flag_error(run_dcgan(base + "--data-placement files", dir),
+                    "--data-placement files: needs --data <folder of images>", "files without a folder");
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
   expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
   expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");

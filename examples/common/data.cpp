@@ -130,9 +130,11 @@ Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items
   return {images.unsqueeze(1), labels.to(torch::kLong), desc.str()};
 }
 
-Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size) {
+ImageFiles::ImageFiles(const std::string& dir, int64_t channels, int64_t size, int64_t limit)
+    : dir_(dir), channels_(channels), size_(size) {
   if (!fs::is_directory(dir)) throw Error(dir + ": not a directory (--data takes fashion-mnist, synthetic or a folder of images)");
-  if (size < 1) throw Error("load_image_folder: size must be at least 1, got " + std::to_string(size));
+  if (size < 1) throw Error("image folder: size must be at least 1, got " + std::to_string(size));
+  if (channels != 1 && channels != 3) throw Error("image folder: channels must be 1 or 3, got " + std::to_string(channels));
   std::vector<fs::path> files;
   for (const auto& entry : fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink)) {
     const auto ext = lower(entry.path().extension().string());
@@ -140,39 +142,58 @@ Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size
   }
   if (files.empty()) throw Error(dir + ": no .png, .jpg or .jpeg images in this folder or below it");
   std::sort(files.begin(), files.end());
-  const auto n = static_cast<int64_t>(files.size());
-  // Decoded on several threads, each image cropped and resized at once: the set is held at its training size,
-  // never at full size. Failures are kept per file, and the first in name order is reported.
-  auto images = torch::empty({n, channels, size, size}, torch::kUInt8);
-  std::vector<std::string> errors(files.size());
+  if (limit > 0 && static_cast<int64_t>(files.size()) > limit) files.resize(static_cast<size_t>(limit));
+  for (const auto& f : files) files_.push_back(f.string());
+}
+
+std::string ImageFiles::description() const {
+  std::ostringstream desc;
+  desc << "image folder " << dir_ << " (" << count() << " images, centre squares resized to " << channels_ << "x"
+       << size_ << "x" << size_ << ")";
+  return desc.str();
+}
+
+void ImageFiles::decode(const torch::Tensor& indices, torch::Tensor& out) const {
+  const int64_t n = indices.numel();
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == n && out.size(1) == channels_ && out.size(2) == size_ &&
+                  out.size(3) == size_ && out.scalar_type() == torch::kUInt8,
+              "ImageFiles::decode: out must be uint8 [", n, ", ", channels_, ", ", size_, ", ", size_, "]");
+  const auto index = indices.to(torch::kLong).contiguous();
+  const int64_t* which = index.data_ptr<int64_t>();
+  // Failures are kept per image, and the first is reported.
+  std::vector<std::string> errors(static_cast<size_t>(n));
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const std::string path = files[i].string();
+      TORCH_CHECK(which[i] >= 0 && which[i] < count(), "ImageFiles::decode: index ", which[i], " out of range");
+      const std::string& path = files_[static_cast<size_t>(which[i])];
       int w = 0, h = 0, found = 0;
-      std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &found, static_cast<int>(channels)),
+      std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load(path.c_str(), &w, &h, &found, static_cast<int>(channels_)),
                                                        stbi_image_free);
       if (!pixels) {
-        errors[i] = path + ": cannot read image (" + stbi_failure_reason() + ")";
+        errors[static_cast<size_t>(i)] = path + ": cannot read image (" + stbi_failure_reason() + ")";
         continue;
       }
       // stb gives interleaved HWC; the centred square is what a DCGAN trains on (CelebA's 178x218, for one).
       const int side = std::min(w, h);
-      const auto square = torch::from_blob(pixels.get(), {h, w, channels}, torch::kUInt8)
+      const auto square = torch::from_blob(pixels.get(), {h, w, channels_}, torch::kUInt8)
                               .narrow(0, (h - side) / 2, side)
                               .narrow(1, (w - side) / 2, side)
                               .permute({2, 0, 1})
                               .unsqueeze(0)
                               .contiguous();
-      images[i].copy_(prepare_images(square, size, channels)[0]);
+      out[i].copy_(prepare_images(square, size_, channels_)[0]);
     }
   });
   for (const auto& error : errors) {
     if (!error.empty()) throw Error(error);
   }
-  std::ostringstream desc;
-  desc << "image folder " << dir << " (" << n << " images, centre squares resized to " << channels << "x" << size << "x"
-       << size << ")";
-  return {images, torch::Tensor(), desc.str()};
+}
+
+Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size) {
+  const ImageFiles files(dir, channels, size);
+  auto images = torch::empty({files.count(), channels, size, size}, torch::kUInt8);
+  files.decode(torch::arange(files.count(), torch::kLong), images);
+  return {images, torch::Tensor(), files.description()};
 }
 
 Dataset make_synthetic(int64_t count, int64_t channels, int64_t size, uint64_t seed) {
@@ -227,18 +248,16 @@ BatchLoader::Placement parse_placement(const std::string& name) {
   if (name == "auto") return BatchLoader::Placement::automatic;
   if (name == "device") return BatchLoader::Placement::resident;
   if (name == "stream") return BatchLoader::Placement::streaming;
-  throw FlagError("--data-placement: expected auto, device or stream, got '" + name + "'");
+  if (name == "files") return BatchLoader::Placement::files;
+  throw FlagError("--data-placement: expected auto, device, stream or files, got '" + name + "'");
 }
 
 BatchLoader::BatchLoader(torch::Tensor images, torch::Device device, int64_t batch_size, Placement placement,
                          uint64_t seed)
     : device_(device), batch_size_(batch_size), seed_(seed) {
   TORCH_CHECK(images.dim() == 4 && images.scalar_type() == torch::kUInt8, "BatchLoader: expected uint8 [N, C, H, W]");
-  if (batch_size < 1) throw Error("batch size must be at least 1, got " + std::to_string(batch_size));
-  if (images.size(0) < batch_size)
-    throw Error("the data set has " + std::to_string(images.size(0)) + " images, fewer than one batch of " +
-                std::to_string(batch_size));
-  batches_per_epoch_ = images.size(0) / batch_size;
+  TORCH_CHECK(placement != Placement::files, "BatchLoader: placement files takes ImageFiles, not a tensor");
+  set_batches(images.size(0));
   if (placement == Placement::automatic) {
     resident_ = true;
 #ifdef HIERPAR_WITH_CUDA
@@ -259,28 +278,60 @@ BatchLoader::BatchLoader(torch::Tensor images, torch::Device device, int64_t bat
   }
 }
 
+BatchLoader::BatchLoader(std::shared_ptr<const ImageFiles> files, torch::Device device, int64_t batch_size,
+                         uint64_t seed, int64_t prefetch)
+    : files_(std::move(files)), device_(device), batch_size_(batch_size), prefetch_depth_(prefetch), seed_(seed) {
+  TORCH_CHECK(files_ != nullptr, "BatchLoader: no image files");
+  if (prefetch < 1) throw Error("prefetch must be at least 1 batch, got " + std::to_string(prefetch));
+  set_batches(files_->count());
+}
+
+void BatchLoader::set_batches(int64_t count) {
+  if (batch_size_ < 1) throw Error("batch size must be at least 1, got " + std::to_string(batch_size_));
+  if (count < batch_size_)
+    throw Error("the data set has " + std::to_string(count) + " images, fewer than one batch of " +
+                std::to_string(batch_size_));
+  count_ = count;
+  batches_per_epoch_ = count / batch_size_;
+}
+
 BatchLoader::~BatchLoader() {
-  if (prefetch_.valid()) prefetch_.wait();
+  for (auto& f : prefetch_) {
+    if (f.valid()) f.wait();
+  }
 }
 
 void BatchLoader::start_epoch(int64_t epoch, int64_t skip) {
-  if (prefetch_.valid()) prefetch_.wait();
-  prefetch_ = {};
+  for (auto& f : prefetch_) {
+    if (f.valid()) f.wait();
+  }
+  prefetch_.clear();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003ull + static_cast<uint64_t>(epoch));
-  order_ = at::randperm(images_.size(0), gen, torch::kLong).to(images_.device());
-  cursor_ = std::min(skip, batches_per_epoch_);
-  if (!resident_ && cursor_ < batches_per_epoch_) {
-    const int64_t batch = cursor_;
-    prefetch_ = std::async(std::launch::async, [this, batch] { return gather_host(batch); });
+  order_ = at::randperm(count_, gen, torch::kLong);
+  if (images_.defined()) order_ = order_.to(images_.device());
+  cursor_ = scheduled_ = std::min(skip, batches_per_epoch_);
+  if (!resident_) fill_prefetch();
+}
+
+// Up to `prefetch_depth_` batches gathered ahead, each by a task of its own.
+void BatchLoader::fill_prefetch() {
+  while (scheduled_ < batches_per_epoch_ && static_cast<int64_t>(prefetch_.size()) < prefetch_depth_) {
+    const int64_t batch = scheduled_++;
+    prefetch_.push_back(std::async(std::launch::async, [this, batch] { return gather_host(batch); }));
   }
 }
 
 torch::Tensor BatchLoader::gather_host(int64_t batch) const {
   auto index = order_.slice(0, batch * batch_size_, (batch + 1) * batch_size_);
-  if (!device_.is_cuda()) return images_.index_select(0, index);
-  auto pinned = torch::empty({batch_size_, images_.size(1), images_.size(2), images_.size(3)},
-                             torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true));
-  return torch::index_select_out(pinned, images_, 0, index);
+  const int64_t channels = files_ ? files_->channels() : images_.size(1);
+  const int64_t h = files_ ? files_->size() : images_.size(2), w = files_ ? files_->size() : images_.size(3);
+  auto host = torch::empty({batch_size_, channels, h, w},
+                           torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(device_.is_cuda()));
+  if (files_) {
+    files_->decode(index, host);
+    return host;
+  }
+  return torch::index_select_out(host, images_, 0, index);
 }
 
 torch::Tensor BatchLoader::next() {
@@ -289,11 +340,10 @@ torch::Tensor BatchLoader::next() {
   if (resident_) {
     return normalise(images_.index_select(0, order_.slice(0, batch * batch_size_, (batch + 1) * batch_size_)));
   }
-  auto host = prefetch_.get();
-  if (cursor_ < batches_per_epoch_) {
-    const int64_t ahead = cursor_;
-    prefetch_ = std::async(std::launch::async, [this, ahead] { return gather_host(ahead); });
-  }
+  std::future<torch::Tensor> gathered = std::move(prefetch_.front());
+  prefetch_.pop_front();
+  fill_prefetch();
+  auto host = gathered.get();  // rethrows a gathering failure (an unreadable file)
   // The caching host allocator keeps `host` alive until the asynchronous copy has finished.
   return normalise(host.to(device_, /*non_blocking=*/true));
 }

@@ -7,8 +7,11 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <deque>
 #include <future>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace hierpar::examples {
 
@@ -33,9 +36,27 @@ torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items =
 // Fashion-MNIST's train (60000) or test (10000) split from `dir`, at most `max_items` (0: all).
 Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items = 0);
 
-// Every .png/.jpg/.jpeg (any case) in `dir` and its subfolders (ImageFolder's and CelebA's layouts), sorted by
-// path, decoded to `channels` (1 or 3) on several threads, each cropped to its centred square and resized to
-// `size` x `size` (antialiased) as it is decoded. An unreadable file is an Error naming the first, by path.
+// The image files of a folder, decoded when asked: every .png/.jpg/.jpeg (any case) in `dir` and its subfolders
+// (ImageFolder's and CelebA's layouts), sorted by path, at most `limit` of them (0: all); each decoded to `channels`
+// (1 or 3), cropped to its centred square and resized to `size` x `size` (antialiased).
+class ImageFiles {
+ public:
+  ImageFiles(const std::string& dir, int64_t channels, int64_t size, int64_t limit = 0);
+  int64_t count() const { return static_cast<int64_t>(files_.size()); }
+  int64_t channels() const { return channels_; }
+  int64_t size() const { return size_; }
+  std::string description() const;
+  // Decodes images `indices` (int64 [n] on the CPU) into `out` (uint8 [n, channels, size, size]) on the intra-op
+  // threads; an unreadable file is an Error naming the first of them in `indices` order, by path.
+  void decode(const torch::Tensor& indices, torch::Tensor& out) const;
+
+ private:
+  std::string dir_;
+  std::vector<std::string> files_;
+  int64_t channels_, size_;
+};
+
+// Every image of ImageFiles(dir, channels, size) decoded into memory at the training size (never at full size).
 Dataset load_image_folder(const std::string& dir, int64_t channels, int64_t size);
 
 // `count` random smooth images (blobs on a gradient), reproducible from `seed`.
@@ -50,12 +71,16 @@ torch::Tensor normalise(const torch::Tensor& images);
 
 // Serves an epoch of shuffled batches (the last partial batch dropped) of normalised images on `device`.
 // Placement: `resident` copies the whole uint8 set to the device once; `streaming` gathers each batch on
-// the host (pinned memory for CUDA) in a background task one batch ahead and copies it asynchronously.
+// the host (pinned memory for CUDA) in background tasks `prefetch` batches ahead and copies it asynchronously;
+// `files` decodes each batch from the image files the same way (only those batches are ever in memory).
 class BatchLoader {
  public:
-  enum class Placement { automatic, resident, streaming };
+  enum class Placement { automatic, resident, streaming, files };
   // automatic: resident on the CPU, or on CUDA when the set takes at most half of the free device memory.
   BatchLoader(torch::Tensor images, torch::Device device, int64_t batch_size, Placement placement, uint64_t seed);
+  // Placement files: the same batches as BatchLoader over those files decoded into memory (same seed, same order).
+  BatchLoader(std::shared_ptr<const ImageFiles> files, torch::Device device, int64_t batch_size, uint64_t seed,
+              int64_t prefetch = 2);
   ~BatchLoader();
 
   int64_t batches_per_epoch() const { return batches_per_epoch_; }
@@ -67,15 +92,18 @@ class BatchLoader {
   torch::Tensor next();
 
  private:
+  void set_batches(int64_t count);
   torch::Tensor gather_host(int64_t batch) const;
-  torch::Tensor images_;  // uint8, on the device when resident
+  void fill_prefetch();
+  torch::Tensor images_;                        // uint8, on the device when resident; undefined with files
+  std::shared_ptr<const ImageFiles> files_;     // placement files
   torch::Device device_;
-  int64_t batch_size_, batches_per_epoch_;
+  int64_t batch_size_, batches_per_epoch_ = 0, count_ = 0, prefetch_depth_ = 1;
   uint64_t seed_;
   bool resident_ = false;
   torch::Tensor order_;  // this epoch's permutation (on images_' device)
-  int64_t cursor_ = 0;
-  std::future<torch::Tensor> prefetch_;
+  int64_t cursor_ = 0, scheduled_ = 0;  // the next batch to serve, the next to gather
+  std::deque<std::future<torch::Tensor>> prefetch_;
 };
 
 BatchLoader::Placement parse_placement(const std::string& name);

@@ -118,6 +118,15 @@ void synchronize_devices(const hierpar::strategy::Placement& placement);
 // The training images --data, --limit and the model's channels ask for, as loaded (before resizing).
 Dataset load_training_data(const DCGANTrainConfig& config);
 
+// The training batches on `device` as --data and --data-placement ask (files: the folder's images decoded batch by
+// batch; otherwise the set loaded and resized first), with the line that describes the data.
+struct TrainingData {
+  std::unique_ptr<BatchLoader> loader;
+  std::string description;
+  bool from_files = false;
+};
+TrainingData open_training_data(const DCGANTrainConfig& config, torch::Device device);
+
 // The trainer's options for `config` and `step` (optimiser, graphs, streams, precision, synchronized BatchNorm);
 // a run adds its fault handling and timeouts.
 hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& config, const StepSettings& step);

@@ -24,6 +24,26 @@ Dataset load_training_data(const DCGANTrainConfig& config) {
   return folder;
 }
 
+TrainingData open_training_data(const DCGANTrainConfig& config, torch::Device device) {
+  TrainingData data;
+  const auto placement = parse_placement(config.placement);
+  const auto seed = static_cast<uint64_t>(config.seed);
+  const auto& m = config.model;
+  if (placement == BatchLoader::Placement::files) {
+    auto files = std::make_shared<const ImageFiles>(config.data, m.channels, m.image_size, config.limit);
+    data.description = files->description() + ", decoded batch by batch as training reads them";
+    data.loader = std::make_unique<BatchLoader>(std::move(files), device, config.batch_size, seed);
+    data.from_files = true;
+    return data;
+  }
+  const Dataset set = load_training_data(config);
+  const auto images = prepare_images(set.images, m.image_size, m.channels);
+  data.description = set.description + " -> " + std::to_string(images.size(0)) + " images " + std::to_string(m.channels) +
+                     "x" + std::to_string(m.image_size) + "x" + std::to_string(m.image_size);
+  data.loader = std::make_unique<BatchLoader>(images, device, config.batch_size, placement, seed);
+  return data;
+}
+
 void synchronize_devices(const hierpar::strategy::Placement& placement) {
   for (const auto& r : placement.replicas) {
     for (const torch::Device& d : {r.generator, r.discriminator})

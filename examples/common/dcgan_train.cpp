@@ -247,11 +247,10 @@ int train_dcgan(DCGANTrainConfig config) {
   hs::RunGuard guard(placement.launch, guard_options);
   std::unique_ptr<hs::AdversarialTrainer> trainer;
   try {
-    const Dataset data = load_training_data(config);
-    const auto images = prepare_images(data.images, config.model.image_size, config.model.channels);
-    say("data: " + data.description + " -> " + std::to_string(images.size(0)) + " images " +
-        std::to_string(config.model.channels) + "x" + std::to_string(config.model.image_size) + "x" +
-        std::to_string(config.model.image_size));
+    // Every rank draws the same global batches (same seed) and keeps its own rows of each.
+    TrainingData data = open_training_data(config, data_device);
+    BatchLoader& loader = *data.loader;
+    say("data: " + data.description);
 
     torch::manual_seed(static_cast<uint64_t>(config.seed));
     if (data_device.is_cuda()) {
@@ -264,9 +263,6 @@ int train_dcgan(DCGANTrainConfig config) {
     models::Generator generator(config.model);
     models::Discriminator discriminator(config.model);
 
-    // Every rank draws the same global batches (same seed) and keeps its own rows of each.
-    BatchLoader loader(images, data_device, config.batch_size, parse_placement(config.placement),
-                       static_cast<uint64_t>(config.seed));
     const int64_t share = config.batch_size / world;
     auto fixed_noise = torch::randn({config.samples, config.model.nz},
                                     at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
@@ -338,7 +334,8 @@ int train_dcgan(DCGANTrainConfig config) {
         (config.model.recompute ? ", activations recomputed in the backward" : "") + "; generator " +
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
         std::to_string(count_parameters(*discriminator)) + "; data " +
-        (loader.resident() ? "resident on " + data_device.str() : "streamed through host memory"));
+        (loader.resident() ? "resident on " + data_device.str()
+                           : data.from_files ? "decoded from the files" : "streamed through host memory"));
     const bool gloo_for_nccl = data_device.is_cpu() && placement.reduce == hs::Reduce::collective;
     say("strategy: " + placement.to_string() + (gloo_for_nccl ? " (Gloo's collectives on the CPU)" : "") +
         "; global batch " + std::to_string(config.batch_size) + " = " + std::to_string(placement.global_replicas()) +

@@ -19,13 +19,15 @@
 #include "common/images.h"
 #include "hierpar/strategy/run_guard.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Logging.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
-
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 
@@ -41,6 +43,7 @@ constexpr const char* kUsage =
     "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
     "  plot      plot the D and G loss curves of several runs (their losses.csv) on one PNG\n"
     "  tune      measure batch sizes and choose one (seed 004): --objective epoch-time|gpu-usage|max-memory\n"
+    "  data-speed  how many images per second the data loader alone serves (train's data flags)\n"
     "Run hierpar-dcgan <command> --help for its flags.\n";
 
 // The flags that define the data, the model, the placement and the step: train and tune take them alike.
@@ -72,7 +75,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
-      .add("data-placement", &config.placement, "auto, device (copy the set to the device) or stream")
+      .add("data-placement", &config.placement, "auto, device (copy the set to the device), stream (batches through "
+           "host memory) or files (a folder's images decoded batch by batch as they are needed)")
       .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
       .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
       .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
@@ -145,6 +149,8 @@ int train(int argc, char** argv) {
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (config.loss != "bce" && config.loss != "hinge" && config.loss != "wgan-gp")
     throw FlagError("--loss: expected bce, hinge or wgan-gp, got '" + config.loss + "'");
+  if (config.placement == "files" && (config.data == "fashion-mnist" || config.data == "synthetic"))
+    throw FlagError("--data-placement files: needs --data <folder of images>, got --data " + config.data);
   if (resume != "off" && resume != "on" && resume != "auto")
     throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
   config.resume = resume == "on";
@@ -193,6 +199,50 @@ int tune(int argc, char** argv) {
   if (!flags.parse(argc, argv, 2)) return 0;
   resolve_run_flags(config, run, /*allow_auto=*/false);
   tune_batch_size(config, tune, std::cout);
+  return 0;
+}
+
+// The loader alone, as train would read it (decoding, resizing, gathering, the copy to the device): images per second,
+// to set against a training step's.
+int data_speed(int argc, char** argv) {
+  DCGANTrainConfig config;
+  RunFlags run;
+  int64_t batches = 100;
+  Flags flags("hierpar-dcgan data-speed");
+  add_run_flags(flags, config, run);
+  flags.add("batches", &batches, "batches to time, after one untimed", 1);
+  if (!flags.parse(argc, argv, 2)) return 0;
+  resolve_run_flags(config, run, /*allow_auto=*/false);
+  if (config.placement == "files" && (config.data == "fashion-mnist" || config.data == "synthetic"))
+    throw FlagError("--data-placement files: needs --data <folder of images>, got --data " + config.data);
+  resolve_model(config);
+  const torch::Device device = parse_device(config.device);
+  TrainingData data = open_training_data(config, device);
+  std::cout << "data: " << data.description << "\n";
+  BatchLoader& loader = *data.loader;
+  int64_t epoch = 0;
+  loader.start_epoch(epoch);
+  auto next = [&] {
+    torch::Tensor batch = loader.next();
+    if (!batch.defined()) {
+      loader.start_epoch(++epoch);
+      batch = loader.next();
+    }
+    return batch;
+  };
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  next();
+  sync();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < batches; ++i) next();
+  sync();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << "loader alone on " << device << " (" << (loader.resident() ? "resident" : data.from_files ? "files" : "streamed")
+            << ", " << at::get_num_threads() << " threads): " << batches << " batches of " << config.batch_size << " in "
+            << std::fixed << std::setprecision(3) << seconds << " s = " << std::setprecision(0)
+            << batches * config.batch_size / seconds << " images/s\n";
   return 0;
 }
 
@@ -292,6 +342,7 @@ int main(int argc, char** argv) {
     if (command == "plot") return plot(argc, argv);
     if (command == "tune") return tune(argc, argv);
     if (command == "evaluate") return evaluate(argc, argv);
+    if (command == "data-speed") return data_speed(argc, argv);
     if (command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;
