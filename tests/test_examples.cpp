@@ -768,41 +768,30 @@ TEST(Examples, ResumingAFinishedRunSaysHowToGoOn) {
   EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
 }
 
-// --r1 trains with the penalty (the run says its steps are eager on a GPU; on the CPU they are anyway), records it in
-// the checkpoint, and a resume without it is refused in one line that says what to pass.
-TEST(Examples, R1RunTrainsAndResumesOnlyWithIt) {
+// --r1, --loss hinge and --loss wgan-gp train (second derivatives through hierpar's layers for the penalties), are
+// recorded in the checkpoint, and a resume without them is refused in one line that says what to pass; with them it
+// goes on.
+TEST(Examples, PenaltiesAndLossesTrainAndResumeOnlyWithThem) {
   TempDir dir;
-  const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 --width 0.25 "
-                           "--layers hierpar --samples 4 --out " + (dir / "out") + " ";
-  const auto first = run_dcgan(tiny + "--epochs 1 --r1 2 --r1-every 2", dir);
-  ASSERT_EQ(first.status, 0) << c10::Join("\n", first.stderr_lines);
-  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").config.at("r1"), "2");
-  const auto without = run_dcgan(tiny + "--epochs 2 --resume", dir);
-  EXPECT_NE(without.status, 0);
-  ASSERT_EQ(without.stderr_lines.size(), 1u) << c10::Join("\n", without.stderr_lines);
-  EXPECT_NE(without.stderr_lines[0].find("was trained with the R1 penalty: pass --r1 2 --r1-every 2 to resume it"),
-            std::string::npos) << without.stderr_lines[0];
-  const auto with = run_dcgan(tiny + "--epochs 2 --resume --r1 2 --r1-every 2", dir);
-  EXPECT_EQ(with.status, 0) << c10::Join("\n", with.stderr_lines);
-  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 4);
-}
-
-// --loss wgan-gp and hinge train (the penalty's double backward through hierpar's layers), are recorded, and a
-// resume without the loss is refused in one line.
-TEST(Examples, OtherLossesTrainAndResumeOnlyWithThem) {
-  TempDir dir;
-  for (const char* loss : {"hinge", "wgan-gp"}) {
-    const std::string out = dir / (std::string("out-") + loss);
+  struct Variant {
+    std::string flags, key, value, refusal;
+  };
+  for (const Variant& v : {Variant{"--r1 2 --r1-every 2", "r1", "2", "was trained with the R1 penalty: pass --r1 2 --r1-every 2"},
+                           Variant{"--loss hinge", "loss", "hinge", "was trained with --loss hinge: pass it"},
+                           Variant{"--loss wgan-gp", "loss", "wgan-gp", "was trained with --loss wgan-gp: pass it"}}) {
+    const std::string out = dir / ("out-" + v.value);
     const std::string tiny = "train --device cpu --data synthetic --limit 32 --batch-size 16 --image-size 32 "
                              "--width 0.25 --layers hierpar --samples 4 --out " + out + " ";
-    const auto first = run_dcgan(tiny + "--epochs 1 --loss " + loss, dir);
-    ASSERT_EQ(first.status, 0) << c10::Join("\n", first.stderr_lines);
-    EXPECT_EQ(read_checkpoint_state(out + "/checkpoint.pt").config.at("loss"), loss);
+    const auto first = run_dcgan(tiny + "--epochs 1 " + v.flags, dir);
+    ASSERT_EQ(first.status, 0) << v.flags << "\n" << c10::Join("\n", first.stderr_lines);
+    EXPECT_EQ(read_checkpoint_state(out + "/checkpoint.pt").config.at(v.key), v.value) << v.flags;
     const auto without = run_dcgan(tiny + "--epochs 2 --resume", dir);
-    EXPECT_NE(without.status, 0);
+    EXPECT_NE(without.status, 0) << v.flags;
     ASSERT_EQ(without.stderr_lines.size(), 1u) << c10::Join("\n", without.stderr_lines);
-    EXPECT_NE(without.stderr_lines[0].find(std::string("was trained with --loss ") + loss), std::string::npos)
-        << without.stderr_lines[0];
+    EXPECT_NE(without.stderr_lines[0].find(v.refusal), std::string::npos) << without.stderr_lines[0];
+    const auto with = run_dcgan(tiny + "--epochs 2 --resume " + v.flags, dir);
+    EXPECT_EQ(with.status, 0) << v.flags << "\n" << c10::Join("\n", with.stderr_lines);
+    EXPECT_EQ(read_checkpoint_state(out + "/checkpoint.pt").global_step, 4) << v.flags;
   }
 }
 
