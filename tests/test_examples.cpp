@@ -198,6 +198,19 @@ TEST(Data, FashionMnistLayoutFromSmallFiles) {
   EXPECT_EQ(load_fashion_mnist(dir.path.string(), true, 5).images.size(0), 5);
 }
 
+// MNIST has Fashion-MNIST's file layout; the program trains on it with --data mnist --mnist-dir.
+TEST(Data, MnistFromSmallFilesAndTheProgramTrainsOnIt) {
+  TempDir dir;
+  write_fake_mnist(dir.path.string(), "train", 40);
+  const auto set = load_mnist(dir.path.string(), true);
+  EXPECT_EQ(set.images.sizes(), (std::vector<int64_t>{40, 1, 28, 28}));
+  EXPECT_EQ(set.description.rfind("MNIST train (40 images", 0), 0u) << set.description;
+  const auto run = run_dcgan("train --device cpu --data mnist --mnist-dir " + dir.path.string() + " --batch-size 16 "
+                             "--image-size 32 --width 0.25 --samples 4 --epochs 1 --out " + (dir / "out"), dir);
+  ASSERT_EQ(run.status, 0) << c10::Join("\n", run.stderr_lines);
+  EXPECT_EQ(read_checkpoint_state(dir / "out/checkpoint.pt").global_step, 2);
+}
+
 TEST(Data, RealFashionMnistIfInstalled) {
   if (!have_fashion_mnist()) GTEST_SKIP() << default_fashion_mnist_dir() << " not installed (Debian's dataset-fashion-mnist)";
   auto test = load_fashion_mnist(default_fashion_mnist_dir(), false);

@@ -116,7 +116,9 @@ torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items) 
   return out;
 }
 
-Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items) {
+namespace {
+// The MNIST file layout (Fashion-MNIST's too): images and labels of one split, checked against each other.
+Dataset load_mnist_layout(const std::string& dir, bool train, int64_t max_items, const char* name) {
   const std::string prefix = dir + "/" + (train ? "train" : "t10k");
   auto images = read_idx_gz(prefix + "-images-idx3-ubyte.gz", 3, max_items);
   auto labels = read_idx_gz(prefix + "-labels-idx1-ubyte.gz", 1, max_items);
@@ -125,14 +127,23 @@ Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items
                 " labels");
   if (labels.max().item<int64_t>() > 9) throw Error(prefix + "-labels-idx1-ubyte.gz: a label is not in 0..9");
   std::ostringstream desc;
-  desc << "Fashion-MNIST " << (train ? "train" : "test") << " (" << images.size(0) << " images, 1x"
-       << images.size(1) << "x" << images.size(2) << ", " << dir << ")";
+  desc << name << " " << (train ? "train" : "test") << " (" << images.size(0) << " images, 1x" << images.size(1) << "x"
+       << images.size(2) << ", " << dir << ")";
   return {images.unsqueeze(1), labels.to(torch::kLong), desc.str()};
+}
+}  // namespace
+
+Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items) {
+  return load_mnist_layout(dir, train, max_items, "Fashion-MNIST");
+}
+
+Dataset load_mnist(const std::string& dir, bool train, int64_t max_items) {
+  return load_mnist_layout(dir, train, max_items, "MNIST");
 }
 
 ImageFiles::ImageFiles(const std::string& dir, int64_t channels, int64_t size, int64_t limit)
     : dir_(dir), channels_(channels), size_(size) {
-  if (!fs::is_directory(dir)) throw Error(dir + ": not a directory (--data takes fashion-mnist, synthetic or a folder of images)");
+  if (!fs::is_directory(dir)) throw Error(dir + ": not a directory (--data takes fashion-mnist, mnist, synthetic or a folder of images)");
   if (size < 1) throw Error("image folder: size must be at least 1, got " + std::to_string(size));
   if (channels != 1 && channels != 3) throw Error("image folder: channels must be 1 or 3, got " + std::to_string(channels));
   std::vector<fs::path> files;
@@ -346,6 +357,11 @@ torch::Tensor BatchLoader::next() {
   auto host = gathered.get();  // rethrows a gathering failure (an unreadable file)
   // The caching host allocator keeps `host` alive until the asynchronous copy has finished.
   return normalise(host.to(device_, /*non_blocking=*/true));
+}
+
+std::string default_mnist_dir() {
+  const char* dir = std::getenv("HIERPAR_MNIST_DIR");
+  return dir && *dir ? dir : "data/MNIST/raw";
 }
 
 std::string default_fashion_mnist_dir() {

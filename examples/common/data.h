@@ -35,6 +35,11 @@ torch::Tensor read_idx_gz(const std::string& path, int dims, int64_t max_items =
 
 // Fashion-MNIST's train (60000) or test (10000) split from `dir`, at most `max_items` (0: all).
 Dataset load_fashion_mnist(const std::string& dir, bool train, int64_t max_items = 0);
+// MNIST's, from the same four file names (torchvision keeps them in <root>/MNIST/raw).
+Dataset load_mnist(const std::string& dir, bool train, int64_t max_items = 0);
+// Where MNIST is looked for by default: $HIERPAR_MNIST_DIR when set, else data/MNIST/raw (torchvision's layout under
+// its default root).
+std::string default_mnist_dir();
 
 // The image files of a folder, decoded when asked: every .png/.jpg/.jpeg (any case) in `dir` and its subfolders
 // (ImageFolder's and CelebA's layouts), sorted by path, at most `limit` of them (0: all); each decoded to `channels`

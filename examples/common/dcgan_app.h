@@ -23,6 +23,7 @@ namespace hierpar::examples {
 struct DCGANTrainConfig {
   std::string data = "fashion-mnist";  // fashion-mnist | synthetic | a folder of images
   std::string fashion_mnist_dir = default_fashion_mnist_dir();
+  std::string mnist_dir = default_mnist_dir();
   int64_t limit = 0;                   // use at most this many images (0: all)
   std::string placement = "auto";      // auto | device | stream
   models::DCGANOptions model;          // channels 0 below means: 1 for Fashion-MNIST, 3 otherwise

@@ -16,6 +16,7 @@ constexpr int64_t kSyntheticImages = 2944;  // the seed's data set size
 
 Dataset load_training_data(const DCGANTrainConfig& config) {
   if (config.data == "fashion-mnist") return load_fashion_mnist(config.fashion_mnist_dir, /*train=*/true, config.limit);
+  if (config.data == "mnist") return load_mnist(config.mnist_dir, /*train=*/true, config.limit);
   if (config.data == "synthetic")
     return make_synthetic(config.limit > 0 ? config.limit : kSyntheticImages, config.model.channels,
                           config.model.image_size, static_cast<uint64_t>(config.seed));
@@ -52,7 +53,7 @@ void synchronize_devices(const hierpar::strategy::Placement& placement) {
 }
 
 void resolve_model(DCGANTrainConfig& config) {
-  if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" ? 1 : 3;
+  if (config.model.channels == 0) config.model.channels = config.data == "fashion-mnist" || config.data == "mnist" ? 1 : 3;
   config.model.validate();
 }
 

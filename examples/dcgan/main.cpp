@@ -54,8 +54,11 @@ struct RunFlags {
 };
 
 void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
-  flags.add("data", &config.data, "fashion-mnist, synthetic, or a folder of PNG/JPEG images (searched recursively; centre squares resized)")
+  flags.add("data", &config.data, "fashion-mnist, mnist, synthetic, or a folder of PNG/JPEG images (searched "
+            "recursively; centre squares resized)")
       .add("fashion-mnist-dir", &config.fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
+      .add("mnist-dir", &config.mnist_dir, "where the MNIST .gz files are (torchvision's <root>/MNIST/raw; "
+           "$HIERPAR_MNIST_DIR)")
       .add("limit", &config.limit, "use at most this many images (0: all)", 0)
       .add("layers", &run.layers, "stock (torch::nn) or hierpar")
       .add("device", &config.device, "cpu, cuda or cuda:N (default: cuda when available)")
@@ -82,6 +85,12 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
       .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
       .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)");
+}
+
+// --data-placement files decodes image files: the built-in sets are not files.
+void require_folder_for_files(const DCGANTrainConfig& config) {
+  if (config.placement == "files" && (config.data == "fashion-mnist" || config.data == "mnist" || config.data == "synthetic"))
+    throw FlagError("--data-placement files: needs --data <folder of images>, got --data " + config.data);
 }
 
 // Returns whether --batch-size is "auto" (which only `allow_auto` accepts; config.batch_size then stays the default).
@@ -149,8 +158,7 @@ int train(int argc, char** argv) {
   const bool auto_batch = resolve_run_flags(config, run, /*allow_auto=*/true);
   if (config.loss != "bce" && config.loss != "hinge" && config.loss != "wgan-gp")
     throw FlagError("--loss: expected bce, hinge or wgan-gp, got '" + config.loss + "'");
-  if (config.placement == "files" && (config.data == "fashion-mnist" || config.data == "synthetic"))
-    throw FlagError("--data-placement files: needs --data <folder of images>, got --data " + config.data);
+  require_folder_for_files(config);
   if (resume != "off" && resume != "on" && resume != "auto")
     throw FlagError("--resume: expected nothing or auto, got '" + resume + "'");
   config.resume = resume == "on";
@@ -213,8 +221,7 @@ int data_speed(int argc, char** argv) {
   flags.add("batches", &batches, "batches to time, after one untimed", 1);
   if (!flags.parse(argc, argv, 2)) return 0;
   resolve_run_flags(config, run, /*allow_auto=*/false);
-  if (config.placement == "files" && (config.data == "fashion-mnist" || config.data == "synthetic"))
-    throw FlagError("--data-placement files: needs --data <folder of images>, got --data " + config.data);
+  require_folder_for_files(config);
   resolve_model(config);
   const torch::Device device = parse_device(config.device);
   TrainingData data = open_training_data(config, device);
