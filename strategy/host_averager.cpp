@@ -1,0 +1,294 @@
+// Host averaging (--reduce host): the gradients go to pinned host memory, one thread per replica sums its slice over
+// every replica, and the sum goes back to each replica's device; across processes the host sums meet through Gloo.
+// Eager steps move buckets during the backward; captured steps one flat buffer per network (averaging.h).
+#include "averaging_parts.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+namespace hierpar::strategy::detail {
+namespace {
+
+class HostAverager final : public GradientAverager {
+ public:
+  HostAverager(const Placement& placement, const AveragingOptions& options) : placement_(placement), options_(options) {
+    TORCH_CHECK(options.bucket_cap_bytes >= 0 && options.first_bucket_cap_bytes >= 0,
+                "AveragingOptions: bucket caps must be >= 0 (0: no bucketing), got ", options.first_bucket_cap_bytes,
+                " and ", options.bucket_cap_bytes);
+    // One barrier (and one cross-process group) per network: with synchronized BatchNorm on a
+    // hierarchical placement, G's and D's sums of one replica run at the same time on their devices'
+    // autograd threads, and must not count as each other's arrivals.
+    for (auto& barrier : barriers_) barrier = std::make_unique<ReplicaBarrier>(global_indices(placement), options.timeout);
+    for (auto& network_slots : slots_) {
+      for (Slot& slot : network_slots) {
+        slot.host.resize(placement.local_replicas());
+        slot.device_flat.resize(placement.local_replicas());
+      }
+    }
+    for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
+  }
+
+  ~HostAverager() override {
+    detach_hooks(reducers_);
+    // Sums still queued by a step that failed end at once instead of waiting out the timeout; then the summing
+    // threads (owned by the reducers' transports) are joined while everything they use is still here.
+    abort("the averager is being destroyed");
+    for (auto& reducers : reducers_) reducers.clear();
+  }
+
+  void connect(int64_t local) override {
+    // Across processes the host sums meet through Gloo; in one process the threads share memory.
+    if (local == 0 && placement_.launch.multi_process()) {
+      store_ = options_.store ? options_.store : connect_launch_store(placement_.launch, options_.timeout);
+      for (Network network : kNetworks) {
+        host_groups_[static_cast<int>(network)] =
+            make_backend(c10::make_intrusive<c10d::PrefixStore>(std::string("host-") + to_string(network), store_),
+                         placement_.launch.rank, placement_.launch.world_size, c10::DeviceType::CPU, placement_.launch,
+                         options_.timeout);
+      }
+    }
+    barriers_[0]->arrive_and_wait(local, c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
+  }
+
+  // Buckets summed during the backward (eager steps; the trainer attaches none to captured steps, nor with
+  // synchronized BatchNorm, whose sums meet at the same barriers from the autograd threads).
+  void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
+    if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
+    const int n = static_cast<int>(network);
+    const std::string who = where(placement_, local, network);
+    auto reducer = std::make_unique<BucketReducer>(parameters, options_.first_bucket_cap_bytes, options_.bucket_cap_bytes);
+    {
+      std::lock_guard<std::mutex> lock(attach_mutex_);
+      BucketBuffers& buffers = bucket_buffers_[n];
+      if (buffers.sum.empty()) {  // the first replica to attach sets the layout
+        buffers.host.assign(reducer->buckets(), std::vector<at::Tensor>(placement_.local_replicas()));
+        for (size_t b = 0; b < reducer->buckets(); ++b) {
+          buffers.sum.push_back(at::empty({reducer->flat(b).numel()}, reducer->flat(b).options().device(at::kCPU)
+                                                                          .pinned_memory(pinned_any(network))));
+        }
+      }
+      TORCH_CHECK(buffers.sum.size() == reducer->buckets(), who, ": its parameters cut into ", reducer->buckets(),
+                  " buckets, another replica's into ", buffers.sum.size(), " (every replica needs the same parameters)");
+      for (size_t b = 0; b < reducer->buckets(); ++b) {
+        const at::Tensor& flat = reducer->flat(b);
+        TORCH_CHECK(buffers.sum[b].numel() == flat.numel(), who, ": bucket ", b, " has ", flat.numel(),
+                    " elements, another replica's ", buffers.sum[b].numel(), " (every replica needs the same parameters)");
+        // On the CPU the bucket's flat buffer is already in host memory.
+        buffers.host[b][local] = flat.is_cuda() ? at::empty({flat.numel()}, flat.options().device(at::kCPU).pinned_memory(true))
+                                                : flat;
+      }
+    }
+    reducer->set_transport(std::make_unique<HostBuckets>(*this, local, network, reducer->buckets(), reducer->flat(0).device()));
+    attach_hooks(*reducer, who);
+    reducers_[n][local] = std::move(reducer);
+  }
+
+  void average(int64_t local, Network network, const std::vector<at::Tensor>& grads) override {
+    entered();
+    const int n = static_cast<int>(network);
+    const std::string who = where(placement_, local, network);
+    if (BucketReducer* reducer = reducers_[n][local].get()) {
+      reducer->finish(grads, placement_.global_replicas(), who);
+      return;
+    }
+    Slot& slot = slots_[n][kGradients];
+    at::Tensor flat = flatten_into(slot.device_flat[local], grads);
+    sum_over_replicas(local, network, slot, flat, who);
+    flat.div_(placement_.global_replicas());
+    unflatten_from(flat, grads);
+  }
+
+  void sum(int64_t local, Network network, const at::Tensor& tensor) override {
+    entered();
+    Slot& slot = slots_[static_cast<int>(network)][kStatistics];
+    TORCH_CHECK(tensor.is_contiguous(), "sum: expected a contiguous tensor");
+    sum_over_replicas(local, network, slot, tensor.view({-1}), where(placement_, local, network) + " BatchNorm statistics");
+  }
+
+  void broadcast_from_first(int64_t local, Network network, const std::vector<at::Tensor>& tensors) override {
+    entered();
+    const std::string who = where(placement_, local, network) + " broadcast";
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
+    at::Tensor scratch;
+    at::Tensor flat = flatten_into(scratch, tensors);
+    if (local == 0) {
+      broadcast_ = at::empty({flat.numel()}, flat.options().device(at::kCPU));
+      broadcast_.copy_(flat);
+    }
+    barrier.arrive_and_wait(local, who);
+    if (placement_.launch.multi_process()) {
+      if (local == 0) {
+        std::vector<at::Tensor> buffers{broadcast_};
+        c10d::BroadcastOptions options;
+        options.rootRank = 0;
+        wait_for(host_groups_[static_cast<int>(network)]->broadcast(buffers, options), who,
+                 "broadcasting replica 0's tensors", options_.timeout, aborted_);
+      }
+      barrier.arrive_and_wait(local, who);
+    }
+    flat.copy_(broadcast_);
+    unflatten_from(flat, tensors);
+    barrier.arrive_and_wait(local, who);  // nobody reuses broadcast_ before every replica has read it
+  }
+
+  void set_final_backward(int64_t local, Network network, bool final) override {
+    if (BucketReducer* reducer = reducers_[static_cast<int>(network)][local].get()) reducer->set_final_backward(final);
+  }
+
+  // Gloo's host groups have no abort: their waits here end at once, and their threads when Gloo times out.
+  void abort(const std::string& reason) override {
+    aborted_.set(reason);
+    for (auto& barrier : barriers_) barrier->abort(reason);
+  }
+
+ private:
+  struct Slot {
+    std::vector<at::Tensor> host;         // per local replica: its flat buffer in (pinned) host memory
+    std::vector<at::Tensor> device_flat;  // per local replica: the flat gradient buffer on its device
+    at::Tensor sum;                       // the sum over replicas, written slice by slice by the replica threads
+  };
+  static constexpr int kGradients = 0, kStatistics = 1;
+
+  // One network's buckets in host memory: each replica's copy of every bucket, and every bucket's sum.
+  struct BucketBuffers {
+    std::vector<std::vector<at::Tensor>> host;  // [bucket][local replica]
+    std::vector<at::Tensor> sum;                // [bucket]
+  };
+
+  // A bucket's trip through host memory, off the threads that queue the step: the hook copies the bucket to pinned
+  // memory on a side stream (the device never waits for the host, so no CUDA call anywhere can deadlock with it), a
+  // summing thread of the replica waits for that copy and sums its slice of the bucket over every replica's copy;
+  // wait() copies the sum back asynchronously on the step's stream. On the CPU the bucket's flat buffer is its host
+  // copy, and the summing thread works while autograd goes on.
+  class HostBuckets final : public BucketTransport {
+   public:
+    HostBuckets(HostAverager& averager, int64_t local, Network network, size_t buckets, c10::Device device)
+        : averager_(averager), local_(local), network_(network), buckets_(buckets) {
+      if (device.is_cuda()) side_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+    }
+
+    void start(size_t bucket, const at::Tensor& flat, const std::string& who) override {
+      averager_.entered();
+      BucketBuffers& buffers = averager_.bucket_buffers_[static_cast<int>(network_)];
+      std::shared_ptr<c10::Event> copied;
+      if (side_) {
+        c10::Event ready(flat.device().type());
+        ready.record(c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device()));
+        ready.block(*side_);
+        c10::StreamGuard on_side(*side_);
+        buffers.host[bucket][local_].copy_(flat, /*non_blocking=*/true);
+        copied = std::make_shared<c10::Event>(flat.device().type());
+        copied->record(*side_);
+      }
+      summer_.post([this, &buffers, bucket, copied, who, numel = flat.numel()] {
+        try {
+          if (copied) copied->synchronize();
+          averager_.sum_on_host(local_, network_, buffers.host[bucket], buffers.sum[bucket], numel, who);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!failure_) failure_ = std::current_exception();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++summed_;
+        }
+        summed_changed_.notify_all();
+      });
+    }
+
+    void wait(size_t bucket, const at::Tensor& flat, const std::string& /*who*/) override {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        summed_changed_.wait(lock, [&] { return summed_ > bucket; });
+        if (bucket + 1 == buckets_) summed_ = 0;  // the step's last bucket: the next step counts afresh
+        if (failure_) std::rethrow_exception(failure_);
+      }
+      const at::Tensor& sum = averager_.bucket_buffers_[static_cast<int>(network_)].sum[bucket];
+      // From pinned memory, asynchronously: the next write of `sum` comes after every replica's next copy of this
+      // bucket to the host, which its side stream orders after this copy back.
+      flat.copy_(sum, /*non_blocking=*/flat.is_cuda());
+    }
+
+   private:
+    HostAverager& averager_;
+    const int64_t local_;
+    const Network network_;
+    const size_t buckets_;
+    std::optional<c10::Stream> side_;
+    std::mutex mutex_;
+    std::condition_variable summed_changed_;
+    size_t summed_ = 0;  // buckets of this step summed so far
+    std::exception_ptr failure_;  // the first failed sum: rethrown by every later wait()
+    JobThread summer_;            // last: its thread runs jobs that use the members above
+  };
+
+  // Sums `flat` (local replica `local`'s, on its device) over every replica, into `flat`.
+  void sum_over_replicas(int64_t local, Network network, Slot& slot, const at::Tensor& flat, const std::string& who) {
+    const int64_t numel = flat.numel();
+    at::Tensor host = reserve(slot.host[local], numel, flat.options().device(at::kCPU).pinned_memory(flat.is_cuda()));
+    host.copy_(flat);  // the host must read the values: this waits for the device, by design
+    if (local == 0) reserve(slot.sum, numel, host.options().pinned_memory(pinned_any(network)));
+    const at::Tensor sum = sum_on_host(local, network, slot.host, slot.sum, numel, who);
+    // Asynchronous from pinned memory: the next write of `sum` comes after every replica's next (blocking)
+    // device-to-host copy on the same stream, which orders after this one.
+    flat.copy_(sum, /*non_blocking=*/true);
+  }
+
+  // Sums the replicas' host buffers `hosts` (their first `numel` elements) into `sum_buffer`, over this process's
+  // replicas and then across processes, and returns that sum. Called by one thread of every local replica. Both
+  // are read only after the first barrier, and the caller reads the returned tensor, never `sum_buffer` afterwards:
+  // replica 0 may already be growing it for the next call.
+  at::Tensor sum_on_host(int64_t local, Network network, const std::vector<at::Tensor>& hosts, const at::Tensor& sum_buffer,
+                         int64_t numel, const std::string& who) {
+    ReplicaBarrier& barrier = *barriers_[static_cast<int>(network)];
+    barrier.arrive_and_wait(local, who);
+
+    // Each replica's thread sums its own slice over all replicas' buffers (fixed order: replica 0 first).
+    const int64_t parties = placement_.local_replicas();
+    const int64_t chunk = (numel + parties - 1) / parties;
+    const int64_t begin = std::min(numel, local * chunk);
+    const int64_t length = std::min(numel, begin + chunk) - begin;
+    at::Tensor sum = sum_buffer.narrow(0, 0, numel);
+    if (length > 0) {
+      at::Tensor out = sum.narrow(0, begin, length);
+      out.copy_(hosts[0].narrow(0, begin, length));
+      for (int64_t i = 1; i < parties; ++i) out.add_(hosts[i].narrow(0, begin, length));
+    }
+    barrier.arrive_and_wait(local, who);
+    if (placement_.launch.multi_process()) {
+      if (local == 0) {
+        std::vector<at::Tensor> tensors{sum};
+        wait_for(host_groups_[static_cast<int>(network)]->allreduce(tensors), who,
+                 "summing the host buffers across processes", options_.timeout, aborted_);
+      }
+      barrier.arrive_and_wait(local, who);
+    }
+    return sum;
+  }
+
+  bool pinned_any(Network network) const {
+    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+      if (device_of(placement_, i, network).is_cuda()) return true;
+    }
+    return false;
+  }
+
+  const Placement placement_;
+  const AveragingOptions options_;
+  std::array<std::unique_ptr<ReplicaBarrier>, 2> barriers_;  // [network]
+  AbortState aborted_;
+  std::array<std::array<Slot, 2>, 2> slots_;                 // [network][gradients | statistics]
+  std::array<BucketBuffers, 2> bucket_buffers_;              // [network]
+  std::mutex attach_mutex_;
+  at::Tensor broadcast_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::array<c10::intrusive_ptr<c10d::Backend>, 2> host_groups_;  // [network]
+  std::array<std::vector<std::unique_ptr<BucketReducer>>, 2> reducers_;  // [network][local replica]
+};
+
+}  // namespace
+
+std::unique_ptr<GradientAverager> make_host_averager(const Placement& placement, const AveragingOptions& options) {
+  return std::make_unique<HostAverager>(placement, options);
+}
+
+}  // namespace hierpar::strategy::detail
