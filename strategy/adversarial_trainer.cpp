@@ -527,8 +527,8 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
-    // Bucketed averaging and synchronized BatchNorm (strategy/averaging.cpp, sync_batch_norm.cpp). Captured
-    // steps attach no bucket hooks: the hooks would fire during the capture, so the gradients are averaged
+    // Bucketed averaging (host_averager.cpp, collective_averager.cpp) and synchronized BatchNorm (sync_batch_norm.cpp).
+    // Captured steps attach no bucket hooks: the hooks would fire during the capture, so the gradients are averaged
     // between the replayed segments instead, each network's in one flat all-reduce (or host average).
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
