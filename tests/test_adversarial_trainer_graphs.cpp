@@ -376,11 +376,7 @@ TEST(AdversarialTrainerSteps, PenaltiesThroughHierparLayersMatchStock) {
   std::vector<std::vector<torch::Tensor>> states;
   const auto reals = batches(3, 4, torch::kCPU);
   for (const auto layers : {hierpar::LayerSet::stock, hierpar::LayerSet::hierpar}) {
-    hierpar::models::DCGANOptions model;
-    model.image_size = 32;
-    model.width = 0.25;
-    model.nz = kNoise;
-    model.layers = layers;
+    const auto model = hierpar::testing::small_dcgan(layers, kNoise);
     torch::manual_seed(21);
     hierpar::models::Generator g(model);
     hierpar::models::Discriminator d(model);

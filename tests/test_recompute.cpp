@@ -151,12 +151,7 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
     for (const char* scheme : {"single", "data"}) {
       std::vector<std::vector<torch::Tensor>> states;
       for (const bool recompute : {false, true}) {
-        hierpar::models::DCGANOptions model;
-        model.image_size = 32;
-        model.channels = 1;
-        model.width = 0.25;
-        model.nz = 8;
-        model.layers = layers;
+        auto model = hierpar::testing::small_dcgan(layers, /*nz=*/8, /*channels=*/1);
         model.recompute = recompute;
         torch::manual_seed(5);
         hierpar::models::Generator g(model);

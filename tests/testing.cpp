@@ -120,6 +120,16 @@ std::vector<std::string> dispatched_operators(const std::function<void()>& f) {
   return names;
 }
 
+hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz, int64_t channels) {
+  hierpar::models::DCGANOptions model;
+  model.image_size = 32;
+  model.width = 0.25;
+  model.nz = nz;
+  model.channels = channels;
+  model.layers = layers;
+  return model;
+}
+
 }  // namespace hierpar::testing
 
 int main(int argc, char** argv) {

@@ -1,5 +1,7 @@
-// Shared test helpers: a printed per-run seed, dtype tolerances, comparison with context, CUDA skips.
+// Shared test helpers: a printed per-run seed, dtype tolerances, comparison with context, CUDA skips, a small DCGAN.
 #pragma once
+
+#include "hierpar/models/dcgan.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -49,6 +51,9 @@ bool cuda_available();
 // The names of the operators `f` dispatches on this thread (a RecordFunction callback), in order: which route a call
 // took, observed rather than inferred from its results.
 std::vector<std::string> dispatched_operators(const std::function<void()>& f);
+
+// The seed's DCGAN at its smallest (32x32, a quarter of the width): milliseconds a training step on the CPU.
+hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz = 8, int64_t channels = 3);
 
 }  // namespace hierpar::testing
 
