@@ -6,8 +6,9 @@
 // (hierpar::strategy::StepPrecision, which the trainer applies to its steps). The stock row is the
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
 // layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
-// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). The JSON is rewritten after
-// every row.
+// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). Three eager rows (config
+// graphs = off) show the eager step's averaging on 2 GPUs: host buckets summed during the backward, one flat host
+// buffer after it, and NCCL's buckets. The JSON is rewritten after every row.
 //
 // Timing: a run is K steps between device synchronisations of every GPU of the placement (host wall
 // clock: the step spans several GPUs, so no single stream's events bracket it); after warm-up steps,
@@ -62,6 +63,9 @@ struct Row {
   // bucket then 25 MB) or "flat" (one buffer per network after the backward).
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
+  // Captured as CUDA graphs (every row but the eager averaging ones, which show what the eager step's bucketed
+  // averaging does: host buckets summed during the backward against one flat buffer after it, and NCCL's).
+  bool graphs = true;
 };
 
 
@@ -204,6 +208,9 @@ void strategy_suite(Report& report, const Options& options) {
       {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
+      {"data", 2, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
+      {"data", 2, "host", hierpar::LayerSet::hierpar, "flat", false, /*graphs=*/false},
+      {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
   };
   struct Case {
     int64_t batch;
@@ -227,10 +234,12 @@ void strategy_suite(Report& report, const Options& options) {
   std::vector<std::string> skipped;
   for (const Case& c : cases) {
     for (const Row& row : rows) {
-      const bool nccl = std::string(row.reduce) == "nccl";
+      // Buckets matter to NCCL rows, and to host rows when eager (captured steps average one flat buffer).
+      const bool bucketing = std::string(row.reduce) == "nccl" || (std::string(row.reduce) == "host" && !row.graphs);
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
                                 (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
-                                (nccl ? std::string(" ") + row.buckets : std::string()) +
+                                (bucketing ? std::string(" ") + row.buckets : std::string()) +
+                                (row.graphs ? "" : ", eager") +
                                 (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name();
@@ -261,11 +270,12 @@ void strategy_suite(Report& report, const Options& options) {
           to_channels_last(*d);
         }
         trainer_options.noise_shape = {model.nz};
-        // Every row at its fastest: FusedAdam and CUDA graphs (the row's config says whether the trainer captured).
+        // Every row at its fastest but the eager ones: FusedAdam and CUDA graphs (the row's config says whether the
+        // trainer captured).
         trainer_options.fused_adam = true;
         trainer_options.fused_adam_kernel =
             row.layers == hierpar::LayerSet::stock ? hs::AdamKernel::aten : hs::AdamKernel::hierpar;
-        trainer_options.cuda_graphs = true;
+        trainer_options.cuda_graphs = row.graphs;
         // The stock row on one stream, as stock LibTorch code runs a step.
         trainer_options.overlap_passes = row.layers != hierpar::LayerSet::stock;
         trainer_options.precision = c.precision;
@@ -314,7 +324,7 @@ void strategy_suite(Report& report, const Options& options) {
             .set("strategy", row.strategy)
             .set("gpus", row.gpus)
             .set("reduce", row.reduce)
-            .set("buckets", nccl ? row.buckets : "none")
+            .set("buckets", bucketing ? row.buckets : "none")
             .set("sync_bn", row.sync_bn);
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
@@ -330,6 +340,7 @@ void strategy_suite(Report& report, const Options& options) {
         const std::string placement_label = std::string(row.strategy) + " " + std::to_string(row.gpus) +
                                             (std::string(row.reduce) == "none" ? "" : std::string(" ") + row.reduce) +
                                             (std::string(row.buckets) == "flat" ? " flat" : "") +
+                                            (row.graphs ? "" : " eager") +
                                             (row.sync_bn ? " sync BN" : "") +
                                             (row.layers == hierpar::LayerSet::stock ? " stock" : "");
         results.push_back({shown, placement_label, "b" + std::to_string(c.batch) + " " + c.precision.name(), epoch_s,
