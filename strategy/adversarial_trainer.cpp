@@ -702,6 +702,11 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   // D's pass over the real batch, forward and backward: it needs no fakes, so on a task or hierarchical placement it
   // runs on D's device while G's device runs G's backward and update of the previous step and its forward.
   torch::Tensor d_loss_real, d_loss_fake, g_loss, real_on_d;
+  // The penalties' gradient: of D's logits (their sum) with respect to its input `x`, kept differentiable, in float.
+  auto input_gradient = [](const torch::Tensor& logits, const torch::Tensor& x) {
+    return torch::autograd::grad({logits.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0]
+        .to(torch::kFloat);
+  };
   on(d_device, "D real", [&] {
     torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
     if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
@@ -720,9 +725,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     }
     torch::Tensor d_objective_real = d_loss_real;
     if (r1) {
-      const torch::Tensor grad = torch::autograd::grad({real_logits.sum()}, {real}, {}, /*retain_graph=*/true,
-                                                       /*create_graph=*/true)[0];
-      const torch::Tensor penalty = grad.to(torch::kFloat).square().flatten(1).sum(1).mean();
+      const torch::Tensor penalty = input_gradient(real_logits, real).square().flatten(1).sum(1).mean();
       d_objective_real = d_loss_real + penalty * (0.5 * options_.r1_gamma * static_cast<double>(options_.r1_every));
     }
     // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
@@ -771,9 +774,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
         hierpar::ops::DoubleBackwardScope keep_inputs;
         mixed_logits = r.discriminator.forward<torch::Tensor>(mixed);
       }
-      const torch::Tensor grad = torch::autograd::grad({mixed_logits.sum()}, {mixed}, {}, /*retain_graph=*/true,
-                                                       /*create_graph=*/true)[0];
-      const torch::Tensor penalty = (grad.to(torch::kFloat).flatten(1).norm(2, {1}) - 1).square().mean();
+      const torch::Tensor penalty = (input_gradient(mixed_logits, mixed).flatten(1).norm(2, {1}) - 1).square().mean();
       d_objective_fake = d_loss_fake + penalty * options_.gradient_penalty;
     }
     if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
