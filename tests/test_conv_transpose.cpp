@@ -373,7 +373,7 @@ TEST(ConvTransposeCuda, DcganLayersEveryLayoutAndDtype) {
 TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
   HIERPAR_REQUIRE_CUDA();
   // Kernel 4, stride 2, padding 1, no bias, groups 1, C_out >= 16: the phase-decomposed implicit-GEMM path
-  // (ops/cuda/conv_transpose_k4s2p1.cu) for fp32 (TF32 on), bf16 and fp16; float64 and 4 < C_out < 16 take the
+  // (ops/cuda/k4s2p1/) for fp32 (TF32 on), bf16 and fp16; float64 and 4 < C_out < 16 take the
   // general path (compared the same way).
   // Random batch (1, odd), channel counts that are and are not multiples of 8 (16-byte vector loads or the
   // scalar fallback), non-square sizes, all input layouts, both weight layouts; plus fixed shapes that cover

@@ -3,7 +3,7 @@
 // layer (C_in <= 4, kernel 4, stride 2, padding 1) is the dual of the small-C_out transposed convolution: its
 // forward runs k4s2p1_small_cout_grad_input, its grad_input k4s2p1_small_cout_forward and its grad_weight
 // k4s2p1_small_cout_grad_weight (ops/cuda/small_cout/), tensor-core kernels in bf16/fp16, and in
-// fp32 as TF32 where convolutions may use TF32, when C_out % 16 == 0; k4s2p1 layers with C_in >= 16 take the implicit-GEMM kernels of conv_transpose_k4s2p1.cu.
+// fp32 as TF32 where convolutions may use TF32, when C_out % 16 == 0; k4s2p1 layers with C_in >= 16 take the implicit-GEMM kernels of k4s2p1/.
 // With both gradients asked for, grad_weight runs on a side stream alongside grad_input (ops/cuda/side_stream.h).
 #include "conv2d_dual.h"
 #include "cuda/side_stream.h"

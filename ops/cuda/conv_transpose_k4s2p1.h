@@ -1,7 +1,7 @@
 // The fast CUDA paths of hierpar::conv_transpose2d for kernel 4, stride 2, padding 1 (DCGAN's upsampling
 // layers). Private to hierpar_ops; conv_transpose_kernel.cu calls them when they apply.
-//  - conv_transpose_k4s2p1.cu: phase-decomposed implicit GEMMs on the tensor cores (C_out >= 16): mma.sync,
-//    and wgmma on Hopper for bf16/fp16;
+//  - k4s2p1/ (entry.cu, implicit_gemm.cu, wgmma_*.cu, sm90a_probe.cu): phase-decomposed implicit GEMMs on the
+//    tensor cores (C_out >= 16): mma.sync, and wgmma on Hopper for bf16/fp16;
 //  - small_cout/ (forward.cu, grad_input.cu, grad_weight.cu): kernels for C_out <= kSmallCoutMax (the RGB /
 //    grayscale layer): mma.sync for bf16/fp16 and TF32 (fp32 with TF32 on for convolutions) with C_in % 16 == 0, CUDA cores otherwise.
 #pragma once

@@ -1,7 +1,7 @@
 // CUDA kernels of hierpar::conv_transpose2d and its backward: cuBLAS GEMMs on the tensor cores plus
 // hierpar's own col2im gather (forward, no atomics) and im2col (backward) kernels. No cuDNN, no
 // at::convolution. Kernel 4 / stride 2 / padding 1 without bias (DCGAN's upsampling layers) takes the
-// phase-decomposed implicit-GEMM path of conv_transpose_k4s2p1.cu instead (C_out >= 16), and with C_out <= 4 (bias
+// phase-decomposed implicit-GEMM path of k4s2p1/ instead (C_out >= 16), and with C_out <= 4 (bias
 // or not) the kernels of small_cout/; this general path does the rest.
 //
 // Layouts, natively (no NCHW<->NHWC conversion of activations):
