@@ -834,7 +834,7 @@ void on_both_split_paths(Body body) {
   body(std::string("cooperative split path"));
 }
 
-// Shapes drawn so that each CUDA path is taken (see ops/cuda/batch_norm_act_kernel.cu): channels_last and
+// Shapes drawn so that each CUDA path is taken (see ops/cuda/batch_norm_act/batch_norm_act.cuh): channels_last and
 // NCHW addressing; 16-byte vectors (channels resp. H*W a multiple of 16 bytes' worth of elements) and the
 // scalar fallback (not a multiple, or a misaligned buffer); the one-kernel path (<= 8 vectors per thread
 // and channel group, 512 threads) and the split path (one cooperative launch: partials, grid sync, every
