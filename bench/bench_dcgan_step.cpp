@@ -17,8 +17,8 @@
 // Stock at its strongest: cuDNN benchmark mode (main.cpp), TF32 for convolutions and matmuls, channels_last
 // rows (bf16, and TF32 beside NCHW), CUDA graph rows too. The real batch is a static device tensor (data loading is not timed).
 //
-// Eager rows are measured in three alternating rounds of stock and hierpar (the host's speed drifts), each row
-// its median round, every round in extra.round_ms; graph rows in one round.
+// Eager rows are timed in paired samples of stock and hierpar taken in turn (the host's speed drifts): each row's
+// median sample, and extra.paired_ratio, the median of stock / hierpar over the pairs (measure_pair).
 // extra: ms_per_step, images_per_s, kernels_per_step and gpu_busy_us_per_step (kineto/CUPTI profile of 3
 // steps), layout_conversions_per_step (cuDNN NCHW<->NHWC kernels in that profile), graph_kernel_nodes
 // (kernel nodes of the captured graph, cudaGraphGetNodes: a cross-check of the profile for graph rows),
@@ -114,6 +114,7 @@ struct Row {
   int64_t batch;
   double ms, images_per_s, kernels, busy_us, conversions, peak;
   int64_t graph_nodes;
+  double paired_ratio = 0;  // eager rows: the median over paired samples of stock's ms / this row's
 };
 
 // One row's measurement, reported by record().
@@ -231,34 +232,62 @@ void release_memory() {
 }
 
 // Stock's and hierpar's row of one configuration. Eager steps are host-bound, and a shared host's speed drifts by
-// tens of percent over seconds (batch 64 TF32 stock 6.4 to 8.0 ms/step in runs minutes apart on one H100), so their
-// eager rows are measured in alternating rounds (stock, hierpar, stock, ...): each reports its median round, every
-// round's ms/step in extra.round_ms. Graph rows are GPU-bound and steady: one round.
+// tens of percent over seconds (batch 64 TF32 stock 6.4 to 8.0 ms/step in runs minutes apart on one H100;
+// three sequential rounds of one row differed by 30%), so an eager row's ms/step comes from paired samples: both
+// steps built and warmed, then kPairs samples of each in turn (stock, hierpar, stock, ...), each sample a CUDA-event
+// time of steps_per_sample steps. Each row reports its median sample, and extra.paired_ratio the median over the
+// pairs of stock's sample / hierpar's (drift within a pair is a few ms, so the ratio is what the two steps
+// differ by). Peak memory and the profile come from each row measured alone. Graph rows are GPU-bound and steady:
+// one timing.
+constexpr int kPairs = 15;
+
 void measure_pair(Report& report, std::vector<Row>& rows, const std::string& bench, int64_t batch, bool bf16,
                   bool channels_last, bool graphs, const Options& options, std::ofstream* profile_out,
                   const std::function<std::unique_ptr<TrainingStep>(LayerSet)>& make) {
-  const int rounds = graphs || options.quick ? 1 : 3;
-  std::vector<Measured> stock, hierpar;
-  for (int round = 0; round < rounds; ++round) {
-    for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
-      at::manual_seed(0);
-      {
-        const double before = allocated_mb(false);
-        const std::unique_ptr<TrainingStep> step = make(layers);
-        (layers == LayerSet::stock ? stock : hierpar)
-            .push_back(measure(bench, layers, batch, bf16, channels_last, graphs, *step, before, options));
-      }
-      release_memory();
+  std::vector<Measured> measured;
+  for (LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+    at::manual_seed(0);
+    {
+      const double before = allocated_mb(false);
+      const std::unique_ptr<TrainingStep> step = make(layers);
+      measured.push_back(measure(bench, layers, batch, bf16, channels_last, graphs, *step, before, options));
+    }
+    release_memory();
+  }
+  if (!graphs && !options.quick) {
+    at::manual_seed(0);
+    const std::unique_ptr<TrainingStep> stock = make(LayerSet::stock);
+    const std::unique_ptr<TrainingStep> hierpar = make(LayerSet::hierpar);
+    for (int i = 0; i < 5; ++i) stock->run(), hierpar->run();
+    at::cuda::getCurrentCUDAStream().synchronize();
+    const int per_sample = batch <= 256 ? 50 : batch <= 1024 ? 20 : 10;
+    std::vector<double> stock_ms, hierpar_ms, ratio;
+    for (int pair = 0; pair < kPairs; ++pair) {
+      const double s = time_cuda([&] { for (int i = 0; i < per_sample; ++i) stock->run(); }, 0, 1).median_us;
+      const double h = time_cuda([&] { for (int i = 0; i < per_sample; ++i) hierpar->run(); }, 0, 1).median_us;
+      stock_ms.push_back(s / per_sample / 1e3);
+      hierpar_ms.push_back(h / per_sample / 1e3);
+      ratio.push_back(s / h);
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double paired_ratio = median(ratio);
+    for (int side = 0; side < 2; ++side) {
+      Measured& m = measured[side];
+      const std::vector<double>& samples = side == 0 ? stock_ms : hierpar_ms;
+      m.row.ms = median(samples);
+      m.row.images_per_s = batch * 1e3 / m.row.ms;
+      m.timing.median_us = m.row.ms * 1e3;
+      m.timing.min_us = *std::min_element(samples.begin(), samples.end()) * 1e3;
+      m.timing.repeats = kPairs;
+      m.extra.set("ms_per_step", m.row.ms).set("images_per_s", m.row.images_per_s);
+      m.extra.set("paired_samples_ms", samples).set("paired_ratio", side == 0 ? 1.0 : paired_ratio);
+      m.row.paired_ratio = side == 0 ? 1.0 : paired_ratio;
     }
   }
-  for (std::vector<Measured>* all : {&stock, &hierpar}) {
-    std::vector<double> round_ms;
-    for (const Measured& m : *all) round_ms.push_back(m.row.ms);
-    std::sort(all->begin(), all->end(), [](const Measured& a, const Measured& b) { return a.row.ms < b.row.ms; });
-    Measured& median = (*all)[all->size() / 2];
-    if (rounds > 1) median.extra.set("round_ms", round_ms);
-    rows.push_back(record(report, median, profile_out));
-  }
+  for (const Measured& m : measured) rows.push_back(record(report, m, profile_out));
 }
 
 void warm_side_stream() {
@@ -275,8 +304,8 @@ void warm_side_stream() {
 
 
 void print_rows(const std::vector<Row>& rows) {
-  // Each hierpar row against the stock row of the same configuration and against stock's best row (any layout,
-  // eager or graph) of the same batch and precision.
+  // Each hierpar row against the stock row of the same configuration (eager rows: the paired ratio) and against
+  // stock's best row (any layout, eager or graph) of the same batch and precision.
   auto find = [&](const Row& like, const char* impl, const std::string& graphs) -> const Row* {
     for (const auto& r : rows) {
       if (r.bench == like.bench && r.impl == impl && r.batch == like.batch && r.precision == like.precision &&
@@ -302,7 +331,7 @@ void print_rows(const std::vector<Row>& rows) {
               << r.graphs << std::fixed << std::setprecision(3)
               << std::setw(10) << r.ms << std::setprecision(0) << std::setw(11) << r.images_per_s << std::setprecision(1)
               << std::setw(9) << r.kernels << std::setw(8) << r.conversions << std::setw(10) << r.busy_us
-              << std::setw(10) << r.peak << std::setprecision(2) << std::setw(11) << (same ? same->ms / r.ms : NAN)
+              << std::setw(10) << r.peak << std::setprecision(2) << std::setw(11) << (r.paired_ratio > 0 ? r.paired_ratio : same ? same->ms / r.ms : NAN)
               << "x" << std::setw(11) << (best > 0 ? best / r.ms : NAN) << "x\n";
     std::cout.unsetf(std::ios::fixed);
   }

@@ -5,7 +5,7 @@
 //  - bench "overhead_fwd": the layer's forward (training mode, inputs that need gradients, as in a training step).
 //  - bench "overhead_bwd": torch::autograd::grad of the layer's output for its input and parameters.
 // timing: host microseconds per call: the wall time of enqueuing `kCalls` calls back to back after a device
-// synchronisation, divided by kCalls, median over rounds. So few calls never fill CUDA's launch queue, so the time is
+// synchronisation, divided by kCalls, median over rounds; stock's and hierpar's rounds taken in turn. So few calls never fill CUDA's launch queue, so the time is
 // the host's (dispatch, checks, allocations, launches), not the GPU's. extra.gpu_us: the GPU time of one call (CUDA
 // events around it, median); extra.host_bound: host time > GPU time, i.e. an eager loop of this layer alone waits on
 // the host.
@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,32 @@ std::vector<LayerCase> layer_cases() {
   return cases;
 }
 
+// Host time of `stock` and `hierpar` in alternating rounds (stock, hierpar, stock, ...): a shared host's speed drifts
+// by tens of percent over seconds, and rounds taken in turn see the same drift.
+std::pair<Timing, Timing> paired_host_time(const std::function<void()>& stock, const std::function<void()>& hierpar,
+                                           int rounds) {
+  const auto sync = [] { c10::cuda::device_synchronize(); };
+  for (int i = 0; i < 3; ++i) time_host(stock, 1, kCalls, 0, sync), time_host(hierpar, 1, kCalls, 0, sync);
+  std::vector<double> a, b;
+  for (int i = 0; i < rounds; ++i) {
+    a.push_back(time_host(stock, 1, kCalls, 0, sync).median_us);
+    b.push_back(time_host(hierpar, 1, kCalls, 0, sync).median_us);
+  }
+  const auto summary = [rounds](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return Timing{v[v.size() / 2], v.front(), rounds};
+  };
+  return {summary(a), summary(b)};
+}
+
+// One side's layer with its input, output and the gradient its backward is timed with.
+struct Prepared {
+  Side side;
+  torch::Tensor x, y, grad_y;
+  std::vector<torch::Tensor> wrt;
+  std::function<void()> forward, backward;
+};
+
 void run(Report& report, const Options& options) {
   namespace hs = hierpar::strategy;
   const std::vector<hs::StepPrecision> precisions{hs::StepPrecision::from_flags("tf32", false, c10::DeviceType::CUDA),
@@ -150,30 +177,39 @@ void run(Report& report, const Options& options) {
       for (const LayerCase& layer : layer_cases()) {
         std::vector<int64_t> shape = layer.input;
         shape[0] = batch;
+        hierpar::strategy::AutocastScope autocast(at::kCUDA, precision.autocast_dtype());
+        std::vector<std::unique_ptr<Prepared>> sides;
         for (const bool hierpar : {false, true}) {
           torch::manual_seed(0);
-          Side side = layer.make(hierpar);
-          torch::Tensor x = torch::randn(shape, torch::kCUDA);
-          if (precision.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-          x.requires_grad_(true);
-          hierpar::strategy::AutocastScope autocast(
-              at::kCUDA, precision.autocast_dtype());
-          const Timing forward_host = host_time([&] { side.forward(x); }, rounds);
-          const Timing forward_gpu = time_cuda([&] { side.forward(x); }, 5, rounds);
-          const torch::Tensor y = side.forward(x);
-          const torch::Tensor grad_y = torch::randn_like(y);
-          std::vector<torch::Tensor> wrt{x};
-          for (const torch::Tensor& p : side.parameters) wrt.push_back(p);
-          const auto backward = [&] { torch::autograd::grad({y}, wrt, {grad_y}, /*retain_graph=*/true); };
-          const Timing backward_host = host_time(backward, rounds);
-          const Timing backward_gpu = time_cuda(backward, 5, rounds);
+          auto p = std::make_unique<Prepared>();
+          p->side = layer.make(hierpar);
+          p->x = torch::randn(shape, torch::kCUDA);
+          if (precision.channels_last) p->x = p->x.contiguous(at::MemoryFormat::ChannelsLast);
+          p->x.requires_grad_(true);
+          Prepared* q = p.get();
+          p->forward = [q] { q->side.forward(q->x); };
+          p->y = p->side.forward(p->x);
+          p->grad_y = torch::randn_like(p->y);
+          p->wrt = {p->x};
+          for (const torch::Tensor& t : p->side.parameters) p->wrt.push_back(t);
+          p->backward = [q] { torch::autograd::grad({q->y}, q->wrt, {q->grad_y}, /*retain_graph=*/true); };
+          sides.push_back(std::move(p));
+        }
+        const auto [stock_forward, hierpar_forward] = paired_host_time(sides[0]->forward, sides[1]->forward, rounds);
+        const auto [stock_backward, hierpar_backward] = paired_host_time(sides[0]->backward, sides[1]->backward, rounds);
+        for (const bool hierpar : {false, true}) {
+          Prepared& p = *sides[hierpar ? 1 : 0];
+          const Timing& forward_host = hierpar ? hierpar_forward : stock_forward;
+          const Timing& backward_host = hierpar ? hierpar_backward : stock_backward;
+          const Timing forward_gpu = time_cuda(p.forward, 5, rounds);
+          const Timing backward_gpu = time_cuda(p.backward, 5, rounds);
           // What the host did in a call, by CUDA runtime/driver call (count per call, host us per call), and the
           // kernels launched: at batch 64 only (the same calls at every batch).
           std::string calls_forward, calls_backward;
           double kernels_forward = 0, kernels_backward = 0;
           if (batch == 64) {
-            const Profile pf = profile([&] { side.forward(x); }, 4);
-            const Profile pb = profile(backward, 4);
+            const Profile pf = profile(p.forward, 4);
+            const Profile pb = profile(p.backward, 4);
             calls_forward = runtime_text(pf);
             calls_backward = runtime_text(pb);
             kernels_forward = pf.kernels;
@@ -200,6 +236,7 @@ void adam(Report& report, int rounds) {
   const std::vector<std::vector<int64_t>> shapes{{100, 512, 4, 4}, {512}, {512}, {512, 256, 4, 4}, {256}, {256},
                                                  {256, 128, 4, 4}, {128}, {128}, {128, 64, 4, 4}, {64}, {64},
                                                  {64, 3, 4, 4}};
+  std::vector<std::unique_ptr<hierpar::strategy::FusedAdam>> optimizers;
   for (const bool hierpar : {false, true}) {
     torch::manual_seed(0);
     std::vector<torch::Tensor> parameters;
@@ -207,11 +244,16 @@ void adam(Report& report, int rounds) {
       parameters.push_back(torch::randn(shape, torch::kCUDA).requires_grad_(true));
       parameters.back().mutable_grad() = torch::randn(shape, torch::kCUDA);
     }
-    hierpar::strategy::FusedAdam optimizer(parameters, torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}),
-                                           hierpar ? hierpar::strategy::AdamKernel::hierpar
-                                                   : hierpar::strategy::AdamKernel::aten);
-    const auto step = [&] { optimizer.step(); };
-    const Timing host = host_time(step, rounds);
+    optimizers.push_back(std::make_unique<hierpar::strategy::FusedAdam>(
+        parameters, torch::optim::AdamOptions(2e-4).betas({0.5, 0.999}),
+        hierpar ? hierpar::strategy::AdamKernel::hierpar : hierpar::strategy::AdamKernel::aten));
+  }
+  const std::function<void()> stock_step = [&] { optimizers[0]->step(); };
+  const std::function<void()> hierpar_step = [&] { optimizers[1]->step(); };
+  const auto [stock_host, hierpar_host] = paired_host_time(stock_step, hierpar_step, rounds);
+  for (const bool hierpar : {false, true}) {
+    const std::function<void()>& step = hierpar ? hierpar_step : stock_step;
+    const Timing& host = hierpar ? hierpar_host : stock_host;
     const Timing gpu = time_cuda(step, 5, rounds);
     report.add("overhead_adam", hierpar ? "hierpar" : "stock", Config().set("network", "DCGAN G"), host,
                Config().set("gpu_us", gpu.median_us).set("host_bound", host.median_us > gpu.median_us));
