@@ -107,18 +107,29 @@ class AdversarialTrainer::Workers {
                           "waiting for it, and it did not return within ", kStuckGrace.count(), " s");
     }
     if (!sh.interrupted.empty()) message += c10::str(message.empty() ? "" : "\nthen ", sh.interrupted);
+    // A step that ran out of device memory throws c10::OutOfMemoryError, as one replica alone would, so that callers
+    // (the batch-size search, a user's retry at a smaller batch) can tell it from other failures.
+    bool out_of_memory = stuck.empty() && sh.interrupted.empty();
+    bool first = true;
     for (int64_t i : failure_order(sh)) {
       peer = peer && sh.peer_failure[i];
       try {
         std::rethrow_exception(sh.errors[i]);
+      } catch (const c10::OutOfMemoryError& e) {
+        message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what_without_backtrace());
       } catch (const c10::Error& e) {
+        out_of_memory = out_of_memory && !first;
         message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what_without_backtrace());
       } catch (const std::exception& e) {
+        out_of_memory = out_of_memory && !first;
         message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed: ", e.what());
       } catch (...) {
+        out_of_memory = out_of_memory && !first;
         message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " failed");
       }
+      first = false;
     }
+    if (out_of_memory && !first) TORCH_CHECK_WITH(OutOfMemoryError, false, message);
     if (peer) throw_peer_failure(message);
     TORCH_CHECK(false, message);
   }

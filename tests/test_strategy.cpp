@@ -705,6 +705,30 @@ TEST(StrategyTrainer, FailingReplicaStopsItsPeersAndTheTrainerRefusesLaterSteps)
   }
 }
 
+// A replica that runs out of device memory makes the step throw c10::OutOfMemoryError (with the replica named), as
+// a single network's step would, so that a caller can retry at a smaller batch (the batch-size search does).
+TEST(StrategyTrainer, ReplicaOutOfMemoryIsRethrownAsOutOfMemory) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const auto main_thread = std::this_thread::get_id();
+  auto options = test_options(std::chrono::seconds(60));
+  options.report_failures = false;
+  options.loss = [main_thread](const torch::Tensor& logits, hs::LossTerm term) {
+    TORCH_CHECK_WITH(OutOfMemoryError, std::this_thread::get_id() == main_thread, "injected: out of memory");
+    return hs::bce_with_logits_loss(logits, term);
+  };
+  auto trainer = two_cpu_replicas("host", options);
+  try {
+    trainer->step(data.real[0], data.noise[0]);
+    ADD_FAILURE() << "the step should have failed";
+  } catch (const c10::OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("replica 1 (G cpu, D cpu) failed: injected: out of memory"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << "expected c10::OutOfMemoryError, got another error: " << e.what_without_backtrace();
+  }
+}
+
 namespace {
 
 // A fault hook that blocks replica 1 at step `step` until released: a replica that hangs.
