@@ -5,6 +5,7 @@
 #include <torch/nn/init.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <sstream>
 
@@ -15,11 +16,20 @@ constexpr double kLeakySlope = 0.2;
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-// A convolution followed by its BatchNorm and activation, recomputed in the backward when asked.
-torch::Tensor block(const Layer& conv, const Layer& norm, const torch::Tensor& x, bool recompute) {
-  if (!recompute) return norm.forward(conv.forward(x));
-  return nn::recompute([conv, norm](const torch::Tensor& in) { return norm.forward(conv.forward(in)); }, x,
-                       {conv.module, norm.module});
+// `layers` run in turn on x, recomputed in the backward under `memory` (recompute, offload); `own_input`: x was
+// produced by this network (the noise and the images are kept by the caller anyway, so they are never offloaded).
+torch::Tensor block(std::vector<Layer> layers, const torch::Tensor& x, nn::ActivationMemory memory, bool own_input,
+                    nn::OffloadChain& chain, std::function<torch::Tensor(const torch::Tensor&)> after = nullptr) {
+  auto run = [layers, after](const torch::Tensor& in) {
+    torch::Tensor y = in;
+    for (const Layer& layer : layers) y = layer.forward(y);
+    return after ? after(y) : y;
+  };
+  if (memory == nn::ActivationMemory::none) return run(x);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (const Layer& layer : layers) modules.push_back(layer.module);
+  const bool offload = memory == nn::ActivationMemory::offload && own_input;
+  return nn::recompute(run, x, modules, offload ? &chain : nullptr);
 }
 
 }  // namespace
@@ -69,6 +79,7 @@ GeneratorImpl::GeneratorImpl(DCGANOptions options_) : options(std::move(options_
 
 void GeneratorImpl::reset() {
   options.validate();
+  offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
   deconvs_.clear();
   norms_.clear();
   const auto hidden = options.hidden_channels();
@@ -99,14 +110,16 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
               "Generator: expected noise of shape [N, ", options.nz, "] or [N, ", options.nz, ", 1, 1], got ",
               z.sizes());
   auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
-  for (size_t i = 0; i < norms_.size(); ++i) x = block(deconvs_[i], norms_[i], x, options.recompute);
-  return torch::tanh(deconvs_.back().forward(x));
+  for (size_t i = 0; i < norms_.size(); ++i) x = block({deconvs_[i], norms_[i]}, x, options.memory, i > 0, *offload_);
+  return block({deconvs_.back()}, x, options.memory, !norms_.empty(), *offload_,
+               [](const torch::Tensor& y) { return torch::tanh(y); });
 }
 
 DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
 
 void DiscriminatorImpl::reset() {
   options.validate();
+  offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
   convs_.clear();
   norms_.clear();
   auto hidden = options.hidden_channels();
@@ -141,8 +154,8 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
-  auto x = convs_[0].forward(images);  // conv1 and its LeakyReLU
-  for (size_t i = 0; i < norms_.size(); ++i) x = block(convs_[i + 1], norms_[i], x, options.recompute);
+  auto x = block({convs_[0]}, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
+  for (size_t i = 0; i < norms_.size(); ++i) x = block({convs_[i + 1], norms_[i]}, x, options.memory, true, *offload_);
   return convs_.back().forward(x).flatten();
 }
 

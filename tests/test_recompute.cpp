@@ -1,6 +1,6 @@
-// hierpar::nn::recompute (models/include/hierpar/nn/recompute.h) and the DCGAN's --memory recompute: the same
-// numbers as keeping the activations, forward, backward, second derivatives, BatchNorm's running statistics, under
-// autocast and through the trainer; and less memory on CUDA.
+// hierpar::nn::recompute (models/include/hierpar/nn/recompute.h) and the DCGAN's --memory recompute|offload: the
+// same numbers as keeping the activations, forward, backward, second derivatives, BatchNorm's running statistics,
+// under autocast and through the trainer; and less memory on CUDA, least with the inputs offloaded to host memory.
 #include "testing.h"
 
 #include "hierpar/models/dcgan.h"
@@ -144,15 +144,17 @@ TEST(Recompute, RecomputesUnderTheForwardsAutocast) {
   expect_all_equal(grads_of(recomputed.parameters()), grads_of(direct.parameters()), "parameter gradients");
 }
 
-// The DCGAN with recompute trains as without it, through the trainer: single and data on two CPU replicas (bucketed
-// host averaging, whose hooks see the parameters' gradients come out of the recomputation), both layer sets.
+// The DCGAN with recompute or offload trains as without, through the trainer: single and data on two CPU replicas
+// (bucketed host averaging, whose hooks see the parameters' gradients come out of the recomputation), both layer
+// sets. (On the CPU an offloaded input stays where it is; the chain of prefetches runs all the same.)
 TEST(Recompute, DcganTrainsAsWithoutRecompute) {
+  using hierpar::nn::ActivationMemory;
   for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
     for (const char* scheme : {"single", "data"}) {
       std::vector<std::vector<torch::Tensor>> states;
-      for (const bool recompute : {false, true}) {
+      for (const ActivationMemory memory : {ActivationMemory::none, ActivationMemory::recompute, ActivationMemory::offload}) {
         auto model = hierpar::testing::small_dcgan(layers, /*nz=*/8, /*channels=*/1);
-        model.recompute = recompute;
+        model.memory = memory;
         torch::manual_seed(5);
         hierpar::models::Generator g(model);
         hierpar::models::Discriminator d(model);
@@ -171,8 +173,9 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
         }
         states.push_back(state);
       }
-      expect_all_equal(states[1], states[0], std::string(scheme) + (layers == LayerSet::stock ? ", stock" : ", hierpar") +
-                                                 ": recompute vs keeping the activations");
+      const std::string what = std::string(scheme) + (layers == LayerSet::stock ? ", stock" : ", hierpar");
+      expect_all_equal(states[1], states[0], what + ": recompute vs keeping the activations");
+      expect_all_equal(states[2], states[0], what + ": offload vs keeping the activations");
     }
   }
 }
@@ -181,10 +184,11 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
 // memory of one D and G forward and backward, with and without, on one GPU.
 TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();
-  auto peak = [](bool recompute) {
+  using hierpar::nn::ActivationMemory;
+  auto peak = [](ActivationMemory memory) {
     hierpar::models::DCGANOptions model;
     model.layers = LayerSet::hierpar;
-    model.recompute = recompute;
+    model.memory = memory;
     torch::manual_seed(0);
     hierpar::models::Generator g(model);
     hierpar::models::Discriminator d(model);
@@ -198,7 +202,72 @@ TEST(Recompute, LowersPeakMemoryOnCuda) {
     torch::cuda::synchronize();
     return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
   };
-  const int64_t keeping = peak(false), recomputing = peak(true);
-  std::cout << "peak bytes above the start: keeping " << keeping << ", recomputing " << recomputing << "\n";
+  const int64_t keeping = peak(ActivationMemory::none), recomputing = peak(ActivationMemory::recompute),
+                offloading = peak(ActivationMemory::offload);
+  std::cout << "peak bytes above the start: keeping " << keeping << ", recomputing " << recomputing
+            << ", offloading " << offloading << "\n";
   EXPECT_LT(recomputing, keeping * 3 / 4) << "recompute should keep at least a quarter less";
+  EXPECT_LT(offloading, recomputing) << "offload should keep less than recompute";
+}
+
+// Offloaded blocks on CUDA: a chain of four blocks (each offloading its input, prefetched by the block after it in
+// the backward) gives the outputs and gradients of the blocks run directly, in float32 with deterministic cuDNN,
+// channels_last too; a second backward through the same graph (retain_graph) fetches the inputs again.
+TEST(Recompute, OffloadedChainEqualsTheBlocksRunDirectlyOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setAllowTF32CuDNN(false);
+  for (const bool channels_last : {false, true}) {
+    std::vector<ConvBlock> direct, offloaded;
+    for (int i = 0; i < 4; ++i) {
+      direct.emplace_back(LayerSet::hierpar, i == 0 ? 3 : 8, 8);
+      offloaded.emplace_back(LayerSet::hierpar, i == 0 ? 3 : 8, 8);
+      offloaded.back().copy(direct.back());
+      for (auto* b : {&direct.back(), &offloaded.back()}) {
+        b->conv.module->to(torch::kCUDA);
+        b->norm.module->to(torch::kCUDA);
+      }
+    }
+    auto x = hierpar::testing::random_tensor({5, 3, 37, 37}, torch::kFloat).to(torch::kCUDA);
+    if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    const auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+    hierpar::nn::OffloadChain chain;
+    torch::Tensor y1 = x1, y2 = x2;
+    for (int i = 0; i < 4; ++i) {
+      y1 = direct[i].forward(y1);
+      const ConvBlock* b = &offloaded[i];
+      y2 = hierpar::nn::recompute([b](const torch::Tensor& t) { return b->forward(t); }, y2, b->modules(),
+                                  i == 0 ? nullptr : &chain);
+    }
+    const std::string what = channels_last ? "channels_last" : "NCHW";
+    hierpar::testing::expect_close(y2, y1, {0, 0}, what + ": output");
+    const auto grad = hierpar::testing::random_tensor(y1.sizes(), torch::kFloat).to(torch::kCUDA);
+    for (int pass = 0; pass < 2; ++pass) {
+      y1.backward(grad, /*retain_graph=*/pass == 0);
+      y2.backward(grad, /*retain_graph=*/pass == 0);
+      hierpar::testing::expect_close(x2.grad(), x1.grad(), {1e-6, 1e-6}, what + ": input gradient, pass " + std::to_string(pass));
+      for (int i = 0; i < 4; ++i) {
+        const auto a = grads_of(offloaded[i].parameters()), b = grads_of(direct[i].parameters());
+        for (size_t k = 0; k < a.size(); ++k)
+          hierpar::testing::expect_close(a[k], b[k], {1e-5, 1e-6}, what + ": block " + std::to_string(i) + " parameter " +
+                                                                        std::to_string(k) + ", pass " + std::to_string(pass));
+      }
+    }
+  }
+  at::globalContext().setDeterministicCuDNN(false);
+  at::globalContext().setAllowTF32CuDNN(true);
+}
+
+// An offloaded block refuses second derivatives with a message that says what to use instead.
+TEST(Recompute, OffloadedBlockRefusesSecondDerivatives) {
+  ConvBlock block(LayerSet::stock, 2, 3);
+  const auto x = hierpar::testing::random_tensor({2, 2, 6, 6}, torch::kFloat).requires_grad_(true);
+  hierpar::nn::OffloadChain chain;
+  const auto y = hierpar::nn::recompute([&](const torch::Tensor& t) { return block.forward(t); }, x, block.modules(), &chain);
+  HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({y.square().sum()}, {x}, {}, true, /*create_graph=*/true),
+                           "has no second derivatives (create_graph needs the input's history on the device); use "
+                           "--memory recompute");
+  EXPECT_EQ(hierpar::nn::parse_activation_memory("offload"), hierpar::nn::ActivationMemory::offload);
+  HIERPAR_EXPECT_THROW_MSG(hierpar::nn::parse_activation_memory("swap"),
+                           "--memory: expected none, recompute or offload, got 'swap'");
 }

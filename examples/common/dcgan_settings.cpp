@@ -122,7 +122,14 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
     throw FlagError("--optimizer: expected adam or fused, got '" + config.optimizer + "'");
   if (config.log_every < 1) throw FlagError("--log-every: expected an integer >= 1, got " + std::to_string(config.log_every));
   if (config.graphs == "on" && !cuda) throw FlagError("--graphs on needs a CUDA device (this run is on the CPU)");
-  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda);
+  const bool offload = config.model.memory == hierpar::nn::ActivationMemory::offload;
+  if (config.graphs == "on" && offload)
+    throw FlagError("--graphs on: --memory offload runs eagerly (its copies to and from pinned host memory are not "
+                    "captured); use --graphs off, or --memory recompute under CUDA graphs");
+  if (offload && (config.r1 > 0 || config.loss == "wgan-gp"))
+    throw FlagError("--memory offload: the R1 and gradient penalties differentiate through every block's input, which "
+                    "offload keeps in host memory; use --memory recompute");
+  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda && !offload);
   if (s.graphs && config.optimizer == "adam")
     throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
   s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);

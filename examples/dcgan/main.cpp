@@ -2,13 +2,13 @@
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
 //                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl --sync-bn]
 //                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
-//                          [--overlap on|off --memory none|recompute]
+//                          [--overlap on|off --memory none|recompute|offload]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //                          [--resume auto --timeout S --inject-fault KIND@STEP[:REPLICA]]
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
 //   hierpar-dcgan evaluate --checkpoint runs/dcgan/checkpoint.pt [--samples 10000]
 //   hierpar-dcgan export   --checkpoint runs/dcgan/checkpoint.pt --output generator.pt
-//   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv
+//   hierpar-dcgan plot     --output curves.png --runs graphs=runs/a/losses.csv,eager=runs/b/losses.csv [--metric fid]
 //   hierpar-dcgan tune     --objective epoch-time|gpu-usage|max-memory [the train flags of data, model and step]
 #include "common/batch_tuning.h"
 #include "common/cli.h"
@@ -41,7 +41,7 @@ constexpr const char* kUsage =
     "  generate  write samples of a trained generator as a PNG grid\n"
     "  evaluate  score a Fashion-MNIST generator: FID in the seed CNN's features and class coverage\n"
     "  export    save a trained generator as TorchScript (torch.jit.load after loading libhierpar_ops.so)\n"
-    "  plot      plot the D and G loss curves of several runs (their losses.csv) on one PNG\n"
+    "  plot      plot the loss curves (losses.csv) or the FID (quality.csv, --metric fid) of several runs on one PNG\n"
     "  tune      measure batch sizes and choose one (seed 004): --objective epoch-time|gpu-usage|max-memory\n"
     "  data-speed  how many images per second the data loader alone serves (train's data flags)\n"
     "Run hierpar-dcgan <command> --help for its flags.\n";
@@ -73,8 +73,9 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("channels", &run.channels, "image channels, 1 or 3 (default: 1 for fashion-mnist, 3 otherwise)", 0)
       .add("width", &run.width, "channel multiplier (1: the seed's 256-128-64-32)", 0.0)
       .add("nz", &run.nz, "noise dimension", 1)
-      .add("memory", &run.memory, "activation memory: none, or recompute (each convolution block keeps only its input "
-           "and runs its forward again in the backward: less memory, one more forward, the same numbers)")
+      .add("memory", &run.memory, "activation memory: none; recompute (each convolution block keeps only its input "
+           "and runs its forward again in the backward: less memory, one more forward, the same numbers); or offload "
+           "(as recompute, and those inputs wait in pinned host memory: least memory; eager steps, no penalties)")
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
@@ -105,9 +106,11 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   config.model.channels = run.channels;
   config.model.width = run.width;
   config.model.nz = run.nz;
-  if (run.memory != "none" && run.memory != "recompute")
-    throw FlagError("--memory: expected none or recompute, got '" + run.memory + "'");
-  config.model.recompute = run.memory == "recompute";
+  try {
+    config.model.memory = hierpar::nn::parse_activation_memory(run.memory);
+  } catch (const c10::Error& e) {
+    throw FlagError(e.what_without_backtrace());
+  }
   if (run.image_size != 32 && run.image_size != 64 && run.image_size != 128)
     throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(run.image_size));
   if (run.channels != 0 && run.channels != 1 && run.channels != 3)
@@ -303,10 +306,12 @@ int generate(int argc, char** argv) {
 }
 
 int plot(int argc, char** argv) {
-  std::string output = "losses.png", list;
+  std::string output = "losses.png", list, metric = "loss";
   Flags flags("hierpar-dcgan plot");
   flags.add("output", &output, "PNG file to write")
-      .add("runs", &list, "LABEL=PATH[,LABEL=PATH...]: each run's losses.csv and its legend label");
+      .add("runs", &list, "LABEL=PATH[,LABEL=PATH...]: each run's losses.csv (or quality.csv) and its legend label")
+      .add("metric", &metric, "loss (D and G losses from losses.csv) or fid (the FID of train --eval-every, from "
+                              "quality.csv)");
   if (!flags.parse(argc, argv, 2)) return 0;
   if (list.empty()) throw FlagError("--runs: give at least one LABEL=PATH");
   std::vector<std::pair<std::string, std::string>> runs;
@@ -317,7 +322,9 @@ int plot(int argc, char** argv) {
       throw FlagError("--runs: expected LABEL=PATH, got '" + item + "'");
     runs.emplace_back(item.substr(0, eq), item.substr(eq + 1));
   }
-  for (const auto& line : plot_loss_runs(runs, output)) std::cout << line << "\n";
+  if (metric != "loss" && metric != "fid") throw FlagError("--metric: expected loss or fid, got '" + metric + "'");
+  const auto summary = metric == "fid" ? plot_quality_runs(runs, output) : plot_loss_runs(runs, output);
+  for (const auto& line : summary) std::cout << line << "\n";
   std::cout << "wrote " << output << "\n";
   return 0;
 }

@@ -6,7 +6,128 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/autograd.h>
 
+#ifdef HIERPAR_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <optional>
+
 namespace hierpar::nn {
+
+namespace detail {
+
+// A block's input while it is offloaded: a pinned host copy (CUDA; the CPU keeps the input itself), and once
+// fetched, its device copy. The copies run on one side stream, so the copy back follows the copy out.
+struct OffloadedInput {
+  at::Tensor host, fetched;
+  c10::Device device{c10::kCPU};
+  std::vector<int64_t> sizes, strides;
+  at::TensorOptions options;
+  std::mutex mutex;
+  bool fetching = false;
+#ifdef HIERPAR_WITH_CUDA
+  std::optional<c10::cuda::CUDAStream> stream;
+  at::cuda::CUDAEvent copied_back;
+#endif
+
+  // Starts the copy of `input` to pinned host memory after the work queued on the current stream (which produces
+  // it); the caching allocator keeps the input's device memory until the copy is done.
+  static std::shared_ptr<OffloadedInput> store(const at::Tensor& input) {
+    auto o = std::make_shared<OffloadedInput>();
+    o->device = input.device();
+#ifdef HIERPAR_WITH_CUDA
+    if (input.is_cuda() && input.is_non_overlapping_and_dense()) {
+      o->sizes = input.sizes().vec();
+      o->strides = input.strides().vec();
+      o->options = input.options();
+      const c10::cuda::CUDAGuard guard(input.device());
+      o->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, input.device().index());
+      at::cuda::CUDAEvent produced;
+      produced.record(c10::cuda::getCurrentCUDAStream(input.device().index()));
+      produced.block(*o->stream);
+      o->host = at::empty_strided(o->sizes, o->strides, o->options.device(at::kCPU).pinned_memory(true));
+      {
+        const c10::cuda::CUDAStreamGuard on_copy_stream(*o->stream);
+        o->host.copy_(input, /*non_blocking=*/true);
+      }
+      input.record_stream(*o->stream);
+      return o;
+    }
+#endif
+    o->host = input;  // on the CPU (or a tensor with gaps) the input stays where it is
+    return o;
+  }
+
+  // Starts the copy back to the device (once), after the work queued so far on the current stream, whose memory
+  // the new tensor may reuse.
+  void prefetch() {
+    std::lock_guard<std::mutex> lock(mutex);
+    fetch_locked();
+  }
+
+  // The input on its device; the current stream waits for its copy. The host copy stays until the node is
+  // released (a backward with retain_graph may run again).
+  at::Tensor take() {
+    std::lock_guard<std::mutex> lock(mutex);
+    fetch_locked();
+#ifdef HIERPAR_WITH_CUDA
+    if (stream) copied_back.block(c10::cuda::getCurrentCUDAStream(device.index()));
+#endif
+    fetching = false;
+    return std::move(fetched);
+  }
+
+ private:
+  void fetch_locked() {
+    if (fetching) return;
+    fetching = true;
+#ifdef HIERPAR_WITH_CUDA
+    if (stream) {
+      const c10::cuda::CUDAGuard guard(device);
+      fetched = at::empty_strided(sizes, strides, options);
+      at::cuda::CUDAEvent allocated;
+      allocated.record(c10::cuda::getCurrentCUDAStream(device.index()));
+      allocated.block(*stream);
+      {
+        const c10::cuda::CUDAStreamGuard on_copy_stream(*stream);
+        fetched.copy_(host, /*non_blocking=*/true);
+      }
+      fetched.record_stream(*stream);
+      copied_back.record(*stream);
+      return;
+    }
+#endif
+    fetched = host;
+  }
+};
+
+}  // namespace detail
+
+std::weak_ptr<detail::OffloadedInput> OffloadChain::append(const std::shared_ptr<detail::OffloadedInput>& input) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::weak_ptr<detail::OffloadedInput> previous = last_;
+  last_ = input;
+  return previous;
+}
+
+const char* to_string(ActivationMemory memory) {
+  switch (memory) {
+    case ActivationMemory::none: return "none";
+    case ActivationMemory::recompute: return "recompute";
+    case ActivationMemory::offload: return "offload";
+  }
+  return "?";
+}
+
+ActivationMemory parse_activation_memory(const std::string& name) {
+  for (ActivationMemory m : {ActivationMemory::none, ActivationMemory::recompute, ActivationMemory::offload}) {
+    if (name == to_string(m)) return m;
+  }
+  TORCH_CHECK(false, "--memory: expected none, recompute or offload, got '", name, "'");
+}
+
 namespace {
 
 using torch::autograd::SavedVariable;
@@ -51,7 +172,16 @@ struct RecomputeBackward final : torch::autograd::Node {
     // create_graph when the caller differentiates this backward again (grad mode is on inside it then): the
     // recomputation then starts from the input with its history, so that the gradients it returns depend on it.
     const bool create_graph = torch::autograd::GradMode::is_enabled();
-    const at::Tensor saved_input = input.unpack();
+    at::Tensor saved_input;
+    if (offloaded) {
+      TORCH_CHECK(!create_graph, "recompute: a block whose input is offloaded to host memory has no second "
+                  "derivatives (create_graph needs the input's history on the device); use --memory recompute");
+      // The block before this one runs its backward next: its input starts coming back now.
+      if (auto before = previous.lock()) before->prefetch();
+      saved_input = offloaded->take();
+    } else {
+      saved_input = input.unpack();
+    }
     at::Tensor x = create_graph ? saved_input : saved_input.detach();
     if (!create_graph && should_compute_output(0)) x.requires_grad_(true);
     std::vector<at::Tensor> kept;
@@ -92,10 +222,13 @@ struct RecomputeBackward final : torch::autograd::Node {
 
   void release_variables() override {
     input.reset_data();
+    offloaded.reset();
     block = nullptr;
   }
 
-  SavedVariable input;
+  SavedVariable input;                                   // kept on the device (no offload)
+  std::shared_ptr<detail::OffloadedInput> offloaded;     // or offloaded to host memory
+  std::weak_ptr<detail::OffloadedInput> previous;        // the block offloaded before this one
   Block block;
   std::vector<at::Tensor> parameters, buffers;
   AutocastState autocast_state;
@@ -104,7 +237,7 @@ struct RecomputeBackward final : torch::autograd::Node {
 }  // namespace
 
 torch::Tensor recompute(Block block, const torch::Tensor& input,
-                        const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+                        const std::vector<std::shared_ptr<torch::nn::Module>>& modules, OffloadChain* offload) {
   std::vector<at::Tensor> parameters, buffers;
   for (const auto& module : modules) {
     TORCH_CHECK(module != nullptr, "recompute: modules must not be null");
@@ -123,7 +256,12 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
   if (out.is_view()) out = out.clone();  // history goes on a tensor of its own, not on a view made without grad
   std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
-  node->input = SavedVariable(input, /*is_output=*/false);
+  if (offload != nullptr) {
+    node->offloaded = detail::OffloadedInput::store(input);
+    node->previous = offload->append(node->offloaded);
+  } else {
+    node->input = SavedVariable(input, /*is_output=*/false);
+  }
   node->block = std::move(block);
   node->parameters = std::move(parameters);
   node->buffers = std::move(buffers);

@@ -17,6 +17,8 @@
 #include "hierpar/layer_set.h"
 #include "hierpar/models/layer_factory.h"
 
+#include "hierpar/nn/recompute.h"
+
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
@@ -31,9 +33,11 @@ struct DCGANOptions {
   int64_t channels = 3;      // image channels: 1 or 3
   double width = 1.0;        // channel multiplier: the layer next to the image has round(32 * width)
   LayerSet layers = LayerSet::stock;
-  // Activation recomputation (hierpar/nn/recompute.h, seed 001): each convolution with its BatchNorm and activation
-  // keeps only its input for the backward and runs again there. Less memory, one more forward; same numbers.
-  bool recompute = false;
+  // Activation memory (hierpar/nn/recompute.h, seed 001). recompute: every convolution with what follows it up to the
+  // next convolution (BatchNorm + activation, G's tanh, D's first LeakyReLU) keeps only its input for the backward
+  // and runs again there: less memory, one more forward, same numbers. offload: as recompute, and the inputs the
+  // network produced itself wait for the backward in pinned host memory (eager steps only: not captured).
+  nn::ActivationMemory memory = nn::ActivationMemory::none;
 
   // Throws c10::Error naming the option and the accepted values.
   void validate() const;
@@ -61,6 +65,7 @@ class GeneratorImpl : public torch::nn::Cloneable<GeneratorImpl> {
  private:
   std::vector<Layer> deconvs_;  // registered as deconv1..deconvL
   std::vector<Layer> norms_;    // bn1..bn(L-1), each with its ReLU
+  std::shared_ptr<nn::OffloadChain> offload_;  // the blocks offloaded by this instance (memory == offload)
 };
 TORCH_MODULE(Generator);
 
@@ -76,6 +81,7 @@ class DiscriminatorImpl : public torch::nn::Cloneable<DiscriminatorImpl> {
  private:
   std::vector<Layer> convs_;  // conv1 (with its LeakyReLU(0.2)) .. convL, from make_conv2d
   std::vector<Layer> norms_;  // bn2..bn(L-1), each with its LeakyReLU(0.2)
+  std::shared_ptr<nn::OffloadChain> offload_;  // the blocks offloaded by this instance (memory == offload)
 };
 TORCH_MODULE(Discriminator);
 

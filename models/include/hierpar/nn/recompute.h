@@ -8,7 +8,8 @@
 // restored after it, so they advance once per forward as without recomputation. The block must be a deterministic
 // function of its input and parameters (no dropout). Parameters' gradients come out of the node as those of any
 // layer would (their post-accumulate hooks, e.g. bucketed averaging, fire as usual); second derivatives work where
-// the block's layers have them (create_graph).
+// the block's layers have them (create_graph). Offloading (seed 001's swapping, TFLMS) moves the kept input to host
+// memory between the forward and the backward.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -16,16 +17,49 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 namespace hierpar::nn {
 
 using Block = std::function<torch::Tensor(const torch::Tensor&)>;
 
+// What a network's blocks keep for their backward (`--memory`): none saves nothing (every activation kept);
+// recompute keeps each block's input on its device; offload keeps not even that: the input goes to pinned host
+// memory as the forward produces it and comes back before the block's backward.
+enum class ActivationMemory { none, recompute, offload };
+const char* to_string(ActivationMemory memory);
+// "none", "recompute" or "offload"; throws c10::Error naming `--memory` otherwise.
+ActivationMemory parse_activation_memory(const std::string& name);
+
+namespace detail {
+struct OffloadedInput;
+}
+
+// The offloaded blocks of one network, in the order its forward ran them: each block's backward starts copying
+// back the input of the block before it (the next backward to run), so the copy overlaps this block's
+// recomputation. One per network instance (a replica's clone has its own); used by recompute(..., offload).
+class OffloadChain {
+ public:
+  // Appends a block's input (called by recompute()) and returns the block offloaded before it.
+  std::weak_ptr<detail::OffloadedInput> append(const std::shared_ptr<detail::OffloadedInput>& input);
+
+ private:
+  std::mutex mutex_;
+  std::weak_ptr<detail::OffloadedInput> last_;
+};
+
 // `block(input)` without keeping its activations; `modules` are the layers the block runs (their parameters get
 // gradients, their buffers are restored after the recomputation). Without grad mode, or when neither `input` nor a
 // parameter requires grad, it is block(input).
+// With `offload`, a CUDA input is copied to pinned host memory on a side stream (the device copy is freed once the
+// caller drops it) and copied back in the backward, prefetched during the backward of the block after it; a CPU
+// input stays where it is. Offloaded blocks have no second derivatives (create_graph needs the input's history on
+// the device): their backward says so. Not for CUDA graph capture (pinned host buffers come from the host
+// allocator at every step).
 torch::Tensor recompute(Block block, const torch::Tensor& input,
-                        const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+                        const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                        OffloadChain* offload = nullptr);
 
 }  // namespace hierpar::nn
