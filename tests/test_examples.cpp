@@ -578,6 +578,39 @@ TEST(Examples, InterruptedRunResumesToTheSameWeights) {
 // --ema: the checkpoint keeps G's moving average, which lags the trained weights by the decay; an interrupted run
 // resumes it to the same average as a run straight through; a grid is drawn from it beside G's; `generate --weights
 // ema` reads it; resuming it without --ema, or asking a checkpoint without one for it, is refused in one line.
+// The BatchNorm running means of `g` computed anew from its own weights: each BatchNorm reset to a cumulative
+// average, then 16 batches of 512 noise vectors (a seed of its own) through a copy in training mode.
+std::vector<torch::Tensor> own_running_means(hierpar::models::Generator& g, int64_t nz) {
+  torch::NoGradGuard no_grad;
+  auto copy = std::dynamic_pointer_cast<hierpar::models::GeneratorImpl>(g->clone());
+  std::vector<torch::Tensor> means;
+  for (const auto& module : copy->modules(false)) {
+    if (auto* bn = module->as<torch::nn::BatchNorm2d>()) {
+      bn->options.momentum(std::nullopt);
+      bn->reset_running_stats();
+      means.push_back(bn->running_mean);
+    }
+  }
+  copy->train();
+  at::Generator noise = at::make_generator<at::CPUGeneratorImpl>(99);
+  for (int i = 0; i < 16; ++i) copy->forward(at::randn({512, nz, 1, 1}, noise, at::TensorOptions()));
+  return means;
+}
+
+std::vector<torch::Tensor> running_means(hierpar::models::Generator& g) {
+  std::vector<torch::Tensor> means;
+  for (const auto& module : g->modules(false)) {
+    if (auto* bn = module->as<torch::nn::BatchNorm2d>()) means.push_back(bn->running_mean);
+  }
+  return means;
+}
+
+double largest_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double largest = 0;
+  for (size_t i = 0; i < a.size(); ++i) largest = std::max(largest, (a[i] - b[i]).abs().max().item<double>());
+  return largest;
+}
+
 TEST(Examples, MovingAverageOfTheGeneratorIsKeptAndResumed) {
   TempDir dir;
   auto straight = tiny_training(dir / "straight");
@@ -593,6 +626,13 @@ TEST(Examples, MovingAverageOfTheGeneratorIsKeptAndResumed) {
     differ += !p.value().equal(live_parameters[p.key()]);
   }
   EXPECT_EQ(differ, static_cast<int>(live_parameters.size())) << "the average lags every trained parameter";
+  // The average's BatchNorm statistics are those of its own weights (computed before the checkpoint was saved), not
+  // the live generator's: near a fresh computation from other noise, further from the live ones.
+  const auto own = own_running_means(average, straight.model.nz);
+  ASSERT_FALSE(own.empty());
+  const double saved_vs_own = largest_difference(running_means(average), own);
+  const double live_vs_own = largest_difference(running_means(live), own);
+  EXPECT_LT(saved_vs_own, 0.25 * live_vs_own) << "saved " << saved_vs_own << ", live " << live_vs_own;
   EXPECT_TRUE(fs::exists(dir / "straight/samples/ema_epoch_000001.png"));
   EXPECT_TRUE(fs::exists(dir / "straight/samples/epoch_000001.png"));
 
@@ -869,8 +909,11 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
                     "batch 0");
   expect_flag_error(run_dcgan(base + "--image-size 48", dir), "--image-size: expected 32, 64 or 128, got 48", "image size");
   expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
-  expect_flag_error(run_dcgan(base + "--memory offload", dir), "--memory: expected none or recompute, got 'offload'",
+  expect_flag_error(run_dcgan(base + "--memory swap", dir), "--memory: expected none, recompute or offload, got 'swap'",
                     "memory mode");
+  expect_flag_error(run_dcgan(base + "--memory offload --r1 1", dir),
+                    "--memory offload: the R1 and gradient penalties differentiate through every block's input",
+                    "offload with a penalty");
   expect_flag_error(run_dcgan(base + "--loss lsgan", dir), "--loss: expected bce, hinge or wgan-gp, got 'lsgan'", "loss");
   expect_flag_error(run_dcgan(base + "--data-placement files", dir),
                     "--data-placement files: needs --data <folder of images>", "files without a folder");
@@ -1290,6 +1333,15 @@ TEST(Quality, TrainLogsTheMetricEveryNSteps) {
   ASSERT_EQ(second.size(), 5u);
   EXPECT_EQ(second[2], first[2]) << "the first run's rows are kept";
   EXPECT_EQ(second[4].rfind("200,2,", 0), 0u) << second[4];
+  // Several runs' FID on one plot: `plot --metric fid` reads quality.csv files, and refuses a losses.csv in a line.
+  const std::string plotted = dcgan_stdout("plot --metric fid --output " + (dir / "fid.png") + " --runs a=" +
+                                           (dir / "run/quality.csv") + ",b=" + (dir / "run/quality.csv"));
+  EXPECT_NE(plotted.find("a: 4 evaluations; last FID"), std::string::npos) << plotted;
+  EXPECT_EQ(stbi_info((dir / "fid.png").c_str(), &w, &h, &c), 1);
+  expect_one_line_error(run_dcgan("plot --metric fid --output " + (dir / "x.png") + " --runs a=" + (dir / "run/losses.csv"), dir),
+                        "not a quality.csv", "a losses.csv as FID");
+  expect_flag_error(run_dcgan("plot --metric psnr --output " + (dir / "x.png") + " --runs a=" + (dir / "run/losses.csv"), dir),
+                    "--metric: expected loss or fid, got 'psnr'", "unknown metric");
   expect_flag_error(run_dcgan("train --device cpu --data synthetic --eval-every 10 --out " + dir / "bad", dir),
                     "--eval-every: the quality metric is for --data fashion-mnist", "eval on synthetic data");
 }

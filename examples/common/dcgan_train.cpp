@@ -7,11 +7,13 @@
 #include "common/loss_log.h"
 #include "common/quality.h"
 #include "common/shared_flags.h"
+#include "hierpar/nn.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/run_guard.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/optim/adam.h>
 #include <torch/utils.h>
 
@@ -21,6 +23,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <mutex>
@@ -81,13 +84,37 @@ models::Generator ema_generator(const models::DCGANOptions& options, models::Gen
   return ema;
 }
 
-// The moving average keeps G's BatchNorm running statistics current: they are copied from the live generator before
-// the average is drawn, scored or saved.
-void copy_buffers(models::GeneratorImpl& live, models::GeneratorImpl& ema) {
+// BatchNorm running statistics for the moving average's own weights (BigGAN's "standing statistics"): the live
+// generator's statistics belong to other weights, and an averaged generator sampled with them scores worse than
+// the live one. Each BatchNorm is reset and set to a cumulative average, then the average generator runs
+// kStatisticsBatches batches of noise in training mode. The noise comes from a private generator with a fixed
+// seed, so the run's random stream is untouched and a resumed run computes the same statistics.
+void recompute_batch_norm_statistics(models::GeneratorImpl& ema, int64_t nz) {
+  constexpr int64_t kStatisticsBatches = 32, kBatch = 256;
   torch::NoGradGuard no_grad;
-  const auto from = live.buffers();
-  auto to = ema.buffers();
-  for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+  std::vector<std::function<void()>> restore;
+  for (const auto& module : ema.modules(/*include_self=*/false)) {
+    auto reset = [&](auto* bn) {
+      if (bn == nullptr || !bn->options.track_running_stats()) return;
+      const auto momentum = bn->options.momentum();
+      bn->options.momentum(std::nullopt);
+      bn->reset_running_stats();
+      restore.push_back([bn, momentum] { bn->options.momentum(momentum); });
+    };
+    reset(module->as<torch::nn::BatchNorm2d>());
+    reset(module->as<hierpar::nn::BatchNormAct2d>());
+    reset(module->as<hierpar::nn::BatchNorm2d>());
+  }
+  if (restore.empty()) return;
+  const torch::Device device = ema.parameters().front().device();
+  at::Generator noise = at::make_generator<at::CPUGeneratorImpl>(20240601);
+  const bool was_training = ema.is_training();
+  ema.train();
+  for (int64_t i = 0; i < kStatisticsBatches; ++i) {
+    ema.forward(at::randn({kBatch, nz, 1, 1}, noise, at::TensorOptions()).to(device));
+  }
+  ema.train(was_training);
+  for (const auto& undo : restore) undo();
 }
 
 // Adam's state tensors are read onto the CPU (checkpoints load there); each goes to its parameter's device.
@@ -331,7 +358,11 @@ int train_dcgan(DCGANTrainConfig config) {
                                      {"discriminator", &trainer->discriminator_optimizer(0)}};
 
     say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
-        (config.model.recompute ? ", activations recomputed in the backward" : "") + "; generator " +
+        (config.model.memory == hierpar::nn::ActivationMemory::recompute ? ", activations recomputed in the backward"
+         : config.model.memory == hierpar::nn::ActivationMemory::offload
+             ? ", activations recomputed in the backward from inputs kept in host memory"
+             : "") +
+        "; generator " +
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
         std::to_string(count_parameters(*discriminator)) + "; data " +
         (loader.resident() ? "resident on " + data_device.str()
@@ -353,7 +384,7 @@ int train_dcgan(DCGANTrainConfig config) {
     auto save = [&] {
       flush_losses();
       if (!writer) return;
-      if (ema) copy_buffers(*generator, **ema);
+      if (ema) recompute_batch_norm_statistics(**ema, config.model.nz);
       save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
                       config.keep_checkpoints);
       write_losses(config.out, state.history, loader.batches_per_epoch());
@@ -403,7 +434,7 @@ int train_dcgan(DCGANTrainConfig config) {
         }
         if (quality_log && state.global_step % config.eval_every == 0) {
           synchronize_devices(placement);  // the step's replays may still run on other streams
-          if (ema) copy_buffers(*generator, **ema);
+          if (ema) recompute_batch_norm_statistics(**ema, config.model.nz);
           const auto quality = generator_quality(ema ? **ema : *generator, **classifier, real_features,
                                                  config.eval_samples, 1);
           quality_log->add(state.global_step, state.epoch + 1, quality);
@@ -430,7 +461,7 @@ int train_dcgan(DCGANTrainConfig config) {
       }
       if (writer) write_samples(*generator, fixed_noise, grid);
       if (writer && ema) {
-        copy_buffers(*generator, **ema);
+        recompute_batch_norm_statistics(**ema, config.model.nz);
         write_samples(**ema, fixed_noise, ema_grid);
       }
       save();

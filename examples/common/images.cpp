@@ -91,6 +91,14 @@ void write_image_grid(const torch::Tensor& images, const std::string& path, int6
             grid.contiguous().data_ptr<uint8_t>());
 }
 
+std::array<uint8_t, 3> run_colour(size_t i) {
+  static const std::array<std::array<uint8_t, 3>, 10> palette{{{31, 119, 180}, {255, 127, 14}, {44, 160, 44},
+                                                                {214, 39, 40}, {148, 103, 189}, {140, 86, 75},
+                                                                {227, 119, 194}, {127, 127, 127}, {188, 189, 34},
+                                                                {23, 190, 207}}};
+  return palette[i % palette.size()];
+}
+
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
                      int width, int height) {
   Canvas canvas(width, height);

@@ -20,6 +20,9 @@ struct PlotSeries {
   std::array<uint8_t, 3> rgb;
 };
 
+// The colour of the i-th of several runs in a plot (a ten-colour palette, repeating).
+std::array<uint8_t, 3> run_colour(size_t i);
+
 // A line plot of the series against their index, with axes, tick labels and a legend, as a PNG.
 // Series longer than the plot is wide are averaged per pixel column.
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,

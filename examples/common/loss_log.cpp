@@ -60,14 +60,12 @@ std::pair<std::vector<double>, std::vector<double>> read_losses_csv(const std::s
 std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
                                         const std::string& output) {
   if (runs.empty()) throw Error("plot: no runs to plot");
-  const std::vector<std::array<uint8_t, 3>> colours{{31, 119, 180}, {255, 127, 14}, {44, 160, 44},
-                                                    {214, 39, 40}, {148, 103, 189}, {140, 86, 75}};
   std::vector<PlotSeries> series;
   std::vector<std::string> summary;
   for (size_t i = 0; i < runs.size(); ++i) {
     const auto& [label, path] = runs[i];
     auto [d, g] = read_losses_csv(path);
-    const auto dark = colours[i % colours.size()];
+    const auto dark = run_colour(i);
     const std::array<uint8_t, 3> light{static_cast<uint8_t>((dark[0] + 255) / 2), static_cast<uint8_t>((dark[1] + 255) / 2),
                                        static_cast<uint8_t>((dark[2] + 255) / 2)};
     const size_t from = d.size() - (d.size() + 3) / 4;

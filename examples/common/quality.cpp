@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <sstream>
 
 #include <unistd.h>
@@ -207,6 +208,39 @@ void QualityLog::add(int64_t step, int64_t epoch, const SampleQuality& quality) 
   fs::rename(tmp, csv);
   write_line_plot({{"FID (seed-CNN features)", fids_, {214, 39, 40}}}, "evaluation (every --eval-every steps)",
                   out_ + "/quality.png");
+}
+
+std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                           const std::string& output) {
+  if (runs.empty()) throw Error("plot: no runs to plot");
+  std::vector<PlotSeries> series;
+  std::vector<std::string> summary;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& [label, path] = runs[i];
+    std::ifstream in(path);
+    if (!in) throw Error(path + ": cannot read (expected a quality.csv written by train --eval-every)");
+    std::string line;
+    std::getline(in, line);
+    if (line.rfind("step,epoch,fid", 0) != 0) throw Error(path + ": not a quality.csv (its header is '" + line + "')");
+    std::vector<double> fids;
+    double best = 0, best_epoch = 0;
+    while (std::getline(in, line)) {
+      long long step = 0;
+      double epoch = 0, fid = 0;
+      if (std::sscanf(line.c_str(), "%lld,%lf,%lf", &step, &epoch, &fid) != 3)
+        throw Error(path + ": row " + std::to_string(fids.size() + 2) + " is not step,epoch,fid,...: '" + line + "'");
+      if (fids.empty() || fid < best) best = fid, best_epoch = epoch;
+      fids.push_back(fid);
+    }
+    if (fids.empty()) throw Error(path + ": no evaluations in it");
+    std::ostringstream text;
+    text << label << ": " << fids.size() << " evaluations; last FID " << std::fixed << std::setprecision(2)
+         << fids.back() << ", best " << best << " (epoch " << std::setprecision(0) << best_epoch << ")";
+    summary.push_back(text.str());
+    series.push_back({label, std::move(fids), run_colour(i)});
+  }
+  write_line_plot(series, "evaluation (every --eval-every steps)", output, 900, 480);
+  return summary;
 }
 
 SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,

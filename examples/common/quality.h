@@ -60,6 +60,11 @@ class QualityLog {
   std::vector<double> fids_;
 };
 
+// Plots the FID of several runs (LABEL, path of a quality.csv) on one PNG, one line per run against the evaluation
+// number; returns a line per run (evaluations, last and best FID with its epoch).
+std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                           const std::string& output);
+
 // The same figures for real images (uint8 [N, 1, H, W], prepared at `image_size`) in place of samples, against
 // `real` features (real_test_features at that size): the scale of a good score (Fashion-MNIST's training set
 // against its test set comes near 0).
