@@ -25,7 +25,9 @@ torch::Tensor block(std::vector<Layer> layers, const torch::Tensor& x, nn::Activ
     for (const Layer& layer : layers) y = layer.forward(y);
     return after ? after(y) : y;
   };
-  if (memory == nn::ActivationMemory::none) return run(x);
+  if (memory == nn::ActivationMemory::none ||
+      (memory == nn::ActivationMemory::offload && chain.keeps_activations(x)))
+    return run(x);
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
   for (const Layer& layer : layers) modules.push_back(layer.module);
   const bool offload = memory == nn::ActivationMemory::offload && own_input;
@@ -39,6 +41,8 @@ void DCGANOptions::validate() const {
               "image_size: expected 32, 64 or 128, got ", image_size);
   TORCH_CHECK(channels == 1 || channels == 3, "channels: expected 1 or 3, got ", channels);
   TORCH_CHECK(nz >= 1, "nz: expected a positive noise dimension, got ", nz);
+  TORCH_CHECK(offload_above >= 0 && offload_above <= 1, "offload_above: expected a fraction in [0, 1], got ",
+              offload_above);
   TORCH_CHECK(std::isfinite(width) && std::lround(32 * width) >= 1,
               "width: expected a multiplier giving at least 1 channel (width >= 1/64), got ", width);
 }
@@ -80,6 +84,7 @@ GeneratorImpl::GeneratorImpl(DCGANOptions options_) : options(std::move(options_
 void GeneratorImpl::reset() {
   options.validate();
   offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
+  offload_->keep_below_fraction = options.offload_above;
   deconvs_.clear();
   norms_.clear();
   const auto hidden = options.hidden_channels();
@@ -120,6 +125,7 @@ DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(
 void DiscriminatorImpl::reset() {
   options.validate();
   offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
+  offload_->keep_below_fraction = options.offload_above;
   convs_.clear();
   norms_.clear();
   auto hidden = options.hidden_channels();

@@ -45,6 +45,12 @@ class OffloadChain {
   // Appends a block's input (called by recompute()) and returns the block offloaded before it.
   std::weak_ptr<detail::OffloadedInput> append(const std::shared_ptr<detail::OffloadedInput>& input);
 
+  // Offloading only as much as memory requires: whether a block whose input is `input` may keep its activations
+  // (run as without recomputation, at full speed), i.e. the caching allocator holds less than
+  // `keep_below_fraction` of the device's memory when the block runs. Always false on the CPU.
+  bool keeps_activations(const torch::Tensor& input) const;
+  double keep_below_fraction = 0.5;
+
  private:
   std::mutex mutex_;
   std::weak_ptr<detail::OffloadedInput> last_;
