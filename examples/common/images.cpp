@@ -100,7 +100,7 @@ std::array<uint8_t, 3> run_colour(size_t i) {
 }
 
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
-                     int width, int height) {
+                     int width, int height, const std::string& y_label) {
   Canvas canvas(width, height);
   const int left = 60, right = 20, top = 20, bottom = 40;
   const int plot_w = width - left - right, plot_h = height - top - bottom;
@@ -136,6 +136,7 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
   canvas.rect(left, top, left + 1, top + plot_h + 1, black);
   canvas.rect(left, top + plot_h, left + plot_w + 1, top + plot_h + 1, black);
   canvas.text(left + plot_w / 2 - Canvas::text_width(x_label) / 2, height - 14, x_label, black);
+  if (!y_label.empty()) canvas.text(6, 6, y_label, black);  // above the y axis's labels
 
   for (const auto& s : series) {
     // One point per pixel column at most: the mean of the values falling into it.

@@ -23,10 +23,10 @@ struct PlotSeries {
 // The colour of the i-th of several runs in a plot (a ten-colour palette, repeating).
 std::array<uint8_t, 3> run_colour(size_t i);
 
-// A line plot of the series against their index, with axes, tick labels and a legend, as a PNG.
+// A line plot of the series against their index, with axes, tick labels, axis labels and a legend, as a PNG.
 // Series longer than the plot is wide are averaged per pixel column.
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
-                     int width = 720, int height = 420);
+                     int width = 720, int height = 420, const std::string& y_label = "");
 
 // A grouped bar chart as a PNG: one group per entry of `groups` (labelled under the axis), one bar per
 // series in each group (values[i] belongs to series i; NaN leaves a gap), value printed above each bar,

@@ -30,7 +30,7 @@ void write_losses(const std::string& out, const torch::Tensor& history, int64_t 
                                  {"G loss", {}, {44, 160, 44}}};
   for (int64_t i = 0; i < history.size(0); ++i)
     for (int k = 0; k < 3; ++k) series[k].values.push_back(history[i][k].item<double>());
-  write_line_plot(series, "step", out + "/loss.png");
+  write_line_plot(series, "step", out + "/loss.png", 720, 420, "loss");
 }
 
 namespace {
@@ -81,7 +81,7 @@ std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string,
     series.push_back({label + " D loss", std::move(d), dark});
     series.push_back({label + " G loss", std::move(g), light});
   }
-  write_line_plot(series, "step", output, 900, 480);
+  write_line_plot(series, "step", output, 900, 480, "loss");
   return summary;
 }
 

@@ -207,7 +207,7 @@ void QualityLog::add(int64_t step, int64_t epoch, const SampleQuality& quality) 
   }
   fs::rename(tmp, csv);
   write_line_plot({{"FID (seed-CNN features)", fids_, {214, 39, 40}}}, "evaluation (every --eval-every steps)",
-                  out_ + "/quality.png");
+                  out_ + "/quality.png", 720, 420, "FID");
 }
 
 std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::string, std::string>>& runs,
@@ -239,7 +239,7 @@ std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::stri
     summary.push_back(text.str());
     series.push_back({label, std::move(fids), run_colour(i)});
   }
-  write_line_plot(series, "evaluation (every --eval-every steps)", output, 900, 480);
+  write_line_plot(series, "evaluation (every --eval-every steps)", output, 900, 480, "FID (seed-CNN features)");
   return summary;
 }
 
