@@ -118,6 +118,19 @@ def check_state_dict_round_trip(hp, stock):
         assert torch.equal(stock_again.state_dict()[key], value), key
 
 
+def same_seeded_modules(hp_class, stock_class, args, seed, device, dtype):
+    """hierpar's and torch's module built from `args` with the same seed: same repr, a state dict that round-trips,
+    and the stock one left with hierpar's weights."""
+    torch.manual_seed(seed)
+    hp = hp_class(**args, device=device, dtype=dtype)
+    torch.manual_seed(seed)
+    stock = stock_class(**args, device=device, dtype=dtype)
+    assert repr(hp).replace("hierpar.nn.", "") == repr(stock)
+    check_state_dict_round_trip(hp, stock)
+    stock.load_state_dict(hp.state_dict())
+    return hp, stock
+
+
 # ---- MaxPool2d ---------------------------------------------------------------------------------------------
 
 def random_pool(rng):
@@ -291,13 +304,7 @@ def test_conv_transpose2d_matches_torch(seeded, device, dtype, layout):
     rng = seeded
     for trial in range(3):
         args = random_conv_transpose(rng)
-        torch.manual_seed(trial)
-        hp = hierpar.nn.ConvTranspose2d(**args, device=device, dtype=dtype)
-        torch.manual_seed(trial)
-        stock = torch.nn.ConvTranspose2d(**args, device=device, dtype=dtype)
-        assert repr(hp).replace("hierpar.nn.", "") == repr(stock)
-        check_state_dict_round_trip(hp, stock)
-        stock.load_state_dict(hp.state_dict())
+        hp, stock = same_seeded_modules(hierpar.nn.ConvTranspose2d, torch.nn.ConvTranspose2d, args, trial, device, dtype)
         # The smallest input size whose output size is positive, and up to 6 more.
         smallest = [1 - min(0, ((args["dilation"][i] * (args["kernel_size"][i] - 1) + args["output_padding"][i] -
                                  2 * args["padding"][i]) // args["stride"][i])) for i in range(2)]
@@ -345,13 +352,7 @@ def test_conv2d_matches_torch(seeded, device, dtype, layout):
     rng = seeded
     for trial in range(3):
         args = random_conv(rng)
-        torch.manual_seed(trial)
-        hp = hierpar.nn.Conv2d(**args, device=device, dtype=dtype)
-        torch.manual_seed(trial)
-        stock = torch.nn.Conv2d(**args, device=device, dtype=dtype)
-        assert repr(hp).replace("hierpar.nn.", "") == repr(stock)
-        check_state_dict_round_trip(hp, stock)
-        stock.load_state_dict(hp.state_dict())
+        hp, stock = same_seeded_modules(hierpar.nn.Conv2d, torch.nn.Conv2d, args, trial, device, dtype)
         # Reflection padding needs the padding below the input size: inputs at least kernel-sized and 3 wide.
         sizes = [rng.choice([1, rng.randint(1, 3)]), args["in_channels"],
                  rng.randint(3, 4) + args["dilation"][0] * (args["kernel_size"][0] - 1) + rng.randint(0, 4),
