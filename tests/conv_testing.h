@@ -13,6 +13,7 @@
 
 #include <array>
 #include <functional>
+#include <sstream>
 #include <limits>
 #include <optional>
 #include <string>
@@ -55,6 +56,43 @@ class Tf32ForConvolutions {
 struct ConvResults {
   torch::Tensor output, grad_input, grad_weight, grad_bias;
 };
+
+// A case's operands (bias undefined without one, grad_output shaped like the output). `Case` has batch, cin, cout,
+// h, w, bias, layout, weight_channels_last, unbatched and out_hw(); the weight is made with `weight_sizes`.
+struct ConvTensors {
+  torch::Tensor input, weight, bias, grad_output;
+};
+
+template <class Case>
+ConvTensors make_conv_tensors(const Case& c, at::IntArrayRef weight_sizes, const torch::TensorOptions& options) {
+  ConvTensors t;
+  std::vector<int64_t> in_sizes{c.batch, c.cin, c.h, c.w};
+  if (c.unbatched) in_sizes.erase(in_sizes.begin());
+  t.input = random_tensor(in_sizes, options, c.layout);
+  t.weight = random_tensor(weight_sizes, options, c.weight_channels_last ? Layout::channels_last : Layout::contiguous);
+  if (c.bias) t.bias = random_tensor({c.cout}, options);
+  const auto o = c.out_hw();
+  std::vector<int64_t> out_sizes{c.batch, c.cout, o[0], o[1]};
+  if (c.unbatched) out_sizes.erase(out_sizes.begin());
+  t.grad_output = random_tensor(out_sizes, options, c.layout);
+  return t;
+}
+
+// A channels_last batched input keeps its layout through output and grad_input. Inputs whose channels_last strides
+// are also contiguous ones (one channel, 1x1) are taken as NCHW and not checked.
+inline void expect_channels_last_kept(Layout layout, bool unbatched, const torch::Tensor& input,
+                                      const ConvResults& got, const std::string& what) {
+  if (layout != Layout::channels_last || unbatched || input.is_contiguous()) return;
+  EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
+  EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
+}
+
+// The description of an output-layout case: device, input sizes and both layouts.
+inline std::string layout_case_what(const torch::Device& device, const torch::Tensor& input, bool input_cl,
+                                    bool weight_cl) {
+  return device.str() + " input " + c10::str(input.sizes()) + (input_cl ? " channels_last" : " contiguous") +
+         ", weight " + (weight_cl ? "channels_last" : "contiguous");
+}
 
 inline std::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.defined() ? std::optional<torch::Tensor>(t) : std::nullopt;
@@ -100,6 +138,26 @@ inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch
   }
 }
 
+using Gradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using MaskedBackward = std::function<Gradients(std::array<bool, 3> output_mask)>;
+
+// `backward` with each of the 8 output masks computes exactly the gradients asked for, each equal to the full
+// call's. Returns the full call's.
+inline Gradients expect_output_mask_respected(const MaskedBackward& backward) {
+  const auto all = backward({true, true, true});
+  for (int mask = 0; mask < 8; ++mask) {
+    std::array<bool, 3> m{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
+    const auto r = backward(m);
+    const torch::Tensor got[3] = {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+    const torch::Tensor want[3] = {std::get<0>(all), std::get<1>(all), std::get<2>(all)};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(got[i].defined(), m[i]) << "mask " << mask << " output " << i;
+      if (m[i]) EXPECT_TRUE(got[i].equal(want[i])) << "mask " << mask << " output " << i;
+    }
+  }
+  return all;
+}
+
 // `backward` (CUDA; its gradients computed from `operands`, the undefined ones skipped) called eagerly, then
 // captured in a CUDA graph on a pool stream and replayed twice, each time after fresh random values were copied
 // into `operands` and the graph's outputs were filled with NaN: each replay's gradients must equal, bit for bit,
@@ -136,7 +194,6 @@ inline void expect_second_derivatives_match_aten(const ConvForward& forward, con
   }
 }
 
-using Gradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
 inline void expect_graph_replay_equals_eager(const std::function<Gradients()>& backward,
                                              const std::vector<torch::Tensor>& operands, const std::string& what) {
   auto as_list = [](const Gradients& g) {
@@ -171,6 +228,47 @@ inline void expect_graph_replay_equals_eager(const std::function<Gradients()>& b
       EXPECT_TRUE(torch::equal(captured[i], eager[i])) << what << ": gradient " << i << ", replay " << replay;
     }
   }
+}
+
+// grad_input and grad_weight asked for together (on two streams) equal each asked for alone, bit for bit, and so
+// does the joint backward replayed from a CUDA graph (expect_graph_replay_equals_eager, on `operands`).
+inline void expect_joint_backward_deterministic(const MaskedBackward& backward,
+                                                const std::vector<torch::Tensor>& operands, const std::string& what) {
+  const auto both = backward({true, true, false});
+  const auto only_input = backward({true, false, false});
+  const auto only_weight = backward({false, true, false});
+  EXPECT_TRUE(torch::equal(std::get<0>(both), std::get<0>(only_input))) << what << ": grad_input alone";
+  EXPECT_TRUE(torch::equal(std::get<1>(both), std::get<1>(only_weight))) << what << ": grad_weight alone";
+  expect_graph_replay_equals_eager([&] { return backward({true, true, false}); }, operands, what);
+}
+
+// A hierpar layer and its torch::nn counterpart: the same parameter names and shapes.
+template <class Stock, class Ours>
+void expect_same_parameters(const Stock& stock, const Ours& ours) {
+  const auto sp = stock->named_parameters(), hp = ours->named_parameters();
+  ASSERT_EQ(sp.size(), hp.size());
+  for (const auto& item : sp) {
+    ASSERT_TRUE(hp.contains(item.key())) << item.key();
+    EXPECT_EQ(hp[item.key()].sizes(), item.value().sizes()) << item.key();
+  }
+}
+
+// Saves `from` and loads the archive into `to`.
+template <class From, class To>
+void copy_state(const From& from, To& to) {
+  std::stringstream archive;
+  torch::save(from, archive);
+  torch::load(to, archive);
+}
+
+// torch::nn's convolution initialisation: weight and bias drawn from U(-bound, bound), bound = 1/sqrt(fan_in).
+inline void expect_kaiming_uniform_init(const torch::Tensor& weight, const torch::Tensor& bias, double bound) {
+  EXPECT_LE(weight.abs().max().item<double>(), bound);
+  EXPECT_GT(weight.abs().max().item<double>(), 0.9 * bound);  // spans the range (1728 draws)
+  EXPECT_LE(bias.abs().max().item<double>(), bound);
+  EXPECT_GT(bias.abs().max().item<double>(), 0.3 * bound);
+  EXPECT_NEAR(weight.std().item<double>(), bound / std::sqrt(3.0), 0.1 * bound);
+  EXPECT_TRUE(weight.requires_grad());
 }
 
 }  // namespace hierpar::testing

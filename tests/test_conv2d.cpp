@@ -36,6 +36,7 @@ namespace {
 using hierpar::testing::coin;
 using hierpar::testing::compare;
 using hierpar::testing::conv_rel_tolerance;
+using hierpar::testing::expect_channels_last_kept;
 using hierpar::testing::expect_close;
 using hierpar::testing::Layout;
 using hierpar::testing::opt;
@@ -113,23 +114,10 @@ Case small_cin_case(int64_t cout, int64_t batch, Layout layout) {
               coin(), layout, coin(), false, random_slope()};
 }
 
-struct Tensors {
-  torch::Tensor input, weight, bias, grad_output;
-};
+using Tensors = hierpar::testing::ConvTensors;
 
 Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
-  Tensors t;
-  std::vector<int64_t> in_sizes{c.batch, c.cin, c.h, c.w};
-  if (c.unbatched) in_sizes.erase(in_sizes.begin());
-  t.input = random_tensor(in_sizes, options, c.layout);
-  t.weight = random_tensor({c.cout, c.cin / c.groups, c.kernel[0], c.kernel[1]}, options,
-                           c.weight_channels_last ? Layout::channels_last : Layout::contiguous);
-  if (c.bias) t.bias = random_tensor({c.cout}, options);
-  const auto o = c.out_hw();
-  std::vector<int64_t> out_sizes{c.batch, c.cout, o[0], o[1]};
-  if (c.unbatched) out_sizes.erase(out_sizes.begin());
-  t.grad_output = random_tensor(out_sizes, options, c.layout);
-  return t;
+  return hierpar::testing::make_conv_tensors(c, {c.cout, c.cin / c.groups, c.kernel[0], c.kernel[1]}, options);
 }
 
 
@@ -171,11 +159,7 @@ void check_case(const Case& c, const Tensors& t, const std::string& what) {
           what);
   EXPECT_EQ(got.output.device(), t.input.device()) << what;
   EXPECT_EQ(got.output.scalar_type(), dtype) << what;
-  // Inputs whose channels_last strides are also contiguous ones (one channel, 1x1) are taken as NCHW.
-  if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
-    EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
-    EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
-  }
+  expect_channels_last_kept(c.layout, c.unbatched, t.input, got, what);
   if (cuda) {
     Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
     const auto cpu = run(c, on_cpu, /*aten=*/false);
@@ -261,19 +245,10 @@ TEST(Conv2dCpu, FiniteDifferenceGradcheckInDouble) {
 TEST(Conv2dCpu, OutputMaskComputesOnlyWhatIsAsked) {
   const Case c = random_case();
   const auto t = make_tensors(c, torch::kDouble);
-  const auto all = hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation,
-                                                 c.groups, {true, true, true});
-  for (int mask = 0; mask < 8; ++mask) {
-    std::array<bool, 3> m{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
-    const auto r = hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation,
-                                                 c.groups, m);
-    const torch::Tensor got[3] = {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
-    const torch::Tensor want[3] = {std::get<0>(all), std::get<1>(all), std::get<2>(all)};
-    for (int i = 0; i < 3; ++i) {
-      EXPECT_EQ(got[i].defined(), m[i]) << "mask " << mask << " output " << i;
-      if (m[i]) EXPECT_TRUE(got[i].equal(want[i])) << "mask " << mask << " output " << i;
-    }
-  }
+  const auto all = hierpar::testing::expect_output_mask_respected([&](std::array<bool, 3> mask) {
+    return hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation, c.groups,
+                                         mask);
+  });
   // Through autograd: a weight that does not require grad gets none computed, and the input's grad is right.
   auto x = t.input.detach().requires_grad_();
   auto y = hierpar::ops::conv2d(x, t.weight, std::nullopt, c.stride, c.padding, c.dilation, c.groups);
@@ -385,9 +360,7 @@ void check_output_layouts(const torch::Device& device) {
       const auto got = hierpar::ops::conv2d(input, weight, {}, {stride}, {padding});
       const auto on_meta =
           hierpar::ops::conv2d(input.to(torch::kMeta), weight.to(torch::kMeta), {}, {stride}, {padding});
-      const std::string what = device.str() + " input " + c10::str(input.sizes()) +
-                               (input_cl ? " channels_last" : " contiguous") + ", weight " +
-                               (weight_cl ? "channels_last" : "contiguous");
+      const std::string what = hierpar::testing::layout_case_what(device, input, input_cl, weight_cl);
       const bool rule = input.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                         weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
       EXPECT_TRUE(got.is_contiguous(rule ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous))
@@ -600,11 +573,7 @@ TEST(Conv2dCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBackward) 
         return hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation,
                                              c.groups, mask);
       };
-      const auto both = backward({true, true, false});
-      EXPECT_TRUE(torch::equal(std::get<0>(both), std::get<0>(backward({true, false, false})))) << what << ": grad_input alone";
-      EXPECT_TRUE(torch::equal(std::get<1>(both), std::get<1>(backward({false, true, false})))) << what << ": grad_weight alone";
-      hierpar::testing::expect_graph_replay_equals_eager([&] { return backward({true, true, false}); },
-                                                         {t.input, t.grad_output}, what);
+      hierpar::testing::expect_joint_backward_deterministic(backward, {t.input, t.grad_output}, what);
     }
   }
 }
@@ -639,24 +608,15 @@ TEST(Conv2dLayer, StateDictAndOutputsInterchangeWithTorchNn) {
     hierpar::nn::Conv2d ours(o);
     stock->to(torch::kDouble);
     ours->to(torch::kDouble);
-    const auto sp = stock->named_parameters(), hp = ours->named_parameters();
-    ASSERT_EQ(sp.size(), hp.size());
-    for (const auto& item : sp) {
-      ASSERT_TRUE(hp.contains(item.key())) << item.key();
-      EXPECT_EQ(hp[item.key()].sizes(), item.value().sizes()) << item.key();
-    }
-    std::stringstream saved;
-    torch::save(stock, saved);
-    torch::load(ours, saved);
+    hierpar::testing::expect_same_parameters(stock, ours);
+    hierpar::testing::copy_state(stock, ours);
     // At least the largest dilated kernel (7).
     const auto x = random_tensor({2, o.in_channels(), rand_int(7, 11), rand_int(7, 11)}, torch::kDouble);
     std::ostringstream what;
     what << *ours;
     expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights: " + what.str());
     ours->reset_parameters();
-    std::stringstream back;
-    torch::save(ours, back);
-    torch::load(stock, back);
+    hierpar::testing::copy_state(ours, stock);
     expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights: " + what.str());
     // Gradients through the layer equal torch::nn's.
     const auto gx_in = x.detach().requires_grad_();
@@ -675,9 +635,7 @@ TEST(Conv2dLayer, ForwardWithLeakyReluMatchesTorchNn) {
     hierpar::nn::Conv2d ours(o);
     stock->to(torch::kDouble);
     ours->to(torch::kDouble);
-    std::stringstream saved;
-    torch::save(stock, saved);
-    torch::load(ours, saved);
+    hierpar::testing::copy_state(stock, ours);
     const auto x = random_tensor({2, o.in_channels(), rand_int(7, 11), rand_int(7, 11)}, torch::kDouble);
     const auto ours_x = x.detach().requires_grad_(), stock_x = x.detach().requires_grad_();
     const auto y = ours->forward_with_leaky_relu(ours_x, 0.2);
@@ -698,12 +656,7 @@ TEST(Conv2dLayer, InitialisationFollowsTorchNn) {
   // bias both draw from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   const double bound = 1.0 / std::sqrt(8.0 * 9.0);
   EXPECT_EQ(layer->weight.sizes(), (std::vector<int64_t>{24, 8, 3, 3}));
-  EXPECT_LE(layer->weight.abs().max().item<double>(), bound);
-  EXPECT_GT(layer->weight.abs().max().item<double>(), 0.9 * bound);  // spans the range (1728 draws)
-  EXPECT_LE(layer->bias.abs().max().item<double>(), bound);
-  EXPECT_GT(layer->bias.abs().max().item<double>(), 0.3 * bound);
-  EXPECT_NEAR(layer->weight.std().item<double>(), bound / std::sqrt(3.0), 0.1 * bound);
-  EXPECT_TRUE(layer->weight.requires_grad());
+  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, bound);
 }
 
 TEST(Conv2dLayer, PrettyPrintAndOptionChecks) {

@@ -26,6 +26,7 @@ namespace {
 using hierpar::testing::coin;
 using hierpar::testing::compare;
 using hierpar::testing::conv_rel_tolerance;
+using hierpar::testing::expect_channels_last_kept;
 using hierpar::testing::expect_close;
 using hierpar::testing::Layout;
 using hierpar::testing::opt;
@@ -87,23 +88,10 @@ Case random_case() {
   return c;
 }
 
-struct Tensors {
-  torch::Tensor input, weight, bias, grad_output;
-};
+using Tensors = hierpar::testing::ConvTensors;
 
 Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
-  Tensors t;
-  std::vector<int64_t> in_sizes{c.batch, c.cin, c.h, c.w};
-  if (c.unbatched) in_sizes.erase(in_sizes.begin());
-  t.input = random_tensor(in_sizes, options, c.layout);
-  t.weight = random_tensor({c.cin, c.cout / c.groups, c.kernel[0], c.kernel[1]}, options,
-                           c.weight_channels_last ? Layout::channels_last : Layout::contiguous);
-  if (c.bias) t.bias = random_tensor({c.cout}, options);
-  const auto o = c.out_hw();
-  std::vector<int64_t> out_sizes{c.batch, c.cout, o[0], o[1]};
-  if (c.unbatched) out_sizes.erase(out_sizes.begin());
-  t.grad_output = random_tensor(out_sizes, options, c.layout);
-  return t;
+  return hierpar::testing::make_conv_tensors(c, {c.cin, c.cout / c.groups, c.kernel[0], c.kernel[1]}, options);
 }
 
 
@@ -127,10 +115,7 @@ Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dty
 Results check_cuda_case(const Case& c, const Tensors& t, torch::Dtype dtype, const std::string& what) {
   const auto got = run(c, t, /*aten=*/false);
   compare(got, run(c, t, /*aten=*/true, torch::kDouble), conv_rel_tolerance(dtype, true), what);
-  if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
-    EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
-    EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
-  }
+  expect_channels_last_kept(c.layout, c.unbatched, t.input, got, what);
   return got;
 }
 
@@ -153,11 +138,7 @@ void check_random_cases(const torch::Device& device, int trials) {
       compare(got, ref, conv_rel_tolerance(dtype, cuda), what);
       EXPECT_EQ(got.output.device().type(), device.type()) << what;
       EXPECT_EQ(got.output.scalar_type(), dtype) << what;
-      // Inputs whose channels_last strides are also contiguous ones (one channel, 1x1) are taken as NCHW.
-      if (c.layout == Layout::channels_last && !c.unbatched && !t.input.is_contiguous()) {
-        EXPECT_TRUE(got.output.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": output layout";
-        EXPECT_TRUE(got.grad_input.is_contiguous(at::MemoryFormat::ChannelsLast)) << what << ": grad_input layout";
-      }
+      expect_channels_last_kept(c.layout, c.unbatched, t.input, got, what);
       if (cuda) {
         // The same op on the CPU, same dtype: the two backends agree within both tolerances.
         Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
@@ -202,19 +183,10 @@ TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
 TEST(ConvTransposeCpu, OutputMaskComputesOnlyWhatIsAsked) {
   const Case c = random_case();
   const auto t = make_tensors(c, torch::kDouble);
-  const auto all = hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
-                                                           c.output_padding, c.groups, c.dilation, {true, true, true});
-  for (int mask = 0; mask < 8; ++mask) {
-    std::array<bool, 3> m{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
-    const auto r = hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
-                                                           c.output_padding, c.groups, c.dilation, m);
-    const torch::Tensor got[3] = {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
-    const torch::Tensor want[3] = {std::get<0>(all), std::get<1>(all), std::get<2>(all)};
-    for (int i = 0; i < 3; ++i) {
-      EXPECT_EQ(got[i].defined(), m[i]) << "mask " << mask << " output " << i;
-      if (m[i]) EXPECT_TRUE(got[i].equal(want[i])) << "mask " << mask << " output " << i;
-    }
-  }
+  const auto all = hierpar::testing::expect_output_mask_respected([&](std::array<bool, 3> mask) {
+    return hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
+                                                   c.output_padding, c.groups, c.dilation, mask);
+  });
   // Through autograd: a weight that does not require grad gets none computed, and the input's grad is right.
   auto x = t.input.detach().requires_grad_();
   auto y = hierpar::ops::conv_transpose2d(x, t.weight, std::nullopt, c.stride, c.padding, c.output_padding, c.groups,
@@ -279,9 +251,7 @@ void check_output_layouts(const torch::Device& device) {
       const auto got = hierpar::ops::conv_transpose2d(input, weight, {}, {stride}, {padding}, {0}, 1, {1});
       const auto on_meta = hierpar::ops::conv_transpose2d(input.to(torch::kMeta), weight.to(torch::kMeta), {},
                                                           {stride}, {padding}, {0}, 1, {1});
-      const std::string what = device.str() + " input " + c10::str(input.sizes()) +
-                               (input_cl ? " channels_last" : " contiguous") + ", weight " +
-                               (weight_cl ? "channels_last" : "contiguous");
+      const std::string what = hierpar::testing::layout_case_what(device, input, input_cl, weight_cl);
       const bool rule = input.suggest_memory_format() == at::MemoryFormat::ChannelsLast || weight_cl;
       EXPECT_EQ(got.is_contiguous(at::MemoryFormat::ChannelsLast), rule) << what;
       if (device.is_cpu()) EXPECT_EQ(expected.is_contiguous(at::MemoryFormat::ChannelsLast), rule) << what << ": ATen";
@@ -663,13 +633,8 @@ TEST(ConvTransposeCuda, BackwardInACudaGraphAndEachGradientAloneEqualTheEagerBac
       const Case& c = r.c;
       const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
       const std::string what = std::string("CUDA graph ") + c10::toString(dtype) + " " + c.describe();
-      const auto both = backward_only(c, t, {true, true, false});
-      const auto only_input = backward_only(c, t, {true, false, false});
-      const auto only_weight = backward_only(c, t, {false, true, false});
-      EXPECT_TRUE(torch::equal(std::get<0>(both), std::get<0>(only_input))) << what << ": grad_input alone";
-      EXPECT_TRUE(torch::equal(std::get<1>(both), std::get<1>(only_weight))) << what << ": grad_weight alone";
-      hierpar::testing::expect_graph_replay_equals_eager([&] { return backward_only(c, t, {true, true, false}); },
-                                                         {t.input, t.grad_output}, what);
+      hierpar::testing::expect_joint_backward_deterministic(
+          [&](std::array<bool, 3> mask) { return backward_only(c, t, mask); }, {t.input, t.grad_output}, what);
     }
   }
 }
@@ -696,22 +661,13 @@ TEST(ConvTransposeLayer, StateDictInterchangesWithTorchNn) {
     stock->to(torch::kDouble);
     ours->to(torch::kDouble);
     // Same names and shapes.
-    const auto sp = stock->named_parameters(), hp = ours->named_parameters();
-    ASSERT_EQ(sp.size(), hp.size());
-    for (const auto& item : sp) {
-      ASSERT_TRUE(hp.contains(item.key())) << item.key();
-      EXPECT_EQ(hp[item.key()].sizes(), item.value().sizes()) << item.key();
-    }
+    hierpar::testing::expect_same_parameters(stock, ours);
     // Save the stock module, load it into hierpar's, and back.
-    std::stringstream saved;
-    torch::save(stock, saved);
-    torch::load(ours, saved);
+    hierpar::testing::copy_state(stock, ours);
     const auto x = random_tensor({2, o.in_channels(), rand_int(3, 5), rand_int(3, 5)}, torch::kDouble);
     expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights");
     ours->reset_parameters();
-    std::stringstream back;
-    torch::save(ours, back);
-    torch::load(stock, back);
+    hierpar::testing::copy_state(ours, stock);
     expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights");
   }
 }
@@ -723,12 +679,7 @@ TEST(ConvTransposeLayer, InitialisationFollowsTorchNn) {
   // with a = sqrt(5) and the bias both draw from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
   const double bound = 1.0 / std::sqrt(12.0 * 9.0);
   EXPECT_EQ(layer->weight.sizes(), (std::vector<int64_t>{16, 12, 3, 3}));
-  EXPECT_LE(layer->weight.abs().max().item<double>(), bound);
-  EXPECT_GT(layer->weight.abs().max().item<double>(), 0.9 * bound);  // spans the range (1728 draws)
-  EXPECT_LE(layer->bias.abs().max().item<double>(), bound);
-  EXPECT_GT(layer->bias.abs().max().item<double>(), 0.3 * bound);
-  EXPECT_NEAR(layer->weight.std().item<double>(), bound / std::sqrt(3.0), 0.1 * bound);
-  EXPECT_TRUE(layer->weight.requires_grad());
+  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, bound);
 }
 
 TEST(ConvTransposeLayer, ForwardWithOutputSizeMatchesTorchNn) {
@@ -736,9 +687,7 @@ TEST(ConvTransposeLayer, ForwardWithOutputSizeMatchesTorchNn) {
     auto o = random_options().output_padding(0);
     torch::nn::ConvTranspose2d stock(o);
     hierpar::nn::ConvTranspose2d ours(o);
-    std::stringstream saved;
-    torch::save(stock, saved);
-    torch::load(ours, saved);
+    hierpar::testing::copy_state(stock, ours);
     const auto x = random_tensor({1, o.in_channels(), rand_int(3, 5), rand_int(3, 5)}, torch::kFloat);
     const auto base = stock->forward(x).sizes();
     const std::vector<int64_t> size{base[2] + rand_int(0, (*o.stride())[0] - 1),
