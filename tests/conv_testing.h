@@ -78,6 +78,31 @@ ConvTensors make_conv_tensors(const Case& c, at::IntArrayRef weight_sizes, const
   return t;
 }
 
+// The random fields both ops' cases share, each drawn in the same order: groups 1..3 dividing channel counts of 1..3
+// per group, batch 1..3, height and width 1..max_hw, kernel 1..4, stride 1..3, dilation 1..2, padding 0..2.
+template <class Case>
+void random_conv_geometry(Case& c, int64_t max_hw) {
+  c.groups = rand_int(1, 3);
+  c.cin = c.groups * rand_int(1, 3);
+  c.cout = c.groups * rand_int(1, 3);
+  c.batch = rand_int(1, 3);
+  c.h = rand_int(1, max_hw);
+  c.w = rand_int(1, max_hw);
+  c.kernel = {rand_int(1, 4), rand_int(1, 4)};
+  c.stride = {rand_int(1, 3), rand_int(1, 3)};
+  c.dilation = {rand_int(1, 2), rand_int(1, 2)};
+  c.padding = {rand_int(0, 2), rand_int(0, 2)};
+}
+
+// A random bias or none, input layout, weight layout, and an unbatched input one time in six.
+template <class Case>
+void random_conv_layouts(Case& c) {
+  c.bias = coin();
+  c.layout = static_cast<Layout>(rand_int(0, 2));
+  c.weight_channels_last = coin();
+  c.unbatched = rand_int(0, 5) == 0;
+}
+
 // A channels_last batched input keeps its layout through output and grad_input. Inputs whose channels_last strides
 // are also contiguous ones (one channel, 1x1) are taken as NCHW and not checked.
 inline void expect_channels_last_kept(Layout layout, bool unbatched, const torch::Tensor& input,

@@ -86,23 +86,11 @@ std::optional<double> random_slope() {
 Case random_case() {
   Case c;
   for (;;) {
-    c.groups = rand_int(1, 3);
-    c.cin = c.groups * rand_int(1, 3);
-    c.cout = c.groups * rand_int(1, 3);
-    c.batch = rand_int(1, 3);
-    c.h = rand_int(1, 9);
-    c.w = rand_int(1, 9);
-    c.kernel = {rand_int(1, 4), rand_int(1, 4)};
-    c.stride = {rand_int(1, 3), rand_int(1, 3)};
-    c.dilation = {rand_int(1, 2), rand_int(1, 2)};
-    c.padding = {rand_int(0, 2), rand_int(0, 2)};
+    hierpar::testing::random_conv_geometry(c, 9);
     const auto o = c.out_hw();
     if (o[0] > 0 && o[1] > 0) break;
   }
-  c.bias = coin();
-  c.layout = static_cast<Layout>(rand_int(0, 2));
-  c.weight_channels_last = coin();
-  c.unbatched = rand_int(0, 5) == 0;
+  hierpar::testing::random_conv_layouts(c);
   c.slope = random_slope();
   return c;
 }
