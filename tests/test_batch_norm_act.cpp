@@ -66,6 +66,19 @@ struct Case {
   }
 };
 
+// A case of the given shape, dtypes, layout and activation; the rest at its defaults (training, affine, running).
+Case make_case(std::vector<int64_t> shape, c10::ScalarType dtype, c10::ScalarType param_dtype, Layout layout,
+               const std::string& act, double slope) {
+  Case c;
+  c.shape = std::move(shape);
+  c.dtype = dtype;
+  c.param_dtype = param_dtype;
+  c.layout = layout;
+  c.act = act;
+  c.slope = slope;
+  return c;
+}
+
 const double kSlopes[] = {0.2, 0.01, 0.25, 0.125, 0.3};
 
 Case random_case(const std::vector<c10::ScalarType>& dtypes, int64_t max_c = 12, int64_t max_hw = 9) {
@@ -265,13 +278,8 @@ TEST(BatchNormActCpu, EdgeShapesEveryActivationAndLayout) {
     for (int l = 0; l < 3; ++l) {
       for (auto shape : {std::vector<int64_t>{1, rand_int(2, 7), rand_int(2, 5), rand_int(1, 5)},
                          std::vector<int64_t>{rand_int(2, 4), 1, rand_int(1, 5), rand_int(2, 5)}}) {
-        Case c;
-        c.shape = shape;
-        c.dtype = torch::kDouble;
-        c.param_dtype = torch::kDouble;
-        c.layout = static_cast<Layout>(l);
-        c.act = act;
-        c.slope = kSlopes[rand_int(0, 4)];
+        const Case c = make_case(shape, torch::kDouble, torch::kDouble,
+                                 static_cast<Layout>(l), act, kSlopes[rand_int(0, 4)]);
         Inputs in = random_inputs(c, torch::kCPU);
         compare(run_hierpar(c, in), run_reference(c, in), c, 1e-9, "cpu edge");
       }
@@ -729,13 +737,7 @@ TEST(BatchNormActCuda, DcganShapes) {
                                    std::pair{torch::kFloat, Layout::channels_last},
                                    std::pair{torch::kBFloat16, Layout::channels_last}}) {
         if (batch == 256 && dtype == torch::kFloat && layout == Layout::channels_last) continue;  // as batch 64
-        Case c;
-        c.shape = {batch, l.chw[0], l.chw[1], l.chw[2]};
-        c.dtype = dtype;
-        c.param_dtype = torch::kFloat;
-        c.layout = layout;
-        c.act = l.act;
-        c.slope = 0.2;
+        const Case c = make_case({batch, l.chw[0], l.chw[1], l.chw[2]}, dtype, torch::kFloat, layout, l.act, 0.2);
         Inputs in = random_inputs(c, torch::kCUDA);
         Result got = run_hierpar(c, in);
         Result ref = run_reference(c, in, got.out);
@@ -755,13 +757,7 @@ TEST(BatchNormActCuda, StatisticsOfOffsetData) {
   for (auto dtype : {torch::kFloat, torch::kDouble}) {
     for (const auto& shape : {std::vector<int64_t>{8, 24, 5, 5}, std::vector<int64_t>{64, 32, 32, 32}}) {
       for (auto layout : {Layout::contiguous, Layout::channels_last}) {
-        Case c;
-        c.shape = shape;
-        c.dtype = dtype;
-        c.param_dtype = dtype;
-        c.layout = layout;
-        c.act = "leaky_relu";
-        c.slope = 0.2;
+        const Case c = make_case(shape, dtype, dtype, layout, "leaky_relu", 0.2);
         Inputs in = random_inputs(c, torch::kCUDA);
         in.x = in.x.mul(0.25).add_(50);  // keeps the layout
         Result got = run_hierpar(c, in);
@@ -968,13 +964,7 @@ TEST(BatchNormActCuda, SplitPathBeyondTheStagedRows) {
   for (const auto& s : {Shape{{1024, 64, 16, 16}, torch::kBFloat16, Layout::channels_last, "relu"},
                         Shape{{1024, 64, 16, 16}, torch::kBFloat16, Layout::channels_last, "leaky_relu"},
                         Shape{{64, 3, 256, 256}, torch::kFloat, Layout::contiguous, "identity"}}) {
-    Case c;
-    c.shape = s.shape;
-    c.dtype = s.dtype;
-    c.param_dtype = torch::kFloat;
-    c.layout = s.layout;
-    c.act = s.act;
-    c.slope = 0.2;
+    const Case c = make_case(s.shape, s.dtype, torch::kFloat, s.layout, s.act, 0.2);
     Inputs in = random_inputs(c, torch::kCUDA);
     Result got = run_hierpar(c, in);
     Result ref = run_reference(c, in, got.out);
@@ -990,13 +980,8 @@ TEST(BatchNormActCuda, SplitPathOnEveryDevice) {
   HIERPAR_REQUIRE_CUDA();
   const int64_t devices = static_cast<int64_t>(torch::cuda::device_count());
   if (devices < 2) GTEST_SKIP() << "needs 2 GPUs (has " << devices << ")";
-  Case c;
-  c.shape = {1024, 64, 16, 16};
-  c.dtype = torch::kBFloat16;
-  c.param_dtype = torch::kFloat;
-  c.layout = Layout::channels_last;
-  c.act = "leaky_relu";
-  c.slope = 0.2;
+  const Case c = make_case({1024, 64, 16, 16}, torch::kBFloat16, torch::kFloat,
+                           Layout::channels_last, "leaky_relu", 0.2);
   for (int64_t d = 0; d < devices; ++d) {
     const std::string what = "cuda:" + std::to_string(d) + " staged split path";
     Inputs in = random_inputs(c, torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(d)));
