@@ -518,6 +518,17 @@ TEST(Examples, ProgressRatesCountOnlyThisRunsSteps) {
 
 // ---- training, checkpoints, resume, export -----------------------------------------------------------------------
 
+// How many of `module`'s parameters differ from `other`'s of the same name; expects each of them finite.
+int finite_parameters_differing(const torch::nn::Module& module, const torch::nn::Module& other) {
+  const auto others = other.named_parameters();
+  int differ = 0;
+  for (const auto& p : module.named_parameters()) {
+    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
+    differ += !p.value().equal(others[p.key()]);
+  }
+  return differ;
+}
+
 TEST(Examples, TrainingStepsOnRealDataChangeTheWeights) {
   if (!have_fashion_mnist()) GTEST_SKIP() << "needs Fashion-MNIST (Debian's dataset-fashion-mnist)";
   TempDir dir;
@@ -527,13 +538,8 @@ TEST(Examples, TrainingStepsOnRealDataChangeTheWeights) {
   torch::manual_seed(static_cast<uint64_t>(config.seed));
   hierpar::models::Generator initial(config.model);  // the same draws as train_dcgan's
   auto trained = trained_generator(dir / "checkpoint.pt");
-  auto before = initial->named_parameters();
-  int changed = 0;
-  for (const auto& p : trained->named_parameters()) {
-    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
-    changed += !p.value().equal(before[p.key()]);
-  }
-  EXPECT_EQ(changed, static_cast<int>(before.size())) << "every generator parameter should have moved";
+  EXPECT_EQ(finite_parameters_differing(*trained, *initial), static_cast<int>(initial->parameters().size()))
+      << "every generator parameter should have moved";
   EXPECT_TRUE(fs::exists(dir / "samples/step_000003.png"));
   EXPECT_TRUE(fs::exists(dir / "loss.png"));
   std::ifstream csv(dir / "losses.csv");
@@ -619,13 +625,8 @@ TEST(Examples, MovingAverageOfTheGeneratorIsKeptAndResumed) {
   ASSERT_EQ(train_dcgan(straight), 0);
   auto live = load_generator(dir / "straight/checkpoint.pt", hierpar::LayerSet::stock, torch::kCPU);
   auto average = load_generator(dir / "straight/checkpoint.pt", hierpar::LayerSet::stock, torch::kCPU, "ema");
-  auto live_parameters = live->named_parameters();
-  int differ = 0;
-  for (const auto& p : average->named_parameters()) {
-    EXPECT_TRUE(torch::isfinite(p.value()).all().item<bool>()) << p.key();
-    differ += !p.value().equal(live_parameters[p.key()]);
-  }
-  EXPECT_EQ(differ, static_cast<int>(live_parameters.size())) << "the average lags every trained parameter";
+  EXPECT_EQ(finite_parameters_differing(*average, *live), static_cast<int>(live->parameters().size()))
+      << "the average lags every trained parameter";
   // The average's BatchNorm statistics are those of its own weights (computed before the checkpoint was saved), not
   // the live generator's: near a fresh computation from other noise, further from the live ones.
   const auto own = own_running_means(average, straight.model.nz);
