@@ -43,10 +43,20 @@ TEST(Routing, ConvTranspose2dTableForTheDcganGenerator) {
     EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(100, 512, 4, 1, 0, 1, dtype))) << "projection";
     EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(512, 256, 4, 2, 1, 4, dtype))) << "middle layer";
     EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(128, 64, 4, 2, 1, 16, dtype))) << "middle layer";
-    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, dtype))) << "RGB output layer";
-    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 4, 4, 2, 1, 32, dtype))) << "C_out 4";
-    EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 5, 4, 2, 1, 32, dtype))) << "C_out 5";
+    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, dtype, true))) << "RGB output layer";
+    EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 4, 4, 2, 1, 32, dtype, true))) << "C_out 4";
+    EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 5, 4, 2, 1, 32, dtype, true))) << "C_out 5";
   }
+  // The output layer in float32: as TF32 tensor-core passes (channels_last, C_in % 16 == 0), else cuDNN's; 16 bits
+  // (or autocast) in any layout.
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false))) << "float32 NCHW";
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kBFloat16, false))) << "bf16 NCHW";
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(40, 3, 4, 2, 1, 32, at::kFloat, true))) << "C_in % 16 != 0";
+  ConvCall true_fp32 = cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, true);
+  true_fp32.tf32 = false;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(true_fp32)) << "float32 without TF32";
+  true_fp32.autocast = true;
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(true_fp32)) << "under autocast the call runs in 16 bits";
   ConvCall dilated = cuda_call(64, 3, 4, 2, 1, 32);
   dilated.dilation_w = 2;
   EXPECT_FALSE(hierpar_wins_conv_transpose2d(dilated));
@@ -108,7 +118,8 @@ TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
   middle->to(torch::kCUDA);
   output->to(torch::kCUDA);
   const auto x = hierpar::testing::random_tensor({2, 64, 8, 8}, opts);
-  const auto h = hierpar::testing::random_tensor({2, 32, 16, 16}, opts);
+  // channels_last: the float32 output layer takes hierpar's kernels as TF32 tensor-core passes (in NCHW, cuDNN's).
+  const auto h = hierpar::testing::random_tensor({2, 32, 16, 16}, opts).contiguous(at::MemoryFormat::ChannelsLast);
   for (const bool routing : {true, false}) {
     hierpar::SwitchScope scope(hierpar::Switch::layer_routing, routing);
     torch::Tensor y_middle, y_output;
@@ -117,6 +128,8 @@ TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
     EXPECT_EQ(has(middle_ops, "hierpar::conv_transpose2d"), !routing) << "routing " << routing;
     EXPECT_EQ(has(middle_ops, "aten::conv_transpose2d"), routing) << "routing " << routing;
     EXPECT_TRUE(has(output_ops, "hierpar::conv_transpose2d")) << "routing " << routing;
+    const auto nchw_ops = hierpar::testing::dispatched_operators([&] { output->forward(h.contiguous()); });
+    EXPECT_EQ(has(nchw_ops, "hierpar::conv_transpose2d"), !routing) << "float32 NCHW output layer, routing " << routing;
     // TF32 may run on either side (cuDNN's default), so TF32's tolerance.
     const hierpar::testing::Tolerance tf32{5e-3, 5e-3};
     hierpar::testing::expect_close(y_middle, at::conv_transpose2d(x, middle->weight, {}, 2, 1), tf32, "middle layer");
