@@ -182,7 +182,7 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
 
 // What recomputation is for: the seed's DCGAN at batch 256 keeps less between the forward and the backward. Peak
 // memory of one D and G forward and backward (after one untimed pass), with and without, on one GPU; offloading
-// every block keeps less still, and offloading only above half the GPU's memory (the default) leaves a batch this
+// every block (the default) keeps less still, and offloading only above half the GPU's memory leaves a batch this
 // small as it is.
 TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();

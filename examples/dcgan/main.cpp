@@ -75,10 +75,11 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("nz", &run.nz, "noise dimension", 1)
       .add("memory", &run.memory, "activation memory: none; recompute (each convolution block keeps only its input "
            "and runs its forward again in the backward: less memory, one more forward, the same numbers); or offload "
-           "(as recompute, and those inputs wait in pinned host memory, for the blocks that run once the GPU holds "
-           "more than --offload-above of its memory: least memory; eager steps, no penalties)")
-      .add("offload-above", &config.model.offload_above, "with --memory offload: the fraction of the GPU's memory "
-           "in use above which blocks offload (below it they keep their activations and run at full speed)", 0.0)
+           "(as recompute, and those inputs wait in pinned host memory: least memory, limited by PCIe; eager steps, no "
+           "penalties)")
+      .add("offload-above", &config.model.offload_above, "with --memory offload: blocks that start while the GPU holds "
+           "less than this fraction of its memory keep their activations and run at full speed (0: offload every block)",
+           -1.0)
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
@@ -108,8 +109,8 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   config.model.image_size = run.image_size;
   config.model.channels = run.channels;
   config.model.width = run.width;
-  if (config.model.offload_above > 1)
-    throw FlagError("--offload-above: expected a fraction of the GPU's memory in (0, 1], got " +
+  if (config.model.offload_above < 0 || config.model.offload_above > 1)
+    throw FlagError("--offload-above: expected a fraction of the GPU's memory in [0, 1], got " +
                     format_number(config.model.offload_above));
   config.model.nz = run.nz;
   try {

@@ -36,11 +36,12 @@ struct DCGANOptions {
   // Activation memory (hierpar/nn/recompute.h, seed 001). recompute: every convolution with what follows it up to the
   // next convolution (BatchNorm + activation, G's tanh, D's first LeakyReLU) keeps only its input for the backward
   // and runs again there: less memory, one more forward, same numbers. offload: as recompute, and the inputs the
-  // network produced itself wait for the backward in pinned host memory (eager steps only: not captured); only as
-  // much as memory requires: a block keeps its activations (no recomputation, no copy) while the GPU's caching
-  // allocator holds less than `offload_above` of its memory when the block runs (on the CPU, every block offloads).
+  // network produced itself wait for the backward in pinned host memory (eager steps only: not captured). With
+  // `offload_above` > 0 a block keeps its activations (no recomputation, no copy) while the GPU's caching allocator
+  // holds less than that fraction of its memory when the block runs: faster where memory allows; 0 offloads every
+  // block (least memory). On the CPU every block offloads.
   nn::ActivationMemory memory = nn::ActivationMemory::none;
-  double offload_above = 0.5;
+  double offload_above = 0;
 
   // Throws c10::Error naming the option and the accepted values.
   void validate() const;

@@ -49,7 +49,7 @@ class OffloadChain {
   // (run as without recomputation, at full speed), i.e. the caching allocator holds less than
   // `keep_below_fraction` of the device's memory when the block runs. Always false on the CPU.
   bool keeps_activations(const torch::Tensor& input) const;
-  double keep_below_fraction = 0.5;
+  double keep_below_fraction = 0;
 
  private:
   std::mutex mutex_;
