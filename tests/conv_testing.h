@@ -6,6 +6,7 @@
 
 #include "testing.h"
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <torch/autograd.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -183,34 +184,33 @@ inline Gradients expect_output_mask_respected(const MaskedBackward& backward) {
   return all;
 }
 
-// `backward` (CUDA; its gradients computed from `operands`, the undefined ones skipped) called eagerly, then
-// captured in a CUDA graph on a pool stream and replayed twice, each time after fresh random values were copied
-// into `operands` and the graph's outputs were filled with NaN: each replay's gradients must equal, bit for bit,
-// an eager call's on the same values (and so be written in full). The eager call comes first so that one-time
-// work outside a capture (the wgmma probe) is done, as in a training step warmed before capture.
 // Second derivatives, as an R1 or WGAN-GP penalty takes them: `forward(hierpar, x, w, b)` returns the output of
 // hierpar's op or of ATen's on fresh leaves; the first derivatives of (y * upstream).sum() for x and w are taken
-// with create_graph, and a penalty on both is differentiated for x, w (and b when defined). Expects hierpar's first
-// and second derivatives equal to ATen's (float64 tolerance).
+// with create_graph, and a penalty on both is differentiated for x, w (and b when defined). Returns the first
+// derivatives, then the second.
 using ConvForward = std::function<torch::Tensor(bool hierpar, const torch::Tensor& x, const torch::Tensor& w,
                                                 const torch::Tensor& b)>;
+inline std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> penalty_derivatives(
+    const ConvForward& forward, bool hierpar, const torch::Tensor& input, const torch::Tensor& weight,
+    const torch::Tensor& bias, const torch::Tensor& upstream) {
+  auto x = input.detach().clone().requires_grad_();
+  auto w = weight.detach().clone().requires_grad_();
+  auto b = bias.defined() ? bias.detach().clone().requires_grad_() : torch::Tensor();
+  const torch::Tensor y = forward(hierpar, x, w, b);
+  auto first = torch::autograd::grad({(y * upstream).sum()}, {x, w}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+  const auto penalty = first[0].square().sum() + first[1].square().sum();
+  std::vector<torch::Tensor> wrt{x, w};
+  if (b.defined()) wrt.push_back(b);
+  auto second = torch::autograd::grad({penalty}, wrt, {}, std::nullopt, false, /*allow_unused=*/true);
+  return {first, second};
+}
+
+// Expects hierpar's first and second derivatives (penalty_derivatives) equal to ATen's, in float64.
 inline void expect_second_derivatives_match_aten(const ConvForward& forward, const torch::Tensor& input,
                                                  const torch::Tensor& weight, const torch::Tensor& bias,
                                                  const torch::Tensor& upstream) {
-  auto run = [&](bool hierpar) {
-    auto x = input.detach().clone().requires_grad_();
-    auto w = weight.detach().clone().requires_grad_();
-    auto b = bias.defined() ? bias.detach().clone().requires_grad_() : torch::Tensor();
-    const torch::Tensor y = forward(hierpar, x, w, b);
-    auto first = torch::autograd::grad({(y * upstream).sum()}, {x, w}, {}, /*retain_graph=*/true, /*create_graph=*/true);
-    const auto penalty = first[0].square().sum() + first[1].square().sum();
-    std::vector<torch::Tensor> wrt{x, w};
-    if (b.defined()) wrt.push_back(b);
-    auto second = torch::autograd::grad({penalty}, wrt, {}, std::nullopt, false, /*allow_unused=*/true);
-    return std::make_pair(first, second);
-  };
-  const auto [first, second] = run(true);
-  const auto [first_ref, second_ref] = run(false);
+  const auto [first, second] = penalty_derivatives(forward, true, input, weight, bias, upstream);
+  const auto [first_ref, second_ref] = penalty_derivatives(forward, false, input, weight, bias, upstream);
   expect_close(first[0], first_ref[0], "grad_input");
   expect_close(first[1], first_ref[1], "grad_weight");
   for (size_t i = 0; i < second.size(); ++i) {
@@ -219,6 +219,37 @@ inline void expect_second_derivatives_match_aten(const ConvForward& forward, con
   }
 }
 
+// The same on CUDA: hierpar's op in float32 with TF32 off (its own kernels for the first derivatives) against ATen's
+// in float64 on the same device, within float32's accumulated rounding (relative to each result's largest value).
+inline void expect_second_derivatives_match_aten_on_cuda(const ConvForward& forward, const torch::Tensor& input,
+                                                         const torch::Tensor& weight, const torch::Tensor& bias,
+                                                         const torch::Tensor& upstream) {
+  const bool tf32 = at::globalContext().allowTF32CuDNN();
+  at::globalContext().setAllowTF32CuDNN(false);
+  auto as = [](const torch::Tensor& t, at::ScalarType dtype) { return t.defined() ? t.to(dtype) : t; };
+  const auto [first, second] = penalty_derivatives(forward, true, as(input, torch::kFloat), as(weight, torch::kFloat),
+                                                   as(bias, torch::kFloat), as(upstream, torch::kFloat));
+  const auto [first_ref, second_ref] = penalty_derivatives(forward, false, as(input, torch::kDouble),
+                                                           as(weight, torch::kDouble), as(bias, torch::kDouble),
+                                                           as(upstream, torch::kDouble));
+  at::globalContext().setAllowTF32CuDNN(tf32);
+  auto close = [](const torch::Tensor& ours, const torch::Tensor& ref, const std::string& what) {
+    const double scale = ref.abs().max().item<double>();
+    expect_close(ours.to(torch::kDouble), ref, Tolerance{1e-3, 1e-4 * scale + 1e-12}, what);
+  };
+  close(first[0], first_ref[0], "grad_input");
+  close(first[1], first_ref[1], "grad_weight");
+  for (size_t i = 0; i < second.size(); ++i) {
+    ASSERT_EQ(second[i].defined(), second_ref[i].defined()) << "second derivative " << i;
+    if (second[i].defined()) close(second[i], second_ref[i], "second derivative " + std::to_string(i));
+  }
+}
+
+// `backward` (CUDA; its gradients computed from `operands`, the undefined ones skipped) called eagerly, then
+// captured in a CUDA graph on a pool stream and replayed twice, each time after fresh random values were copied
+// into `operands` and the graph's outputs were filled with NaN: each replay's gradients must equal, bit for bit,
+// an eager call's on the same values (and so be written in full). The eager call comes first so that one-time
+// work outside a capture (the wgmma probe) is done, as in a training step warmed before capture.
 inline void expect_graph_replay_equals_eager(const std::function<Gradients()>& backward,
                                              const std::vector<torch::Tensor>& operands, const std::string& what) {
   auto as_list = [](const Gradients& g) {

@@ -426,6 +426,51 @@ TEST(BatchNormActCpu, SecondDerivativesMatchAten) {
   }
 }
 
+// The same on a GPU: hierpar's CUDA op in float32 (its kernels for the first derivatives) against the stock
+// composition in float64 on the same device, within float32's rounding relative to each gradient's largest value.
+TEST(BatchNormActCuda, SecondDerivativesMatchAten) {
+  HIERPAR_REQUIRE_CUDA();
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  for (const char* activation : {"identity", "relu", "leaky_relu"}) {
+    for (const bool training : {true, false}) {
+      const std::string what = std::string(activation) + (training ? ", training" : ", eval");
+      const int64_t c = hierpar::testing::rand_int(1, 5);
+      const auto x0 = random_tensor({hierpar::testing::rand_int(2, 5), c, 7, 5}, cuda.dtype(torch::kDouble));
+      const auto w0 = random_tensor({c}, cuda.dtype(torch::kDouble)) + 1.5;
+      const auto b0 = random_tensor({c}, cuda.dtype(torch::kDouble));
+      const auto rm = random_tensor({c}, cuda.dtype(torch::kDouble));
+      const auto rv = random_tensor({c}, cuda.dtype(torch::kDouble)).abs() + 0.5;
+      auto penalty = [&](bool ours) {
+        const auto dtype = ours ? torch::kFloat : torch::kDouble;
+        auto x = x0.to(dtype).requires_grad_();
+        auto w = w0.to(dtype).requires_grad_(), b = b0.to(dtype).requires_grad_();
+        auto rm_copy = rm.to(dtype), rv_copy = rv.to(dtype);
+        torch::Tensor y;
+        if (ours) {
+          hierpar::ops::DoubleBackwardScope keep_inputs;
+          y = std::get<0>(hierpar::ops::batch_norm_act(x, w, b, rm_copy, rv_copy, training, 0.1, 1e-5, activation, 0.2));
+        } else {
+          y = torch::batch_norm(x, w, b, rm_copy, rv_copy, training, 0.1, 1e-5, false);
+          if (std::string(activation) == "relu") y = torch::relu(y);
+          if (std::string(activation) == "leaky_relu") y = torch::leaky_relu(y, 0.2);
+        }
+        const auto g = torch::autograd::grad({(y.square() * y.sin()).sum()}, {x}, {}, true, true)[0];
+        auto grads = torch::autograd::grad({g.square().sum()}, {x, w, b}, {}, false, false, /*allow_unused=*/true);
+        for (size_t i = 0; i < grads.size(); ++i) {
+          grads[i] = grads[i].defined() ? grads[i].to(torch::kDouble) : torch::zeros_like(i == 0 ? x0 : w0);  // unused
+        }
+        return grads;
+      };
+      const auto ours = penalty(true), theirs = penalty(false);
+      for (size_t i = 0; i < ours.size(); ++i) {
+        const double scale = theirs[i].abs().max().item<double>();
+        hierpar::testing::expect_close(ours[i], theirs[i], {1e-3, 1e-4 * scale + 1e-12},
+                                       what + ": gradient " + std::to_string(i));
+      }
+    }
+  }
+}
+
 // Without gradients (no_grad, or nothing requiring grad) the autograd kernel skips its Function: same
 // values, no grad_fn, running statistics updated and their versions bumped.
 TEST(BatchNormActCpu, NoGradForwardSkipsTheFunction) {

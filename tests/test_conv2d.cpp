@@ -261,6 +261,24 @@ TEST(Conv2dAutograd, SecondDerivativesMatchAten) {
   }
 }
 
+// The same on a GPU: hierpar's CUDA op (its kernels for the first derivatives, ATen's differentiable backward under
+// create_graph) in float32 against ATen in float64.
+TEST(Conv2dCuda, SecondDerivativesMatchAten) {
+  HIERPAR_REQUIRE_CUDA();
+  for (int trial = 0; trial < 4; ++trial) {
+    const Case c = random_case();
+    SCOPED_TRACE(c.describe());
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA));
+    hierpar::testing::expect_second_derivatives_match_aten_on_cuda(
+        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+          if (hierpar) return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups, c.slope);
+          const torch::Tensor y = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+          return c.slope ? at::leaky_relu(y, *c.slope) : y;
+        },
+        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
+  }
+}
+
 TEST(Conv2dAutograd, TheBackwardOpItselfIsNotDifferentiable) {
   const Case c = random_case();
   const auto t = make_tensors(c, torch::kDouble);
