@@ -245,12 +245,14 @@ TEST(Conv2dCpu, OutputMaskComputesOnlyWhatIsAsked) {
 }
 
 // Second derivatives (an R1 or WGAN-GP penalty differentiates a gradient): the gradient taken with create_graph and
-// then differentiated again equals ATen's, with and without the fused LeakyReLU and bias, in float64.
-TEST(Conv2dAutograd, SecondDerivativesMatchAten) {
+// then differentiated again equals ATen's, with and without the fused LeakyReLU and bias, on 4 random cases: in
+// float64 on the CPU; on a GPU hierpar's CUDA op (its kernels for the first derivatives, ATen's differentiable
+// backward under create_graph) in float32 against ATen in float64.
+void expect_second_derivatives_on(torch::Device device) {
   for (int trial = 0; trial < 4; ++trial) {
     const Case c = random_case();
     SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::kDouble);
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(device));
     hierpar::testing::expect_second_derivatives_match_aten(
         [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
           if (hierpar) return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups, c.slope);
@@ -261,22 +263,11 @@ TEST(Conv2dAutograd, SecondDerivativesMatchAten) {
   }
 }
 
-// The same on a GPU: hierpar's CUDA op (its kernels for the first derivatives, ATen's differentiable backward under
-// create_graph) in float32 against ATen in float64.
+TEST(Conv2dAutograd, SecondDerivativesMatchAten) { expect_second_derivatives_on(torch::kCPU); }
+
 TEST(Conv2dCuda, SecondDerivativesMatchAten) {
   HIERPAR_REQUIRE_CUDA();
-  for (int trial = 0; trial < 4; ++trial) {
-    const Case c = random_case();
-    SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA));
-    hierpar::testing::expect_second_derivatives_match_aten_on_cuda(
-        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-          if (hierpar) return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups, c.slope);
-          const torch::Tensor y = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
-          return c.slope ? at::leaky_relu(y, *c.slope) : y;
-        },
-        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
-  }
+  expect_second_derivatives_on(torch::kCUDA);
 }
 
 TEST(Conv2dAutograd, TheBackwardOpItselfIsNotDifferentiable) {

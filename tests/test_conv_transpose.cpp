@@ -183,14 +183,14 @@ TEST(ConvTransposeCpu, OutputMaskComputesOnlyWhatIsAsked) {
   expect_close(x.grad(), std::get<0>(all), "grad_input with a frozen weight");
 }
 
-// The same on a GPU: hierpar's CUDA op in float32 against ATen in float64.
-TEST(ConvTransposeCuda, SecondDerivativesMatchAten) {
-  HIERPAR_REQUIRE_CUDA();
+// Second derivatives (a penalty on a gradient): differentiated again after create_graph, equal to ATen's, on 4
+// random cases: in float64 on the CPU; on a GPU hierpar's CUDA op in float32 against ATen in float64.
+void expect_second_derivatives_on(torch::Device device) {
   for (int trial = 0; trial < 4; ++trial) {
     const Case c = random_case();
     SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(torch::kCUDA));
-    hierpar::testing::expect_second_derivatives_match_aten_on_cuda(
+    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(device));
+    hierpar::testing::expect_second_derivatives_match_aten(
         [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
           if (hierpar) {
             return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
@@ -202,22 +202,11 @@ TEST(ConvTransposeCuda, SecondDerivativesMatchAten) {
   }
 }
 
-// Second derivatives (a penalty on a gradient): differentiated again after create_graph, equal to ATen's, in float64.
-TEST(ConvTransposeAutograd, SecondDerivativesMatchAten) {
-  for (int trial = 0; trial < 4; ++trial) {
-    const Case c = random_case();
-    SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::kDouble);
-    hierpar::testing::expect_second_derivatives_match_aten(
-        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-          if (hierpar) {
-            return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
-                                                  c.dilation);
-          }
-          return at::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
-        },
-        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
-  }
+TEST(ConvTransposeAutograd, SecondDerivativesMatchAten) { expect_second_derivatives_on(torch::kCPU); }
+
+TEST(ConvTransposeCuda, SecondDerivativesMatchAten) {
+  HIERPAR_REQUIRE_CUDA();
+  expect_second_derivatives_on(torch::kCUDA);
 }
 
 TEST(ConvTransposeMeta, ShapesAndLayoutsMatchTheCpuKernel) {

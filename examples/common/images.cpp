@@ -91,6 +91,17 @@ void write_image_grid(const torch::Tensor& images, const std::string& path, int6
             grid.contiguous().data_ptr<uint8_t>());
 }
 
+std::vector<std::string> plot_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                   const RunSeriesReader& add, const std::string& x_label, const std::string& y_label,
+                                   const std::string& output) {
+  if (runs.empty()) throw Error("plot: no runs to plot");
+  std::vector<PlotSeries> series;
+  std::vector<std::string> summary;
+  for (size_t i = 0; i < runs.size(); ++i) summary.push_back(add(i, runs[i].first, runs[i].second, series));
+  write_line_plot(series, x_label, output, 900, 480, y_label);
+  return summary;
+}
+
 std::array<uint8_t, 3> run_colour(size_t i) {
   static const std::array<std::array<uint8_t, 3>, 10> palette{{{31, 119, 180}, {255, 127, 14}, {44, 160, 44},
                                                                 {214, 39, 40}, {148, 103, 189}, {140, 86, 75},

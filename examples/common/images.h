@@ -4,6 +4,7 @@
 #include <torch/types.h>
 
 #include <array>
+#include <functional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -22,6 +23,14 @@ struct PlotSeries {
 
 // The colour of the i-th of several runs in a plot (a ten-colour palette, repeating).
 std::array<uint8_t, 3> run_colour(size_t i);
+
+// Several runs on one line plot (900 x 480): `add(i, label, path, series)` appends run i's series and returns its
+// line for the caller to print. Throws Error when `runs` is empty.
+using RunSeriesReader = std::function<std::string(size_t index, const std::string& label, const std::string& path,
+                                                  std::vector<PlotSeries>& series)>;
+std::vector<std::string> plot_runs(const std::vector<std::pair<std::string, std::string>>& runs,
+                                   const RunSeriesReader& add, const std::string& x_label, const std::string& y_label,
+                                   const std::string& output);
 
 // A line plot of the series against their index, with axes, tick labels, axis labels and a legend, as a PNG.
 // Series longer than the plot is wide are averaged per pixel column.

@@ -59,11 +59,7 @@ std::pair<std::vector<double>, std::vector<double>> read_losses_csv(const std::s
 
 std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string, std::string>>& runs,
                                         const std::string& output) {
-  if (runs.empty()) throw Error("plot: no runs to plot");
-  std::vector<PlotSeries> series;
-  std::vector<std::string> summary;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const auto& [label, path] = runs[i];
+  auto add = [](size_t i, const std::string& label, const std::string& path, std::vector<PlotSeries>& series) {
     auto [d, g] = read_losses_csv(path);
     const auto dark = run_colour(i);
     const std::array<uint8_t, 3> light{static_cast<uint8_t>((dark[0] + 255) / 2), static_cast<uint8_t>((dark[1] + 255) / 2),
@@ -77,12 +73,11 @@ std::vector<std::string> plot_loss_runs(const std::vector<std::pair<std::string,
     std::ostringstream line;
     line << label << ": " << d.size() << " steps; mean over steps " << from + 1 << "-" << d.size() << ": D loss "
          << std::fixed << std::setprecision(4) << mean_from(d) << ", G loss " << mean_from(g);
-    summary.push_back(line.str());
     series.push_back({label + " D loss", std::move(d), dark});
     series.push_back({label + " G loss", std::move(g), light});
-  }
-  write_line_plot(series, "step", output, 900, 480, "loss");
-  return summary;
+    return line.str();
+  };
+  return plot_runs(runs, add, "step", "loss", output);
 }
 
 }  // namespace hierpar::examples

@@ -212,11 +212,7 @@ void QualityLog::add(int64_t step, int64_t epoch, const SampleQuality& quality) 
 
 std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::string, std::string>>& runs,
                                            const std::string& output) {
-  if (runs.empty()) throw Error("plot: no runs to plot");
-  std::vector<PlotSeries> series;
-  std::vector<std::string> summary;
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const auto& [label, path] = runs[i];
+  auto add = [](size_t i, const std::string& label, const std::string& path, std::vector<PlotSeries>& series) {
     std::ifstream in(path);
     if (!in) throw Error(path + ": cannot read (expected a quality.csv written by train --eval-every)");
     std::string line;
@@ -236,11 +232,10 @@ std::vector<std::string> plot_quality_runs(const std::vector<std::pair<std::stri
     std::ostringstream text;
     text << label << ": " << fids.size() << " evaluations; last FID " << std::fixed << std::setprecision(2)
          << fids.back() << ", best " << best << " (epoch " << std::setprecision(0) << best_epoch << ")";
-    summary.push_back(text.str());
     series.push_back({label, std::move(fids), run_colour(i)});
-  }
-  write_line_plot(series, "evaluation (every --eval-every steps)", output, 900, 480, "FID (seed-CNN features)");
-  return summary;
+    return text.str();
+  };
+  return plot_runs(runs, add, "evaluation (every --eval-every steps)", "FID (seed-CNN features)", output);
 }
 
 SampleQuality evaluate_images(const torch::Tensor& images, int64_t image_size, models::SeedCNNImpl& classifier,
