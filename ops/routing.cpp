@@ -5,6 +5,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <torch/library.h>
 
 namespace hierpar::ops {
 namespace {
@@ -101,3 +102,13 @@ bool conv2d_on_hierpar(const at::Tensor& input, const at::Tensor& weight, at::In
 }
 
 }  // namespace hierpar::ops
+
+// The table as operators, for layers written in Python (hierpar.nn) and TorchScript: one answer, the C++ layers'.
+TORCH_LIBRARY_FRAGMENT(hierpar, m) {
+  m.def("conv_transpose2d_on_hierpar(Tensor input, Tensor weight, int[2] stride, int[2] padding, "
+        "int[2] output_padding, int groups, int[2] dilation) -> bool",
+        &hierpar::ops::conv_transpose2d_on_hierpar);
+  m.def("conv2d_on_hierpar(Tensor input, Tensor weight, int[2] stride, int[2] padding, int[2] dilation, "
+        "int groups) -> bool",
+        &hierpar::ops::conv2d_on_hierpar);
+}

@@ -114,7 +114,9 @@ class BatchNormAct2d(_BatchNormActForward):
 
 
 class ConvTranspose2d(torch.nn.ConvTranspose2d):
-    """torch.nn.ConvTranspose2d on hierpar::conv_transpose2d (padding_mode "zeros" only, as torch's)."""
+    """torch.nn.ConvTranspose2d on hierpar::conv_transpose2d (padding_mode "zeros" only, as torch's). On a GPU each
+    call takes hierpar's kernels where the routing table (hierpar::conv_transpose2d_on_hierpar, the C++ layers'
+    table) says they beat cuDNN, and torch's conv_transpose2d elsewhere."""
 
     def forward(self, input: Tensor, output_size: Optional[List[int]] = None) -> Tensor:
         if self.padding_mode != "zeros":
@@ -122,6 +124,11 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
         assert isinstance(self.padding, tuple)
         output_padding = self._output_padding(
             input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation)
+        if input.is_cuda and not torch.ops.hierpar.conv_transpose2d_on_hierpar(
+                input, self.weight, [self.stride[0], self.stride[1]], [self.padding[0], self.padding[1]],
+                output_padding, self.groups, [self.dilation[0], self.dilation[1]]):
+            return torch.nn.functional.conv_transpose2d(
+                input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
         return conv_transpose2d(
             input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups, self.dilation)
 
@@ -129,7 +136,8 @@ class ConvTranspose2d(torch.nn.ConvTranspose2d):
 class Conv2d(torch.nn.Conv2d):
     """torch.nn.Conv2d on hierpar::conv2d, which runs the transposed convolution's kernels backwards: it beats cuDNN
     for few input channels (a discriminator's RGB layer) in bf16/fp16 on the GPU, and is slower for wide layers
-    (docs/conv2d.md). forward_with_leaky_relu fuses the activation that follows it."""
+    (docs/conv2d.md). On a GPU each call routes as the C++ layer does (hierpar::conv2d_on_hierpar): torch's conv2d
+    where cuDNN wins. forward_with_leaky_relu fuses the activation that follows it."""
 
     def forward(self, input: Tensor) -> Tensor:
         return self.forward_with_leaky_relu(input, None)
@@ -141,7 +149,14 @@ class Conv2d(torch.nn.Conv2d):
         if isinstance(padding, str) or self.padding_mode != "zeros":
             mode = "constant" if self.padding_mode == "zeros" else self.padding_mode
             input = torch.nn.functional.pad(input, self._reversed_padding_repeated_twice, mode=mode)
-            return conv2d(input, self.weight, self.bias, self.stride, [0, 0], self.dilation, self.groups,
-                          negative_slope)
-        return conv2d(input, self.weight, self.bias, self.stride, [padding[0], padding[1]], self.dilation, self.groups,
-                      negative_slope)
+            pads = [0, 0]
+        else:
+            pads = [padding[0], padding[1]]
+        # On a GPU, torch's conv2d where the routing table (the C++ layers') gives the call to cuDNN.
+        if input.is_cuda and not torch.ops.hierpar.conv2d_on_hierpar(
+                input, self.weight, [self.stride[0], self.stride[1]], pads,
+                [self.dilation[0], self.dilation[1]], self.groups):
+            output = torch.nn.functional.conv2d(input, self.weight, self.bias, self.stride, pads, self.dilation,
+                                                self.groups)
+            return output if negative_slope is None else torch.nn.functional.leaky_relu(output, negative_slope)
+        return conv2d(input, self.weight, self.bias, self.stride, pads, self.dilation, self.groups, negative_slope)

@@ -434,3 +434,36 @@ def test_functional_forms_match_torch():
     assert_close(out, ref, "batch_norm_act")
     assert_close(mean, mean2, "running_mean")
     assert_close(var, var2, "running_var")
+
+
+def test_routing_ops_are_the_layers_table():
+    """hierpar::conv_transpose2d_on_hierpar / conv2d_on_hierpar answer for the Python layers as the C++ table does: a
+    CPU call always takes hierpar's op (which picks its own CPU kernels)."""
+    x = random_tensor([2, 64, 8, 8])
+    assert torch.ops.hierpar.conv_transpose2d_on_hierpar(x, random_tensor([64, 32, 4, 4]), [2, 2], [1, 1], [0, 0], 1,
+                                                         [1, 1])
+    assert torch.ops.hierpar.conv2d_on_hierpar(x, random_tensor([128, 64, 4, 4]), [2, 2], [1, 1], [1, 1], 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_gpu_layers_take_cudnn_where_the_table_says():
+    """A generator's middle layer and a wide discriminator layer run torch's convolutions on the GPU, the output layer
+    (float32 channels_last, C_in % 16 == 0) hierpar's; each agrees with torch."""
+    middle = hierpar.nn.ConvTranspose2d(64, 32, 4, 2, 1, bias=False).cuda()
+    output = hierpar.nn.ConvTranspose2d(32, 3, 4, 2, 1, bias=False).cuda()
+    wide = hierpar.nn.Conv2d(64, 128, 4, 2, 1, bias=False).cuda()
+    x = random_tensor([2, 64, 8, 8], device="cuda")
+    h = random_tensor([2, 32, 16, 16], device="cuda").contiguous(memory_format=torch.channels_last)
+
+    def ops_of(call):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        return {event.name for event in prof.events()}
+
+    assert "hierpar::conv_transpose2d" not in ops_of(lambda: middle(x))
+    assert "hierpar::conv2d" not in ops_of(lambda: wide(x))
+    assert "hierpar::conv_transpose2d" in ops_of(lambda: output(h))
+    tf32 = dict(rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(middle(x), F.conv_transpose2d(x, middle.weight, None, 2, 1), **tf32)
+    torch.testing.assert_close(wide(x), F.conv2d(x, wide.weight, None, 2, 1), **tf32)
+    torch.testing.assert_close(output(h), F.conv_transpose2d(h, output.weight, None, 2, 1), **tf32)
