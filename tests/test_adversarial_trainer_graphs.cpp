@@ -6,8 +6,9 @@
 // Tolerances: FusedAdam vs torch::optim::Adam and channels_last vs contiguous change only the order of
 // floating-point operations; after K Adam steps (lr 1e-3) the parameters then differ by a few float32
 // rounding units, except in gradient elements that are sums of cancelling terms, where Adam's m/sqrt(v)
-// carries their larger relative error (see test_strategy.cpp's kSplitBatchTolerance): 1e-5 absolute (1%
-// of lr) admits that and is far below one step's movement. Graph replays run the very kernels of the eager
+// carries their larger relative error (see test_strategy.cpp's kSplitBatchTolerance; seen: 3e-5 on one weight
+// after 8 steps, HIERPAR_TEST_SEED=1500259483): 1e-4 absolute (a tenth of lr) admits that and is far below one
+// step's movement. Graph replays run the very kernels of the eager
 // steps on the same data: with deterministic cuDNN algorithms they agree to the same tolerance (seen: bit
 // for bit), and bf16 autocast steps to bf16's tolerance.
 #include "testing.h"
@@ -24,7 +25,7 @@ using hierpar::testing::Tolerance;
 namespace {
 
 constexpr int64_t kNoise = 8;
-constexpr Tolerance kReorderTolerance{1e-5, 1e-5};
+constexpr Tolerance kReorderTolerance{1e-5, 1e-4};
 
 // A tiny DCGAN-shaped pair: G noise [B, 8, 1, 1] -> [B, 3, 8, 8], D -> a logit per image, BatchNorm in both.
 struct PairNetImpl : torch::nn::Cloneable<PairNetImpl> {
