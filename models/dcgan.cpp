@@ -5,7 +5,7 @@
 #include <torch/nn/init.h>
 
 #include <algorithm>
-#include <functional>
+#include <optional>
 #include <cmath>
 #include <sstream>
 
@@ -16,22 +16,34 @@ constexpr double kLeakySlope = 0.2;
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-// `layers` run in turn on x, recomputed in the backward under `memory` (recompute, offload); `own_input`: x was
-// produced by this network (the noise and the images are kept by the caller anyway, so they are never offloaded).
-torch::Tensor block(std::vector<Layer> layers, const torch::Tensor& x, nn::ActivationMemory memory, bool own_input,
-                    nn::OffloadChain& chain, std::function<torch::Tensor(const torch::Tensor&)> after = nullptr) {
-  auto run = [layers, after](const torch::Tensor& in) {
-    torch::Tensor y = in;
-    for (const Layer& layer : layers) y = layer.forward(y);
-    return after ? after(y) : y;
-  };
+// A convolution, then its BatchNorm + activation (`norm`, if any), then tanh (G's output layer).
+torch::Tensor apply_block(const Layer& conv, const Layer* norm, bool tanh, const torch::Tensor& x) {
+  torch::Tensor y = conv.forward(x);
+  if (norm != nullptr) y = norm->forward(y);
+  return tanh ? torch::tanh(y) : y;
+}
+
+// apply_block, recomputed in the backward under `memory` (recompute, offload); `own_input`: x was produced by this
+// network (the noise and the images are kept by the caller anyway, so they are never offloaded). Without
+// recomputation the layers run directly: nothing is copied on that path, which every default forward takes.
+torch::Tensor block(const Layer& conv, const Layer* norm, const torch::Tensor& x, nn::ActivationMemory memory,
+                    bool own_input, nn::OffloadChain& chain, bool tanh = false) {
   if (memory == nn::ActivationMemory::none ||
       (memory == nn::ActivationMemory::offload && chain.keeps_activations(x)))
-    return run(x);
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (const Layer& layer : layers) modules.push_back(layer.module);
+    return apply_block(conv, norm, tanh, x);
+  // The backward recomputes after this call has returned: the node keeps its own copies of the layers.
+  std::vector<std::shared_ptr<torch::nn::Module>> modules{conv.module};
+  std::optional<Layer> kept_norm;
+  if (norm != nullptr) {
+    kept_norm = *norm;
+    modules.push_back(norm->module);
+  }
   const bool offload = memory == nn::ActivationMemory::offload && own_input;
-  return nn::recompute(run, x, modules, offload ? &chain : nullptr);
+  return nn::recompute(
+      [conv, kept_norm, tanh](const torch::Tensor& in) {
+        return apply_block(conv, kept_norm ? &*kept_norm : nullptr, tanh, in);
+      },
+      x, modules, offload ? &chain : nullptr);
 }
 
 }  // namespace
@@ -115,9 +127,8 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
               "Generator: expected noise of shape [N, ", options.nz, "] or [N, ", options.nz, ", 1, 1], got ",
               z.sizes());
   auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
-  for (size_t i = 0; i < norms_.size(); ++i) x = block({deconvs_[i], norms_[i]}, x, options.memory, i > 0, *offload_);
-  return block({deconvs_.back()}, x, options.memory, !norms_.empty(), *offload_,
-               [](const torch::Tensor& y) { return torch::tanh(y); });
+  for (size_t i = 0; i < norms_.size(); ++i) x = block(deconvs_[i], &norms_[i], x, options.memory, i > 0, *offload_);
+  return block(deconvs_.back(), nullptr, x, options.memory, !norms_.empty(), *offload_, /*tanh=*/true);
 }
 
 DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
@@ -160,8 +171,8 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
-  auto x = block({convs_[0]}, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
-  for (size_t i = 0; i < norms_.size(); ++i) x = block({convs_[i + 1], norms_[i]}, x, options.memory, true, *offload_);
+  auto x = block(convs_[0], nullptr, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
+  for (size_t i = 0; i < norms_.size(); ++i) x = block(convs_[i + 1], &norms_[i], x, options.memory, true, *offload_);
   return convs_.back().forward(x).flatten();
 }
 

@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 
 #ifdef HIERPAR_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -117,20 +118,7 @@ bool OffloadChain::keeps_activations(const torch::Tensor& input) const {
 #ifdef HIERPAR_WITH_CUDA
   if (!input.is_cuda()) return false;
   const c10::DeviceIndex device = input.device().index();
-  static std::mutex mutex;
-  static std::vector<int64_t> capacity;  // bytes per device, read once
-  int64_t total = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (capacity.size() <= static_cast<size_t>(device)) capacity.resize(device + 1, 0);
-    if (capacity[device] == 0) {
-      const c10::cuda::CUDAGuard guard(input.device());
-      size_t free_bytes = 0, total_bytes = 0;
-      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-      capacity[device] = static_cast<int64_t>(total_bytes);
-    }
-    total = capacity[device];
-  }
+  const auto total = at::cuda::getDeviceProperties(device)->totalGlobalMem;  // ATen caches the properties
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
   const int64_t allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
   return static_cast<double>(allocated) < keep_below_fraction * static_cast<double>(total);
