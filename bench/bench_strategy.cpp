@@ -5,8 +5,9 @@
 // global batches 64 (the seed's), 1024 and 4096 in tf32 (float32 with TF32), and 1024 and 4096 in bf16
 // (hierpar::strategy::StepPrecision, which the trainer applies to its steps). The stock row is the
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
-// layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward (the default), one flat buffer
-// after it (config buckets = flat), and bucketed with synchronized BatchNorm (sync_bn). Three eager rows (config
+// layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward, captured in the backward's graph
+// (the default), one flat buffer after it, between the replayed segments (config buckets = flat), and bucketed with
+// synchronized BatchNorm (sync_bn, eager); data (4, nccl) and hierarchical (nccl) run the first two. Three eager rows (config
 // graphs = off) show the eager step's averaging on 2 GPUs: host buckets summed during the backward, one flat host
 // buffer after it, and NCCL's buckets. The JSON is rewritten after every row.
 //
@@ -206,8 +207,11 @@ void strategy_suite(Report& report, const Options& options) {
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", true},
       {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
-      {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar}, {"data", 4, "host", hierpar::LayerSet::hierpar},
+      {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar},
+      {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar, "flat"},
+      {"data", 4, "host", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
+      {"data", 4, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
       {"data", 2, "host", hierpar::LayerSet::hierpar, "flat", false, /*graphs=*/false},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
@@ -325,7 +329,8 @@ void strategy_suite(Report& report, const Options& options) {
             .set("gpus", row.gpus)
             .set("reduce", row.reduce)
             .set("buckets", bucketing ? row.buckets : "none")
-            .set("sync_bn", row.sync_bn);
+            .set("sync_bn", row.sync_bn)
+            .set("averaging_in_graphs", trainer.averages_in_graphs());
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
         std::string idle_text;

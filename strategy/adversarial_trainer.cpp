@@ -271,6 +271,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   AveragingOptions averaging = options_.averaging;
   if (options_.sync_batch_norm && placement_.reduce == Reduce::host) averaging.bucket_cap_bytes = 0;
   averager_ = make_averager(placement_, averaging);
+  averages_in_graphs_ = graphs_ && averager_ && averager_->captures_in_graphs();
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
   // The gradient penalty's pass reads the real batch and the fakes together: one stream.
@@ -294,11 +295,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
     // Bucketed averaging (host_averager.cpp, collective_averager.cpp) and synchronized BatchNorm (sync_batch_norm.cpp).
-    // Captured steps attach no bucket hooks: the hooks would fire during the capture, so the gradients are averaged
-    // between the replayed segments instead, each network's in one flat all-reduce (or host average).
+    // The hooks fire during a capture too: with NCCL the buckets' all-reduces become part of the graph; host
+    // averaging cannot be captured, so its captured steps attach none and average between the segments.
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
-      if (!graphs_) {
+      if (!graphs_ || averages_in_graphs_) {
         averager_->attach(i, Network::generator, r.generator_parameters);
         averager_->attach(i, Network::discriminator, r.discriminator_parameters);
       }
@@ -329,7 +330,9 @@ void AdversarialTrainer::abort(const std::string& reason) {
   if (workers_) workers_->interrupt(reason);
 }
 
-int64_t AdversarialTrainer::progress() const { return averager_ ? averager_->progress() : 0; }
+int64_t AdversarialTrainer::progress() const {
+  return averager_ ? averager_->progress() + replayed_averages_.load(std::memory_order_relaxed) : 0;
+}
 
 void AdversarialTrainer::refuse_if_failed() const {
   std::lock_guard<std::mutex> lock(failure_mutex_);
@@ -613,7 +616,9 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
       throw;
     }
     for (CapturedStep* graph : graphs) graph->end_capture();
+    if (averages_in_graphs_) averager_->captured(local);
   }
+  if (averages_in_graphs_) replayed_averages_.fetch_add(1, std::memory_order_relaxed);
   for (const ProgramPiece& piece : r.program) timed(local, piece.device, piece.name, piece.compute, piece.run);
 }
 
@@ -666,12 +671,21 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       r.program.push_back(ProgramPiece{name, device, /*compute=*/false, std::move(work)});
     }
   };
+  // Averaging captured in the graphs (NCCL's bucketed all-reduces) is one more piece of the network's segment;
+  // otherwise it runs between segments.
   auto average = [&](Network network) {
     if (!averager_) return;
     const bool d = network == Network::discriminator;
-    between(d ? d_device : g_device, d ? "average D" : "average G", [this, local, network, d, &r] {
+    const c10::Device& device = d ? d_device : g_device;
+    const char* name = d ? "average D" : "average G";
+    auto work = [this, local, network, d, &r] {
       averager_->average(local, network, gradients_of(d ? r.discriminator_parameters : r.generator_parameters));
-    });
+    };
+    if (phase == Phase::capture && averages_in_graphs_) {
+      on(device, name, work);
+    } else {
+      between(device, name, work);
+    }
   };
 
   // One device (options.overlap_passes): G's forward and D's pass over the fakes run on `fake_stream` beside D's

@@ -1,6 +1,7 @@
 // Collective averaging (--reduce nccl): a c10d process group (ProcessGroupNCCL for CUDA, ProcessGroupGloo for CPU)
-// all-reduces the gradients, in buckets launched while the backward runs (as PyTorch DDP's reducer) or, with
-// bucket_cap_bytes = 0 and in captured steps, as one flat buffer per network after it (averaging.h).
+// all-reduces the gradients, in buckets launched while the backward runs (as PyTorch DDP's reducer; captured steps
+// capture them in the backward's graph) or, with bucket_cap_bytes = 0, as one flat buffer per network after it
+// (averaging.h).
 #include "averaging_parts.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -94,6 +95,25 @@ class CollectiveAverager final : public GradientAverager {
     reducer->set_transport(std::make_unique<AllReducedBuckets>(*this, local, network, reducer->buckets()));
     attach_hooks(*reducer, where(placement_, local, network));
     reducers_[n][local] = std::move(reducer);
+  }
+
+  // NCCL's collectives can be captured (ProcessGroupNCCL leaves captured work out of its watchdog; the replays
+  // all-reduce on the device with no host involved); Gloo's run on its own threads and cannot.
+  bool captures_in_graphs() const override {
+    if (!options_.capture_collectives || options_.bucket_cap_bytes == 0) return false;
+    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+      for (Network network : kNetworks) {
+        if (!device_of(placement_, i, network).is_cuda()) return false;
+      }
+    }
+    return true;
+  }
+
+  // A replayed all-reduce spins on its device until every replica's arrives: a replica still capturing (CUDA calls
+  // that may wait for the devices, as a cudaFree does once peer access is on) must not have a peer replaying.
+  void captured(int64_t local) override {
+    barriers_[static_cast<int>(Network::generator)]->arrive_and_wait(local, where(placement_, local, Network::generator) +
+                                                                             " after capture");
   }
 
   void set_final_backward(int64_t local, Network network, bool final) override {

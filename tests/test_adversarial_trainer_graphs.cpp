@@ -607,8 +607,8 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
   }
 }
 
-// Data parallelism over 2 GPUs, host and NCCL averaging: three graphs per replica with the averaging between
-// (eager NCCL averaging runs from bucket hooks in the backward, captured steps all-reduce between segments).
+// Data parallelism over 2 GPUs, host and NCCL averaging, graphs against eager (host averaging runs between three
+// graphs per replica; NCCL's bucketed all-reduces are captured in the step's one graph).
 TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
@@ -618,6 +618,64 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
     expect_graphs_equal_eager(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CUDA, {}), reals,
                               kReorderTolerance, std::string("data x2, ") + reduce + " averaging");
   }
+}
+
+// NCCL averaging under CUDA graphs is captured: the buckets' all-reduces are nodes of the backward's graph, so a
+// data-parallel step replays as one graph per replica, with no averaging piece of its own between segments. On 2
+// and 4 GPUs, with caps that cut the tiny networks into several buckets, the captured step gives the numbers of the
+// eager bucketed step and of captured steps that all-reduce one flat buffer between their segments
+// (capture_collectives off): bit for bit on 2 GPUs (a + b), within the reorder tolerance on 4 (NCCL may sum four
+// values in another order for another buffer size or algorithm). progress() counts the replayed steps.
+TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
+  HIERPAR_REQUIRE_CUDA();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  deterministic_cudnn();
+  const auto reals = batches(6, 16, torch::kCUDA);
+  auto [eager, graphs] = eager_and_graph_options();
+  for (auto* options : {&eager, &graphs}) {
+    options->averaging.first_bucket_cap_bytes = 64;
+    options->averaging.bucket_cap_bytes = 512;
+  }
+  auto between = graphs;
+  between.averaging.capture_collectives = false;
+  for (int64_t gpus : {2, 4}) {
+    if (gpus > static_cast<int64_t>(torch::cuda::device_count())) {
+      std::cout << "data x" << gpus << " skipped: " << torch::cuda::device_count() << " GPUs\n";
+      continue;
+    }
+    const auto placement = hs::Placement::from_flags("data", gpus, "nccl", c10::DeviceType::CUDA, {});
+    const std::string what = "data x" + std::to_string(gpus) + ", nccl: ";
+    const Tolerance tol = gpus == 2 ? Tolerance{0, 0} : kReorderTolerance;
+    const TrainedRun captured = train(placement, graphs, reals, 4, 6);
+    const TrainedRun eager_run = train(placement, eager, reals, 4, 6);
+    const TrainedRun between_run = train(placement, between, reals, 4, 6);
+    expect_moved(captured, 4);
+    expect_same_run(captured, eager_run, tol, what + "captured all-reduce vs eager buckets");
+    expect_same_run(captured, between_run, tol, what + "captured all-reduce vs flat all-reduce between segments");
+  }
+
+  // The replayed step: one compute span per replica that holds both averages.
+  torch::manual_seed(4);
+  PairNet g(true), d(false);
+  const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, graphs);
+  EXPECT_TRUE(trainer.averages_in_graphs());
+  for (int k = 0; k < 4; ++k) trainer.step(reals[k]);
+  const int64_t before = trainer.progress();
+  trainer.record_timeline(true);
+  trainer.step(reals[4]);
+  trainer.step(reals[5]);
+  const auto spans = trainer.timeline();
+  EXPECT_EQ(trainer.progress(), before + 2 * 2) << "two replayed steps of two replicas";
+  ASSERT_EQ(spans.size(), 4u) << "one span per replica and step";
+  for (const auto& span : spans) {
+    EXPECT_TRUE(span.compute) << span.piece;
+    EXPECT_NE(span.piece.find("average D"), std::string::npos) << span.piece;
+    EXPECT_NE(span.piece.find("average G"), std::string::npos) << span.piece;
+  }
+  hs::AdversarialTrainer flat(torch::nn::AnyModule(PairNet(true)), torch::nn::AnyModule(PairNet(false)), placement,
+                              between);
+  EXPECT_FALSE(flat.averages_in_graphs());
 }
 
 // Host averaging on 2 GPUs: eager steps sum buckets on the replicas' threads during the backward (caps of a few
@@ -648,8 +706,9 @@ TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
 }
 
 // Placements whose step spans two devices are captured per device (G's segments on G's GPU, D's on D's, the copies
-// and averaging between): task on 2 GPUs and hierarchical on 4 (host and NCCL averaging), graphs against eager, and
-// task against single. The same kernels on the same data in the same order: bit for bit.
+// and host averaging between, NCCL's all-reduces inside): task on 2 GPUs and hierarchical on 4 (host and NCCL
+// averaging), graphs against eager, and task against single. The same kernels on the same data in the same order:
+// bit for bit.
 TEST(AdversarialTrainerGraphs, TaskAndHierarchicalGraphsEqualEager) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";

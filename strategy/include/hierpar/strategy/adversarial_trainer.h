@@ -18,10 +18,12 @@
 // is captured and replayed; from then on a step is a copy of the batch into a static input buffer and the
 // replays. The noise is drawn inside the graph from G's device's default CUDA generator (graph-safe: the same
 // numbers as an eager step would draw), the optimisers are FusedAdam (capturable), the losses go to the device
-// buffer. Each device's part is captured on that device as segments (graphs) that end where the step averages
-// gradients or moves to the other device; the replay runs them in the step's order with the averaging (host
-// averaging reads gradients on CPU threads; NCCL collectives are not captured here) and the copies between
-// devices in between, eagerly. Synchronized BatchNorm is not captured (graph_fallback() says so).
+// buffer. Each device's part is captured on that device as segments (graphs) that end where the step moves to
+// the other device or averages outside the graphs; the replay runs them in the step's order with the copies
+// between devices and that averaging in between, eagerly. NCCL averaging is captured: the buckets' all-reduces
+// are nodes of the backward's graph (AveragingOptions::capture_collectives), so a data-parallel step is one graph
+// per replica. Host averaging reads the gradients on CPU threads between the segments. Synchronized BatchNorm is
+// not captured (graph_fallback() says so).
 //
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
 // D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
@@ -53,6 +55,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/optim/adam.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -211,8 +214,11 @@ class AdversarialTrainer {
   // peers end, NCCL communicators are aborted), a step in progress ends with a PeerFailure naming `reason`
   // within seconds, and the trainer refuses every later step. Never blocks.
   void abort(const std::string& reason);
-  // Collectives this process's replicas have entered (GradientAverager::progress; 0 with one replica in all).
+  // Collectives this process's replicas have entered (GradientAverager::progress) and captured steps with
+  // collectives they have replayed; 0 with one replica in all. Every rank's count grows alike per step.
   int64_t progress() const;
+  // Whether captured steps average inside their graphs (NCCL buckets captured in the backward).
+  bool averages_in_graphs() const { return averages_in_graphs_; }
 
   const Placement& placement() const { return placement_; }
   // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
@@ -257,6 +263,8 @@ class AdversarialTrainer {
   std::string failure_;   // why an earlier step failed: every later one is refused
   int64_t steps_ = 0;     // steps run (the fault hook's step index)
   bool graphs_ = false;
+  bool averages_in_graphs_ = false;
+  std::atomic<int64_t> replayed_averages_{0};  // progress() of averaging captured in the graphs
   std::string graph_fallback_;
   bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)
   int64_t pending_losses_ = 0;              // steps whose losses are still only on the devices

@@ -70,6 +70,15 @@ class GradientAverager {
   // Called by every local replica's thread before its first average(): collectives may rendezvous here.
   virtual void connect(int64_t local) = 0;
 
+  // Whether a captured step (CUDA graphs) may capture this averager's work: the hooks attach() registers fire
+  // during the capture, so the buckets' sums become nodes of the backward's graph, and average() is captured
+  // after them. False (the default): captured steps call average() between their segments, outside the graphs.
+  virtual bool captures_in_graphs() const { return false; }
+
+  // Called by every local replica's thread after its step was captured and before the first replay: replicas
+  // whose captured collectives wait on the device for each other start replaying only once all are captured.
+  virtual void captured(int64_t /*local*/) {}
+
   // Optional overlap with the backward: local replica `local`'s parameters of `network`, in registration
   // order, whose gradients later average() calls will average (same tensors, same order). An averager
   // may register autograd hooks on them that start averaging parts of the gradients while the backward
@@ -112,11 +121,17 @@ struct AveragingOptions {
   // every replica): an all-reduce (collective), or a copy to pinned memory on a side stream that a thread of
   // the replica sums over the replicas while the backward goes on (host; the device never waits for the host).
   // As in DDP the first bucket is smaller (first_bucket_cap_bytes) so that the sums start early. Buckets need
-  // the backward's hooks, so captured steps (CUDA graphs) average one flat buffer per network between their
-  // segments, as does host averaging with synchronized BatchNorm. 0 turns bucketing off: one flat buffer per
-  // network after the backward (for comparison).
+  // the backward's hooks: captured steps capture NCCL's bucketed all-reduces in their graphs (capture_collectives)
+  // and otherwise average one flat buffer per network between their segments, as host averaging with
+  // synchronized BatchNorm does. 0 turns bucketing off: one flat buffer per network after the backward (for
+  // comparison).
   int64_t bucket_cap_bytes = 25 * 1024 * 1024;
   int64_t first_bucket_cap_bytes = 1024 * 1024;
+  // Captured steps with NCCL averaging (and bucket_cap_bytes > 0): the buckets' all-reduces are captured inside
+  // the backward's CUDA graph, as PyTorch DDP's under torch.cuda.graph, so a replayed step overlaps them with the
+  // backward and needs no host work between its segments. false: one flat all-reduce per network between the
+  // replayed segments (for comparison). Host averaging never captures (its sums run on CPU threads).
+  bool capture_collectives = true;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).
