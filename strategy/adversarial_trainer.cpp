@@ -312,13 +312,39 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
 }
 
 AdversarialTrainer::~AdversarialTrainer() {
-  if (!workers_ || workers_->settle(Workers::kStuckGrace)) return;
+  if (!workers_ || workers_->settle(Workers::kStuckGrace)) {
+    release_graphs();
+    return;
+  }
   // A replica's thread never returned from a failed step: it may still wake and use the replicas and the
   // averager, so they are left allocated (released, not destroyed), as is the thread.
   TORCH_WARN("AdversarialTrainer: a replica's thread is stuck in a failed step; leaving it and its state behind");
   (void)workers_.release();
   (void)averager_.release();
   for (auto& replica : replicas_) (void)replica.release();
+}
+
+// A communicator whose collectives a CUDA graph captured is destroyed only once that graph is (NCCL waits for it), so
+// the graphs go before the averager. Their memory pools return to the allocator: replays still queued must end first,
+// unless the run failed (a replay may then wait for a dead peer until its communicator is aborted).
+void AdversarialTrainer::release_graphs() {
+  bool failed;
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    failed = !failure_.empty();
+  }
+  for (auto& replica : replicas_) {
+    for (CapturedStep* graph : {replica->graph.get(), replica->generator_graph.get()}) {
+      if (graph != nullptr && graph->captured() && !failed) {
+        c10::Event drained(c10::kCUDA);
+        drained.record(current_stream(graph->device()));
+        drained.synchronize();
+      }
+    }
+    replica->program.clear();
+    replica->graph.reset();
+    replica->generator_graph.reset();
+  }
 }
 
 void AdversarialTrainer::abort(const std::string& reason) {

@@ -252,6 +252,7 @@ class AdversarialTrainer {
   // The stream for G's forward and D's pass over the fakes (options.overlap_passes), or none: one stream.
   std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
   void drain_losses();
+  void release_graphs();
   void refuse_if_failed() const;
 
   Placement placement_;
