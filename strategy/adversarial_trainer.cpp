@@ -439,6 +439,18 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
       shares[i] = all.narrow(0, placement_.replicas[i].replica * share, share);
     }
   }
+  // A replayed step's all-reduces spin on the device until every replica's arrive, and an ATen copy between devices
+  // orders both devices' current streams: a replica that copied its share from another replica's device after that
+  // replica's replay was queued would wait for it while it waits for this one. The shares move here, before any
+  // replica replays this step.
+  std::vector<torch::Tensor> placed = reals;
+  if (averages_in_graphs_ && placement_.local_replicas() > 1) {
+    for (size_t i = 0; i < reals.size(); ++i) {
+      const ReplicaDevices& devices = placement_.replicas[i];
+      placed[i] = reals[i].to(devices.discriminator, /*non_blocking=*/true);
+      if (shares[i].defined()) shares[i] = shares[i].to(devices.generator, /*non_blocking=*/true);
+    }
+  }
   refuse_if_failed();
   if (pending_losses_ == options_.loss_log_steps) drain_losses();
   // Held by the job, which a replica left behind as hung keeps alive (Workers).
@@ -451,9 +463,9 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   const PrecisionScope precision(options_.precision);
   try {
     workers_->run(
-        [this, losses, reals, shares, step](int64_t i) {
+        [this, losses, placed, shares, step](int64_t i) {
           if (options_.fault_hook) options_.fault_hook(placement_.replicas[i].replica, step);
-          step_replica(i, reals[i], shares[i], *losses);
+          step_replica(i, placed[i], shares[i], *losses);
         },
         averager_.get(), placement_);
   } catch (const std::exception& e) {
