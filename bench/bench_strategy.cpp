@@ -157,7 +157,8 @@ void write_chart(const std::vector<Result>& results, const std::string& path) {
       static const std::vector<std::array<uint8_t, 3>> colours{{120, 120, 120}, {217, 72, 1},   {253, 174, 107},
                                                                {33, 113, 181},  {107, 174, 214}, {35, 139, 69},
                                                                {116, 196, 118}, {117, 107, 177}, {188, 189, 220},
-                                                               {203, 24, 29},   {251, 106, 74}};
+                                                               {203, 24, 29},   {251, 106, 74},
+                                                               {140, 81, 10},   {1, 102, 94}};
       series.push_back({r.placement, {}, colours[series.size() % colours.size()]});
       for (auto& g : groups) g.values.push_back(NAN);
       si = series.end() - 1;
@@ -316,7 +317,8 @@ void strategy_suite(Report& report, const Options& options) {
           idle = idle_fractions(spans, first);
           const std::string scheme = row.strategy;
           if (!options.out_prefix.empty() && (scheme == "task" || scheme == "hierarchical")) {
-            write_trace(spans, first, options.out_prefix + "-trace-" + scheme + "-" + row.reduce + "-b" +
+            write_trace(spans, first, options.out_prefix + "-trace-" + scheme + "-" + row.reduce +
+                                          (std::string(row.buckets) == "flat" ? "-flat" : "") + "-b" +
                                           std::to_string(c.batch) + "-" + c.precision.name() + ".json");
           }
         }
