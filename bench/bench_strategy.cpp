@@ -7,7 +7,8 @@
 // same trainer on one GPU with torch::nn layers and one stream (overlap_passes off); every other row uses hierpar's
 // layers. data (2, nccl) runs three ways: bucketed all-reduce during the backward, captured in the backward's graph
 // (the default), one flat buffer after it, between the replayed segments (config buckets = flat), and bucketed with
-// synchronized BatchNorm (sync_bn, eager); data (4, nccl) and hierarchical (nccl) run the first two. Three eager rows (config
+// synchronized BatchNorm (sync_bn, eager); data (4, nccl) and hierarchical (nccl) run the first two, and every host
+// row runs both: bucket copies to the host captured in the graph (capture_host_copies) and flat. Three eager rows (config
 // graphs = off) show the eager step's averaging on 2 GPUs: host buckets summed during the backward, one flat host
 // buffer after it, and NCCL's buckets. The JSON is rewritten after every row.
 //
@@ -60,8 +61,9 @@ struct Row {
   int64_t gpus;
   const char* reduce;  // "none" where one replica has nothing to average
   hierpar::LayerSet layers;
-  // NCCL only: "bucketed" (the default: DDP-style buckets all-reduced during the backward, 1 MB first
-  // bucket then 25 MB) or "flat" (one buffer per network after the backward).
+  // "bucketed" (the default: DDP-style buckets, 1 MB first bucket then 25 MB, all-reduced (NCCL) or copied to the
+  // host and summed (host) during the backward; captured in the graphs) or "flat" (one buffer per network after the
+  // backward, between the replayed segments).
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
   // Captured as CUDA graphs (every row but the eager averaging ones, which show what the eager step's bucketed
@@ -158,7 +160,8 @@ void write_chart(const std::vector<Result>& results, const std::string& path) {
                                                                {33, 113, 181},  {107, 174, 214}, {35, 139, 69},
                                                                {116, 196, 118}, {117, 107, 177}, {188, 189, 220},
                                                                {203, 24, 29},   {251, 106, 74},
-                                                               {140, 81, 10},   {1, 102, 94}};
+                                                               {140, 81, 10},   {1, 102, 94},
+                                                               {223, 101, 176}, {102, 102, 0},  {0, 0, 0}};
       series.push_back({r.placement, {}, colours[series.size() % colours.size()]});
       for (auto& g : groups) g.values.push_back(NAN);
       si = series.end() - 1;
@@ -204,13 +207,16 @@ void strategy_suite(Report& report, const Options& options) {
   const std::vector<Row> rows = {
       {"single", 1, "none", hierpar::LayerSet::stock},   {"single", 1, "none", hierpar::LayerSet::hierpar},
       {"task", 2, "none", hierpar::LayerSet::hierpar},   {"data", 2, "host", hierpar::LayerSet::hierpar},
+      {"data", 2, "host", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", true},
       {"hierarchical", 4, "host", hierpar::LayerSet::hierpar},
+      {"hierarchical", 4, "host", hierpar::LayerSet::hierpar, "flat"},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar},
       {"hierarchical", 4, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 4, "host", hierpar::LayerSet::hierpar},
+      {"data", 4, "host", hierpar::LayerSet::hierpar, "flat"},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar},
       {"data", 4, "nccl", hierpar::LayerSet::hierpar, "flat"},
       {"data", 2, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
@@ -239,8 +245,9 @@ void strategy_suite(Report& report, const Options& options) {
   std::vector<std::string> skipped;
   for (const Case& c : cases) {
     for (const Row& row : rows) {
-      // Buckets matter to NCCL rows, and to host rows when eager (captured steps average one flat buffer).
-      const bool bucketing = std::string(row.reduce) == "nccl" || (std::string(row.reduce) == "host" && !row.graphs);
+      // Buckets matter to every averaging row: captured, bucketed rows capture the all-reduces (NCCL) or the copies
+      // to the host (host) in the backward's graph; flat rows average one buffer per network between the segments.
+      const bool bucketing = std::string(row.reduce) != "none";
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
                                 (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
                                 (bucketing ? std::string(" ") + row.buckets : std::string()) +
@@ -286,6 +293,7 @@ void strategy_suite(Report& report, const Options& options) {
         trainer_options.precision = c.precision;
         trainer_options.averaging.bucket_cap_bytes =
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
+        trainer_options.averaging.capture_host_copies = std::string(row.buckets) != "flat";
         trainer_options.sync_batch_norm = row.sync_bn;
         // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
         // default five (in-process NCCL stalls have been seen at batch 4096; docs/strategy.md).
@@ -332,7 +340,7 @@ void strategy_suite(Report& report, const Options& options) {
             .set("reduce", row.reduce)
             .set("buckets", bucketing ? row.buckets : "none")
             .set("sync_bn", row.sync_bn)
-            .set("averaging_in_graphs", trainer.averages_in_graphs());
+            .set("graph_averaging", hs::to_string(trainer.graph_averaging()));
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
         std::string idle_text;

@@ -271,7 +271,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   AveragingOptions averaging = options_.averaging;
   if (options_.sync_batch_norm && placement_.reduce == Reduce::host) averaging.bucket_cap_bytes = 0;
   averager_ = make_averager(placement_, averaging);
-  averages_in_graphs_ = graphs_ && averager_ && averager_->captures_in_graphs();
+  if (graphs_ && averager_) graph_averaging_ = averager_->graph_averaging();
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
   // The gradient penalty's pass reads the real batch and the fakes together: one stream.
@@ -295,11 +295,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();
     // Bucketed averaging (host_averager.cpp, collective_averager.cpp) and synchronized BatchNorm (sync_batch_norm.cpp).
-    // The hooks fire during a capture too: with NCCL the buckets' all-reduces become part of the graph; host
-    // averaging cannot be captured, so its captured steps attach none and average between the segments.
+    // The hooks fire during a capture too: the buckets' all-reduces (NCCL) or copies to the host become part of the
+    // graph; captured steps that average between their segments attach none.
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
-      if (!graphs_ || averages_in_graphs_) {
+      if (!graphs_ || graph_averaging_ != GraphAveraging::between) {
         averager_->attach(i, Network::generator, r.generator_parameters);
         averager_->attach(i, Network::discriminator, r.discriminator_parameters);
       }
@@ -444,7 +444,7 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   // replica's replay was queued would wait for it while it waits for this one. The shares move here, before any
   // replica replays this step.
   std::vector<torch::Tensor> placed = reals;
-  if (averages_in_graphs_ && placement_.local_replicas() > 1) {
+  if (graph_averaging_ == GraphAveraging::whole && placement_.local_replicas() > 1) {
     for (size_t i = 0; i < reals.size(); ++i) {
       const ReplicaDevices& devices = placement_.replicas[i];
       placed[i] = reals[i].to(devices.discriminator, /*non_blocking=*/true);
@@ -654,9 +654,9 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
       throw;
     }
     for (CapturedStep* graph : graphs) graph->end_capture();
-    if (averages_in_graphs_) averager_->captured(local);
+    if (graph_averaging_ == GraphAveraging::whole) averager_->captured(local);
   }
-  if (averages_in_graphs_) replayed_averages_.fetch_add(1, std::memory_order_relaxed);
+  if (graph_averaging_ == GraphAveraging::whole) replayed_averages_.fetch_add(1, std::memory_order_relaxed);
   for (const ProgramPiece& piece : r.program) timed(local, piece.device, piece.name, piece.compute, piece.run);
 }
 
@@ -719,7 +719,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     auto work = [this, local, network, d, &r] {
       averager_->average(local, network, gradients_of(d ? r.discriminator_parameters : r.generator_parameters));
     };
-    if (phase == Phase::capture && averages_in_graphs_) {
+    if (phase == Phase::capture && graph_averaging_ == GraphAveraging::whole) {
       on(device, name, work);
     } else {
       between(device, name, work);
@@ -834,6 +834,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     // Its nodes ran on `fake_stream`; autograd has made the main stream wait for them (D's update reads those
     // gradients), and so does a capture's end: made explicit here and after G's backward.
     if (fake_stream) order(*fake_stream, *main_stream);
+    if (averager_) averager_->backward_done(local, Network::discriminator);
   });
   average(Network::discriminator);
 
@@ -885,6 +886,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     r.generator_optimizer->zero_grad();
     torch::autograd::backward({r.fake}, {r.fake_grad});
     if (fake_stream) order(*fake_stream, *main_stream);  // G's backward ran there
+    if (averager_) averager_->backward_done(local, Network::generator);
   });
   average(Network::generator);
   on(g_device, "G update", [&] {

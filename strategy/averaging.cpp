@@ -27,6 +27,18 @@ namespace hierpar::strategy {
 
 const char* to_string(Network network) { return network == Network::generator ? "generator" : "discriminator"; }
 
+const char* to_string(GraphAveraging mode) {
+  switch (mode) {
+    case GraphAveraging::between:
+      return "between";
+    case GraphAveraging::copies:
+      return "copies";
+    case GraphAveraging::whole:
+      return "whole";
+  }
+  return "?";
+}
+
 bool gloo_available() {
 #ifdef HIERPAR_C10D_GLOO
   return true;
@@ -131,6 +143,11 @@ std::string where(const Placement& placement, int64_t local, Network network) {
 c10::Device device_of(const Placement& placement, int64_t local, Network network) {
   const ReplicaDevices& r = placement.replicas[local];
   return network == Network::generator ? r.generator : r.discriminator;
+}
+
+bool all_on_cuda(const Placement& placement) {
+  return std::all_of(placement.replicas.begin(), placement.replicas.end(),
+                     [](const ReplicaDevices& r) { return r.generator.is_cuda() && r.discriminator.is_cuda(); });
 }
 
 // All of one network's tensors of one replica, one after another in one flat buffer (reused across calls).

@@ -42,6 +42,8 @@ constexpr std::array<Network, 2> kNetworks{Network::generator, Network::discrimi
 
 std::string where(const Placement& placement, int64_t local, Network network);
 c10::Device device_of(const Placement& placement, int64_t local, Network network);
+// Whether every local replica has both networks on CUDA devices.
+bool all_on_cuda(const Placement& placement);
 // All of one network's tensors of one replica, one after another in one flat buffer (reused across calls).
 at::Tensor flatten_into(at::Tensor& flat, const std::vector<at::Tensor>& tensors);
 // A buffer that grows and never shrinks (pinned host memory is costly to allocate); the first `numel`
@@ -203,6 +205,11 @@ class BucketTransport {
   virtual ~BucketTransport() = default;
   virtual void start(size_t bucket, const at::Tensor& flat, const std::string& who) = 0;
   virtual void wait(size_t bucket, const at::Tensor& flat, const std::string& who) = 0;
+  // Whether start() ran during a CUDA graph capture and put the bucket's device work into the graph
+  // (GraphAveraging::copies): from then on each finish() follows a replay, whose buckets no hook starts, and
+  // replayed() begins their host part instead.
+  virtual bool captured() const { return false; }
+  virtual void replayed(size_t /*bucket*/, const at::Tensor& /*flat*/, const std::string& /*who*/) {}
 };
 
 // One replica's gradients of one network in buckets, summed as the backward produces them (the design of PyTorch
@@ -239,6 +246,7 @@ class BucketReducer {
   const at::Tensor& flat(size_t bucket) const { return buckets_[bucket].flat; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
   void set_transport(std::unique_ptr<BucketTransport> transport) { transport_ = std::move(transport); }
+  BucketTransport& transport() { return *transport_; }
 
   // Whether the hooks of the coming backward count (GradientAverager::set_final_backward).
   void set_final_backward(bool final) { final_backward_ = final; }
@@ -254,13 +262,29 @@ class BucketReducer {
     while (next_ < buckets_.size() && buckets_[next_].pending == 0) start(next_++, who);
   }
 
+  // Starts the buckets the hooks did not (parameters without a gradient get zeros, as average()'s caller gives
+  // them): a capture of the bucket copies must hold every bucket's.
+  void start_remaining(const std::string& who) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t i : unstarted_members()) {
+      if (!parameters_[i].grad().defined()) parameters_[i].mutable_grad() = at::zeros_like(parameters_[i]);
+    }
+    while (next_ < buckets_.size()) start(next_++, who);
+  }
+
   // After the backward: starts what the hooks did not (parameters without gradients: `grads` holds zeros for
   // them), waits for every bucket, divides by `replicas` and writes the averages into `grads`.
+  // After a replayed step whose bucket copies were captured (BucketTransport::captured()), every bucket's host part
+  // begins here instead, before the waits.
   void finish(const std::vector<at::Tensor>& grads, int64_t replicas, const std::string& who) {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(grads.size() == parameters_.size(), who, ": expected the gradients of the ", parameters_.size(),
                 " attached parameters, got ", grads.size());
-    while (next_ < buckets_.size()) start(next_++, who, &grads);
+    if (transport_->captured()) {
+      for (size_t b = 0; b < buckets_.size(); ++b) transport_->replayed(b, buckets_[b].flat, who);
+    } else {
+      while (next_ < buckets_.size()) start(next_++, who, &grads);
+    }
     next_ = 0;
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
@@ -284,6 +308,12 @@ class BucketReducer {
     int64_t pending = 0;  // members whose gradient this backward has not produced yet
     bool started = false;
   };
+
+  std::vector<int64_t> unstarted_members() const {
+    std::vector<int64_t> out;
+    for (size_t b = next_; b < buckets_.size(); ++b) out.insert(out.end(), buckets_[b].members.begin(), buckets_[b].members.end());
+    return out;
+  }
 
   void start(size_t b, const std::string& who, const std::vector<at::Tensor>* grads = nullptr) {
     Bucket& bucket = buckets_[b];

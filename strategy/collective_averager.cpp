@@ -100,14 +100,10 @@ class CollectiveAverager final : public GradientAverager {
 
   // NCCL's collectives can be captured (ProcessGroupNCCL leaves captured work out of its watchdog; the replays
   // all-reduce on the device with no host involved); Gloo's run on its own threads and cannot.
-  bool captures_in_graphs() const override {
-    if (!options_.capture_collectives || options_.bucket_cap_bytes == 0) return false;
-    for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
-      for (Network network : kNetworks) {
-        if (!device_of(placement_, i, network).is_cuda()) return false;
-      }
-    }
-    return true;
+  GraphAveraging graph_averaging() const override {
+    return options_.capture_collectives && options_.bucket_cap_bytes > 0 && all_on_cuda(placement_)
+               ? GraphAveraging::whole
+               : GraphAveraging::between;
   }
 
   // A replayed all-reduce spins on its device until every replica's arrives: a replica still capturing (CUDA calls

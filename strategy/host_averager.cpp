@@ -1,9 +1,17 @@
 // Host averaging (--reduce host): the gradients go to pinned host memory, one thread per replica sums its slice over
 // every replica, and the sum goes back to each replica's device; across processes the host sums meet through Gloo.
-// Eager steps move buckets during the backward; captured steps one flat buffer per network (averaging.h).
+// Eager steps move buckets during the backward; captured steps one flat buffer per network between their segments,
+// or, with AveragingOptions::capture_host_copies, the buckets' copies inside the backward's graph (averaging.h).
 #include "averaging_parts.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#ifdef HIERPAR_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
 
 namespace hierpar::strategy::detail {
 namespace {
@@ -49,8 +57,24 @@ class HostAverager final : public GradientAverager {
     barriers_[0]->arrive_and_wait(local, c10::str("replica ", placement_.replicas[local].replica, " (connecting)"));
   }
 
-  // Buckets summed during the backward (eager steps; the trainer attaches none to captured steps, nor with
-  // synchronized BatchNorm, whose sums meet at the same barriers from the autograd threads).
+  GraphAveraging graph_averaging() const override {
+    return options_.capture_host_copies && options_.bucket_cap_bytes > 0 && all_on_cuda(placement_)
+               ? GraphAveraging::copies
+               : GraphAveraging::between;
+  }
+
+  // Under a capture: every bucket's copy is in the graph (a bucket no hook started, too), joined to the step's stream.
+  void backward_done(int64_t local, Network network) override {
+    BucketReducer* reducer = reducers_[static_cast<int>(network)][local].get();
+    if (reducer == nullptr) return;
+    auto& transport = static_cast<HostBuckets&>(reducer->transport());
+    if (!transport.capturing()) return;
+    reducer->start_remaining(where(placement_, local, network));
+    transport.join_captured_copies();
+  }
+
+  // Buckets summed during the backward (eager steps, and captured ones with capture_host_copies; the trainer attaches
+  // none with synchronized BatchNorm, whose sums meet at the same barriers from the autograd threads).
   void attach(int64_t local, Network network, const std::vector<at::Tensor>& parameters) override {
     if (options_.bucket_cap_bytes == 0 || parameters.empty()) return;
     const int n = static_cast<int>(network);
@@ -159,6 +183,9 @@ class HostAverager final : public GradientAverager {
   // summing thread of the replica waits for that copy and sums its slice of the bucket over every replica's copy;
   // wait() copies the sum back asynchronously on the step's stream. On the CPU the bucket's flat buffer is its host
   // copy, and the summing thread works while autograd goes on.
+  // Under a CUDA graph capture (capture_host_copies) the copy and an event recorded after it become nodes of the
+  // graph, and nothing is summed then: each replay's average() calls replayed(), whose summing job waits for that
+  // event of the replay, so the sums still run while the replayed backward goes on.
   class HostBuckets final : public BucketTransport {
    public:
     HostBuckets(HostAverager& averager, int64_t local, Network network, size_t buckets, c10::Device device)
@@ -166,9 +193,21 @@ class HostAverager final : public GradientAverager {
       if (device.is_cuda()) side_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
     }
 
+    ~HostBuckets() override {
+#ifdef HIERPAR_WITH_CUDA
+      for (cudaEvent_t event : landed_) {
+        if (event != nullptr) (void)cudaEventDestroy(event);
+      }
+#endif
+    }
+
     void start(size_t bucket, const at::Tensor& flat, const std::string& who) override {
       averager_.entered();
       BucketBuffers& buffers = averager_.bucket_buffers_[static_cast<int>(network_)];
+      if (capturing()) {
+        capture_copy(bucket, flat, buffers.host[bucket][local_]);
+        return;
+      }
       std::shared_ptr<c10::Event> copied;
       if (side_) {
         c10::Event ready(flat.device().type());
@@ -179,20 +218,41 @@ class HostAverager final : public GradientAverager {
         copied = std::make_shared<c10::Event>(flat.device().type());
         copied->record(*side_);
       }
-      summer_.post([this, &buffers, bucket, copied, who, numel = flat.numel()] {
-        try {
-          if (copied) copied->synchronize();
-          averager_.sum_on_host(local_, network_, buffers.host[bucket], buffers.sum[bucket], numel, who);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mutex_);
-          if (!failure_) failure_ = std::current_exception();
-        }
-        {
-          std::lock_guard<std::mutex> lock(mutex_);
-          ++summed_;
-        }
-        summed_changed_.notify_all();
-      });
+      post_sum(bucket, [copied] {
+        if (copied) copied->synchronize();
+      }, flat.numel(), who);
+    }
+
+    bool captured() const override { return captured_; }
+
+    // Whether this thread's current stream of the bucket's device is being captured into a CUDA graph.
+    bool capturing() const {
+#ifdef HIERPAR_WITH_CUDA
+      if (!side_) return false;
+      c10::cuda::CUDAGuard device_guard(side_->device_index());
+      return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+      return false;
+#endif
+    }
+
+    void replayed(size_t bucket, const at::Tensor& flat, const std::string& who) override {
+#ifdef HIERPAR_WITH_CUDA
+      cudaEvent_t landed = landed_.at(bucket);
+      post_sum(bucket, [landed] { C10_CUDA_CHECK(cudaEventSynchronize(landed)); }, flat.numel(), who);
+#else
+      (void)bucket, (void)flat, (void)who;
+#endif
+    }
+
+    // The copies a capture queued on the side stream join the step's stream (a capture ends on the stream it began
+    // on), once the backward has queued all its work, so that they never hold up its kernels.
+    void join_captured_copies() {
+      if (!join_pending_) return;
+      join_pending_ = false;
+      c10::Event joined(side_->device_type());
+      joined.record(*side_);
+      joined.block(c10::impl::VirtualGuardImpl(side_->device_type()).getStream(side_->device()));
     }
 
     void wait(size_t bucket, const at::Tensor& flat, const std::string& /*who*/) override {
@@ -209,6 +269,48 @@ class HostAverager final : public GradientAverager {
     }
 
    private:
+    // A summing job for `bucket`: `landed()` waits until this replica's copy of it is in host memory.
+    void post_sum(size_t bucket, std::function<void()> landed, int64_t numel, const std::string& who) {
+      BucketBuffers& buffers = averager_.bucket_buffers_[static_cast<int>(network_)];
+      summer_.post([this, &buffers, bucket, landed = std::move(landed), who, numel] {
+        try {
+          landed();
+          averager_.sum_on_host(local_, network_, buffers.host[bucket], buffers.sum[bucket], numel, who);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!failure_) failure_ = std::current_exception();
+        }
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++summed_;
+        }
+        summed_changed_.notify_all();
+      });
+    }
+
+    // The bucket's copy to `host` (pinned) on the side stream, after the step's stream has produced it, and an event
+    // the host can wait for at every replay (an external event record: a capture's ordinary events only order its
+    // own streams). cudaMemcpyAsync directly: ATen's copy would hand the pinned buffer's bookkeeping to the host
+    // allocator at capture time, while this buffer lives as long as the averager.
+    void capture_copy(size_t bucket, const at::Tensor& flat, const at::Tensor& host) {
+#ifdef HIERPAR_WITH_CUDA
+      captured_ = true;
+      if (landed_.size() < buckets_) landed_.resize(buckets_, nullptr);
+      if (landed_[bucket] == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&landed_[bucket], cudaEventDisableTiming));
+      c10::Event ready(flat.device().type());
+      ready.record(c10::impl::VirtualGuardImpl(flat.device().type()).getStream(flat.device()));
+      ready.block(*side_);
+      const cudaStream_t side = c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, *side_).stream();
+      c10::cuda::CUDAGuard device_guard(flat.device());
+      C10_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), flat.data_ptr(), flat.numel() * flat.element_size(),
+                                     cudaMemcpyDeviceToHost, side));
+      C10_CUDA_CHECK(cudaEventRecordWithFlags(landed_[bucket], side, cudaEventRecordExternal));
+      join_pending_ = true;
+#else
+      (void)bucket, (void)flat, (void)host;
+#endif
+    }
+
     HostAverager& averager_;
     const int64_t local_;
     const Network network_;
@@ -218,6 +320,10 @@ class HostAverager final : public GradientAverager {
     std::condition_variable summed_changed_;
     size_t summed_ = 0;  // buckets of this step summed so far
     std::exception_ptr failure_;  // the first failed sum: rethrown by every later wait()
+    bool captured_ = false, join_pending_ = false;  // capture_copy() ran; its copies are not yet joined
+#ifdef HIERPAR_WITH_CUDA
+    std::vector<cudaEvent_t> landed_;  // [bucket] recorded after each replay's copy (capture_copy)
+#endif
     JobThread summer_;            // last: its thread runs jobs that use the members above
   };
 

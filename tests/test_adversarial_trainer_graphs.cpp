@@ -659,7 +659,7 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   PairNet g(true), d(false);
   const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, graphs);
-  EXPECT_TRUE(trainer.averages_in_graphs());
+  EXPECT_EQ(trainer.graph_averaging(), hs::GraphAveraging::whole);
   for (int k = 0; k < 4; ++k) trainer.step(reals[k]);
   const int64_t before = trainer.progress();
   trainer.record_timeline(true);
@@ -675,13 +675,14 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   }
   hs::AdversarialTrainer flat(torch::nn::AnyModule(PairNet(true)), torch::nn::AnyModule(PairNet(false)), placement,
                               between);
-  EXPECT_FALSE(flat.averages_in_graphs());
+  EXPECT_EQ(flat.graph_averaging(), hs::GraphAveraging::between);
 }
 
 // Host averaging on 2 GPUs: eager steps sum buckets on the replicas' threads during the backward (caps of a few
 // hundred bytes cut the networks into several), and give the numbers of one flat buffer per network after the
-// backward (caps 0) and of captured steps (flat, between the segments) bit for bit: every element is the same sum
-// of the same two values, divided alike. Two runs of each kind in one process, as a user's runs follow each other.
+// backward (caps 0), of captured steps (flat, between the segments) and of captured steps whose bucket copies are
+// graph nodes (capture_host_copies) bit for bit: every element is the same sum of the same two values, divided
+// alike. Two runs of each kind in one process, as a user's runs follow each other.
 TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
   HIERPAR_REQUIRE_CUDA();
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
@@ -694,15 +695,24 @@ TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
   auto flat = bucketed;
   flat.averaging.bucket_cap_bytes = 0;
   const auto graphs = eager_and_graph_options().second;
+  auto captured_copies = graphs;
+  captured_copies.averaging = bucketed.averaging;
+  captured_copies.averaging.capture_host_copies = true;
   for (int round = 0; round < 2; ++round) {
     const std::string what = "data x2, host averaging, round " + std::to_string(round) + ": ";
     const TrainedRun a = train(placement, bucketed, reals, 4, 6);
     const TrainedRun b = train(placement, flat, reals, 4, 6);
     const TrainedRun c = train(placement, graphs, reals, 4, 6);
+    const TrainedRun d = train(placement, captured_copies, reals, 4, 6);
     expect_moved(a, 4);
     expect_same_run(a, b, Tolerance{0, 0}, what + "bucketed vs flat");
     expect_same_run(c, b, Tolerance{0, 0}, what + "graphs vs eager flat");
+    expect_same_run(d, b, Tolerance{0, 0}, what + "graphs with captured bucket copies vs eager flat");
   }
+  torch::manual_seed(4);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(PairNet(true)), torch::nn::AnyModule(PairNet(false)), placement,
+                                 captured_copies);
+  EXPECT_EQ(trainer.graph_averaging(), hs::GraphAveraging::copies);
 }
 
 // Placements whose step spans two devices are captured per device (G's segments on G's GPU, D's on D's, the copies

@@ -22,8 +22,9 @@
 // the other device or averages outside the graphs; the replay runs them in the step's order with the copies
 // between devices and that averaging in between, eagerly. NCCL averaging is captured: the buckets' all-reduces
 // are nodes of the backward's graph (AveragingOptions::capture_collectives), so a data-parallel step is one graph
-// per replica. Host averaging reads the gradients on CPU threads between the segments. Synchronized BatchNorm is
-// not captured (graph_fallback() says so).
+// per replica. Host averaging sums on CPU threads between the segments, from one flat buffer per network or, with
+// AveragingOptions::capture_host_copies, from bucket copies captured in the backward's graph (graph_averaging()).
+// Synchronized BatchNorm is not captured (graph_fallback() says so).
 //
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
 // D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
@@ -217,8 +218,8 @@ class AdversarialTrainer {
   // Collectives this process's replicas have entered (GradientAverager::progress) and captured steps with
   // collectives they have replayed; 0 with one replica in all. Every rank's count grows alike per step.
   int64_t progress() const;
-  // Whether captured steps average inside their graphs (NCCL buckets captured in the backward).
-  bool averages_in_graphs() const { return averages_in_graphs_; }
+  // How much of the averaging captured steps capture (GradientAverager::graph_averaging; between without graphs).
+  GraphAveraging graph_averaging() const { return graph_averaging_; }
 
   const Placement& placement() const { return placement_; }
   // Local replica `local`'s modules and optimisers (replica 0's are what a checkpoint saves; with
@@ -264,7 +265,7 @@ class AdversarialTrainer {
   std::string failure_;   // why an earlier step failed: every later one is refused
   int64_t steps_ = 0;     // steps run (the fault hook's step index)
   bool graphs_ = false;
-  bool averages_in_graphs_ = false;
+  GraphAveraging graph_averaging_ = GraphAveraging::between;
   std::atomic<int64_t> replayed_averages_{0};  // progress() of averaging captured in the graphs
   std::string graph_fallback_;
   bool shared_noise_generator_ = false;     // local replicas draw from one generator (CPU)

@@ -30,6 +30,15 @@ namespace hierpar::strategy {
 enum class Network { generator = 0, discriminator = 1 };
 const char* to_string(Network network);
 
+// How much of an averager's work a captured step (CUDA graphs) captures:
+//  - between: none; average() runs between the replayed segments, on one flat buffer per network;
+//  - copies: the bucket hooks fire during the capture, so each bucket's copy into host memory is a node of the
+//    backward's graph; average(), between the segments, sums the buckets on CPU threads as the replay's copies land
+//    and copies the sums back (host averaging);
+//  - whole: the buckets' collectives are graph nodes too, and average() is captured after them (NCCL).
+enum class GraphAveraging { between, copies, whole };
+const char* to_string(GraphAveraging mode);
+
 // A wait for other replicas that ended without a result: a peer failed, died or did not arrive in time, or the
 // averager was aborted. An error of this replica's own is a plain c10::Error; a caller coordinating many processes
 // (RunGuard) looks for the cause of a PeerFailure elsewhere before reporting it.
@@ -70,14 +79,17 @@ class GradientAverager {
   // Called by every local replica's thread before its first average(): collectives may rendezvous here.
   virtual void connect(int64_t local) = 0;
 
-  // Whether a captured step (CUDA graphs) may capture this averager's work: the hooks attach() registers fire
-  // during the capture, so the buckets' sums become nodes of the backward's graph, and average() is captured
-  // after them. False (the default): captured steps call average() between their segments, outside the graphs.
-  virtual bool captures_in_graphs() const { return false; }
+  // What a captured step (CUDA graphs) may capture of this averager's work (GraphAveraging); the hooks attach()
+  // registers then fire during the capture as in an eager backward.
+  virtual GraphAveraging graph_averaging() const { return GraphAveraging::between; }
 
   // Called by every local replica's thread after its step was captured and before the first replay: replicas
   // whose captured collectives wait on the device for each other start replaying only once all are captured.
   virtual void captured(int64_t /*local*/) {}
+
+  // Called after the last backward of `network` in a step (eager or being captured), on the step's stream: work
+  // the averager queued on other streams during that backward is joined back (a capture must end on one stream).
+  virtual void backward_done(int64_t /*local*/, Network /*network*/) {}
 
   // Optional overlap with the backward: local replica `local`'s parameters of `network`, in registration
   // order, whose gradients later average() calls will average (same tensors, same order). An averager
@@ -130,8 +142,13 @@ struct AveragingOptions {
   // Captured steps with NCCL averaging (and bucket_cap_bytes > 0): the buckets' all-reduces are captured inside
   // the backward's CUDA graph, as PyTorch DDP's under torch.cuda.graph, so a replayed step overlaps them with the
   // backward and needs no host work between its segments. false: one flat all-reduce per network between the
-  // replayed segments (for comparison). Host averaging never captures (its sums run on CPU threads).
+  // replayed segments (for comparison).
   bool capture_collectives = true;
+  // Captured steps with host averaging (and bucket_cap_bytes > 0): each bucket's copy to pinned memory is captured
+  // in the backward's graph as the bucket becomes ready, and the replicas' threads sum a bucket as soon as the
+  // replay's copy of it has landed, while the GPU goes on with the backward. false: one flat buffer per network,
+  // copied, summed and copied back between the replayed segments. Off until measured on GPUs (docs/strategy.md).
+  bool capture_host_copies = false;
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).
