@@ -951,7 +951,13 @@ TEST(Examples, StrategyFlagsParseAndValidate) {
   auto config = tiny_training(dir / "out");
   config.strategy = "data";
   config.gpus = 2;
+  ASSERT_TRUE(config.reduce.empty()) << "--reduce's default: nccl on GPUs, host on the CPU";
   EXPECT_EQ(dcgan_placement(config).to_string(), "data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu; reduce=host");
+  if (torch::cuda::device_count() >= 2) {
+    auto on_gpus = config;
+    on_gpus.device = "cuda";
+    EXPECT_EQ(dcgan_placement(on_gpus).reduce, hierpar::strategy::Reduce::collective);
+  }
   config.strategy = "task";
   config.gpus = 0;  // the scheme's own count
   config.reduce = "nccl";  // Gloo's collectives with --device cpu: how the tests run the collective averaging

@@ -30,10 +30,11 @@ struct DCGANTrainConfig {
   std::string device = "";             // "" picks cuda when available; cpu runs every strategy on the CPU
   // How G and D are placed and trained (hierpar::strategy): single | task | data | hierarchical over
   // `gpus` devices in all (0: the scheme's own count, times WORLD_SIZE under a launcher), gradients
-  // averaged by host | nccl. batch_size is the global batch, split evenly over all replicas.
+  // averaged by host | nccl (empty: nccl on GPUs, the fast path on an NVLink host; host, the seed's way, on the
+  // CPU). batch_size is the global batch, split evenly over all replicas.
   std::string strategy = "single";
   int64_t gpus = 0;
-  std::string reduce = "host";
+  std::string reduce;
   bool sync_batch_norm = false;        // BatchNorm statistics over all replicas (off: per replica, as the paper)
   int64_t epochs = 5;
   int64_t batch_size = 64;

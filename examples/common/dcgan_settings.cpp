@@ -84,12 +84,12 @@ hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
   if (config.strategy != "single" && config.strategy != "task" && config.strategy != "data" &&
       config.strategy != "hierarchical")
     throw FlagError("--strategy: expected single, task, data or hierarchical, got '" + config.strategy + "'");
-  if (config.reduce != "host" && config.reduce != "nccl")
+  if (!config.reduce.empty() && config.reduce != "host" && config.reduce != "nccl")
     throw FlagError("--reduce: expected host or nccl, got '" + config.reduce + "'");
   const hs::Scheme scheme = hs::parse_scheme(config.strategy);
-  const hs::Reduce reduce = hs::parse_reduce(config.reduce);
   const hs::Launch launch = hs::Launch::from_env();
   const torch::Device device = parse_device(config.device);
+  const hs::Reduce reduce = hs::parse_reduce(config.reduce.empty() ? (device.is_cuda() ? "nccl" : "host") : config.reduce);
   // Several replicas or G/D devices on the CPU are threads standing in for GPUs (tests, CI): only on request.
   if (device.is_cpu() && config.device.empty() &&
       (scheme != hs::Scheme::single || config.gpus > 1 || launch.multi_process()))
