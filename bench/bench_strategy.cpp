@@ -24,6 +24,10 @@
 // steps' span). Task and hierarchical rows also write <gpu>-strategy-trace-<row>.json: a Chrome trace
 // (chrome://tracing, ui.perfetto.dev) of two consecutive steps, one row per GPU.
 // Rows needing more GPUs than present are skipped, and the output says so.
+// Under torchrun (`torchrun --nproc-per-node P hierpar-bench strategy`) the captured multi-replica rows run with their
+// replicas spread over the P processes (one process per replica where the row has P replicas: PyTorch DDP's layout),
+// the label says "P processes", rank 0 prints and writes <gpu>-strategy-Pprocs.json, and the rows that one process
+// runs alone (single, task, the eager and sync BN rows) are left out: compare with the in-process run's record.
 #include "bench.h"
 
 #include "hierpar/models/dcgan.h"
@@ -204,6 +208,9 @@ void write_trace(const std::vector<hs::TimelineSpan>& spans, int64_t first, cons
 
 void strategy_suite(Report& report, const Options& options) {
   const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
+  const bool launched = options.world_size > 1;
+  const bool reports = options.rank == 0;
+  const hs::Launch launch = launched ? hs::Launch::from_env() : hs::Launch{};
   const std::vector<Row> rows = {
       {"single", 1, "none", hierpar::LayerSet::stock},   {"single", 1, "none", hierpar::LayerSet::hierpar},
       {"task", 2, "none", hierpar::LayerSet::hierpar},   {"data", 2, "host", hierpar::LayerSet::hierpar},
@@ -254,13 +261,28 @@ void strategy_suite(Report& report, const Options& options) {
                                 (row.graphs ? "" : ", eager") +
                                 (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
-                                std::to_string(c.batch) + " " + c.precision.name();
+                                std::to_string(c.batch) + " " + c.precision.name() +
+                                (launched ? ", " + std::to_string(options.world_size) + " processes" : "");
       const auto skipped_by_flag = std::find_if(options.skip.begin(), options.skip.end(), [&](const std::string& text) {
         return label.find(text) != std::string::npos;
       });
       if (skipped_by_flag != options.skip.end()) {
         skipped.push_back(label + ": --skip '" + *skipped_by_flag + "'");
         continue;
+      }
+      if (launched) {
+        const int64_t per_replica = std::string(row.strategy) == "hierarchical" ? 2 : 1;
+        std::string why;
+        if (std::string(row.reduce) == "none" || row.sync_bn || !row.graphs) {
+          why = "one process runs it (see the in-process record)";
+        } else if (row.gpus % options.world_size != 0 || (row.gpus / options.world_size) % per_replica != 0) {
+          why = "its " + std::to_string(row.gpus) + " GPUs do not split into whole replicas over " +
+                std::to_string(options.world_size) + " processes";
+        }
+        if (!why.empty()) {
+          skipped.push_back(label + ": " + why);
+          continue;
+        }
       }
       if (row.gpus > visible) {
         skipped.push_back(label + ": needs " + std::to_string(row.gpus) + " GPUs, " + std::to_string(visible) +
@@ -271,7 +293,7 @@ void strategy_suite(Report& report, const Options& options) {
         const auto placement = hs::Placement::make(hs::parse_scheme(row.strategy), row.gpus,
                                                    std::string(row.reduce) == "nccl" ? hs::Reduce::collective
                                                                                      : hs::Reduce::host,
-                                                   c10::DeviceType::CUDA, hs::Launch{});
+                                                   c10::DeviceType::CUDA, launch);
         hierpar::models::DCGANOptions model;  // the seed's: nz 100, 64x64x3, width 1
         model.layers = row.layers;
         torch::manual_seed(0);
@@ -316,7 +338,7 @@ void strategy_suite(Report& report, const Options& options) {
         const double epoch_s = kEpochImages / images_per_s;
         // The GPUs' idle time in two steady-state steps (and their trace), from the trainer's timeline.
         std::vector<std::pair<std::string, double>> idle;
-        if (row.gpus > 1) {
+        if (row.gpus > 1 && !launched) {  // the timeline sees this process's GPUs only
           trainer.record_timeline(true);
           for (int i = 0; i < 3; ++i) trainer.step_shares(reals);
           const auto spans = trainer.timeline();
@@ -340,6 +362,7 @@ void strategy_suite(Report& report, const Options& options) {
             .set("reduce", row.reduce)
             .set("buckets", bucketing ? row.buckets : "none")
             .set("sync_bn", row.sync_bn)
+            .set("processes", options.world_size)
             .set("graph_averaging", hs::to_string(trainer.graph_averaging()));
         Config extra;
         extra.set("images_per_s", images_per_s).set("epoch_s", epoch_s).set("steps_per_run", steps);
@@ -357,10 +380,12 @@ void strategy_suite(Report& report, const Options& options) {
                                             (std::string(row.buckets) == "flat" ? " flat" : "") +
                                             (row.graphs ? "" : " eager") +
                                             (row.sync_bn ? " sync BN" : "") +
-                                            (row.layers == hierpar::LayerSet::stock ? " stock" : "");
+                                            (row.layers == hierpar::LayerSet::stock ? " stock" : "") +
+                                            (launched ? " " + std::to_string(options.world_size) + " procs" : "");
         results.push_back({shown, placement_label, "b" + std::to_string(c.batch) + " " + c.precision.name(), epoch_s,
                            images_per_s});
         // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
+        if (!reports) continue;
         if (!options.out_prefix.empty()) report.write_json(options.out_prefix + ".json");
         std::printf("  %-80s %9.3f ms/step %11.0f images/s %8.4f s/epoch%s%s\n", shown.c_str(), t.median_us / 1000.0,
                     images_per_s, epoch_s, idle.empty() ? "" : "  idle:", idle_text.c_str());
@@ -374,6 +399,7 @@ void strategy_suite(Report& report, const Options& options) {
       }
     }
   }
+  if (!reports) return;
   std::cout << "\nTable 2 (seed 000) on " << visible << " GPU(s): seconds per epoch of " << kEpochImages
             << " images and images/s\n";
   for (const auto& r : results)

@@ -3,6 +3,8 @@
 //   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]
 #include "bench.h"
 
+#include "hierpar/strategy/placement.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -102,12 +104,18 @@ int main(int argc, char** argv) {
   at::globalContext().setBenchmarkCuDNN(true);  // stock at its strongest
   std::filesystem::create_directories(out_dir);
   const std::string gpu = cuda ? slug(at::cuda::getCurrentDeviceProperties()->name) : "cpu";
+  const auto launch = hierpar::strategy::Launch::from_env();
+  options.rank = launch.rank;
+  options.world_size = launch.world_size;
+  // Several processes write one record, named after their count; rank 0 writes it.
+  const std::string processes = launch.multi_process() ? "-" + std::to_string(launch.world_size) + "procs" : "";
+  const bool reports = launch.rank == 0;
   int failed = 0;
   for (const auto& [name, suite] : suites()) {
     if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
-    std::cout << "== " << name << (options.quick ? " (quick)" : "") << " on " << gpu << std::endl;
+    if (reports) std::cout << "== " << name << (options.quick ? " (quick)" : "") << " on " << gpu << std::endl;
     Report report;
-    options.out_prefix = out_dir + "/" + gpu + "-" + name;
+    options.out_prefix = out_dir + "/" + gpu + "-" + name + processes;
     try {
       suite(report, options);
     } catch (const c10::Error& e) {
@@ -115,8 +123,9 @@ int main(int argc, char** argv) {
       ++failed;
       continue;
     }
+    if (!reports) continue;
     report.print_table(std::cout);
-    const std::string path = out_dir + "/" + gpu + "-" + name + ".json";
+    const std::string path = options.out_prefix + ".json";
     report.write_json(path);
     std::cout << "wrote " << path << "\n" << std::endl;
   }
