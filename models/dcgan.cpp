@@ -23,13 +23,14 @@ torch::Tensor apply_block(const Layer& conv, const Layer* norm, bool tanh, const
   return tanh ? torch::tanh(y) : y;
 }
 
-// apply_block, recomputed in the backward under `memory` (recompute, offload); `own_input`: x was produced by this
-// network (the noise and the images are kept by the caller anyway, so they are never offloaded). Without
-// recomputation the layers run directly: nothing is copied on that path, which every default forward takes.
-torch::Tensor block(const Layer& conv, const Layer* norm, const torch::Tensor& x, nn::ActivationMemory memory,
-                    bool own_input, nn::OffloadChain& chain, bool tanh = false) {
+// apply_block, recomputed in the backward under `memory` (recompute, offload); `index` is the block's place in the
+// network's forward; `own_input`: x was produced by this network (the noise and the images are kept by the caller
+// anyway, so they are never offloaded). Without recomputation the layers run directly: nothing is copied on that
+// path, which every default forward takes.
+torch::Tensor block(const Layer& conv, const Layer* norm, int64_t index, const torch::Tensor& x,
+                    nn::ActivationMemory memory, bool own_input, nn::OffloadChain& chain, bool tanh = false) {
   if (memory == nn::ActivationMemory::none ||
-      (memory == nn::ActivationMemory::offload && chain.keeps_activations(x)))
+      (memory == nn::ActivationMemory::offload && chain.keeps_activations(index, x)))
     return apply_block(conv, norm, tanh, x);
   // The backward recomputes after this call has returned: the node keeps its own copies of the layers.
   std::vector<std::shared_ptr<torch::nn::Module>> modules{conv.module};
@@ -39,11 +40,13 @@ torch::Tensor block(const Layer& conv, const Layer* norm, const torch::Tensor& x
     modules.push_back(norm->module);
   }
   const bool offload = memory == nn::ActivationMemory::offload && own_input;
-  return nn::recompute(
+  torch::Tensor y = nn::recompute(
       [conv, kept_norm, tanh](const torch::Tensor& in) {
         return apply_block(conv, kept_norm ? &*kept_norm : nullptr, tanh, in);
       },
       x, modules, offload ? &chain : nullptr);
+  if (memory == nn::ActivationMemory::offload) chain.observe(index, x, y);
+  return y;
 }
 
 }  // namespace
@@ -53,8 +56,8 @@ void DCGANOptions::validate() const {
               "image_size: expected 32, 64 or 128, got ", image_size);
   TORCH_CHECK(channels == 1 || channels == 3, "channels: expected 1 or 3, got ", channels);
   TORCH_CHECK(nz >= 1, "nz: expected a positive noise dimension, got ", nz);
-  TORCH_CHECK(offload_above >= 0 && offload_above <= 1, "offload_above: expected a fraction in [0, 1], got ",
-              offload_above);
+  TORCH_CHECK(offload_budget >= 0 && offload_budget <= 1, "offload_budget: expected a fraction in [0, 1], got ",
+              offload_budget);
   TORCH_CHECK(std::isfinite(width) && std::lround(32 * width) >= 1,
               "width: expected a multiplier giving at least 1 channel (width >= 1/64), got ", width);
 }
@@ -96,7 +99,7 @@ GeneratorImpl::GeneratorImpl(DCGANOptions options_) : options(std::move(options_
 void GeneratorImpl::reset() {
   options.validate();
   offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
-  offload_->keep_below_fraction = options.offload_above;
+  offload_->budget = options.offload_budget;
   deconvs_.clear();
   norms_.clear();
   const auto hidden = options.hidden_channels();
@@ -127,8 +130,11 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
               "Generator: expected noise of shape [N, ", options.nz, "] or [N, ", options.nz, ", 1, 1], got ",
               z.sizes());
   auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
-  for (size_t i = 0; i < norms_.size(); ++i) x = block(deconvs_[i], &norms_[i], x, options.memory, i > 0, *offload_);
-  return block(deconvs_.back(), nullptr, x, options.memory, !norms_.empty(), *offload_, /*tanh=*/true);
+  for (size_t i = 0; i < norms_.size(); ++i) {
+    x = block(deconvs_[i], &norms_[i], static_cast<int64_t>(i), x, options.memory, i > 0, *offload_);
+  }
+  return block(deconvs_.back(), nullptr, static_cast<int64_t>(norms_.size()), x, options.memory, !norms_.empty(),
+               *offload_, /*tanh=*/true);
 }
 
 DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
@@ -136,7 +142,7 @@ DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(
 void DiscriminatorImpl::reset() {
   options.validate();
   offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
-  offload_->keep_below_fraction = options.offload_above;
+  offload_->budget = options.offload_budget;
   convs_.clear();
   norms_.clear();
   auto hidden = options.hidden_channels();
@@ -171,8 +177,10 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
-  auto x = block(convs_[0], nullptr, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
-  for (size_t i = 0; i < norms_.size(); ++i) x = block(convs_[i + 1], &norms_[i], x, options.memory, true, *offload_);
+  auto x = block(convs_[0], nullptr, 0, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
+  for (size_t i = 0; i < norms_.size(); ++i) {
+    x = block(convs_[i + 1], &norms_[i], static_cast<int64_t>(i + 1), x, options.memory, true, *offload_);
+  }
   return convs_.back().forward(x).flatten();
 }
 

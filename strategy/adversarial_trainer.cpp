@@ -5,6 +5,7 @@
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/sync_batch_norm.h"
 
+#include "hierpar/nn/recompute.h"
 #include "hierpar/ops.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -530,7 +531,11 @@ torch::Tensor AdversarialTrainer::graph_input(int64_t local) const { return repl
 void AdversarialTrainer::step_replica(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
                                       StepLosses& out) {
   Replica& r = *replicas_[local];
-  c10::OptionalDeviceGuard device_guard(placement_.replicas[local].discriminator);
+  const ReplicaDevices& devices = placement_.replicas[local];
+  c10::OptionalDeviceGuard device_guard(devices.discriminator);
+  // Offloading modules (hierpar::nn::recompute with an OffloadChain) plan their devices' memory from measured steps.
+  hierpar::nn::begin_offload_step(devices.generator);
+  if (devices.discriminator != devices.generator) hierpar::nn::begin_offload_step(devices.discriminator);
   if (graphs_) {
     graph_step_replica(local, real_share, noise_share);
   } else {

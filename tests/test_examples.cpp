@@ -912,8 +912,8 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_flag_error(run_dcgan(base + "--layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "layer set");
   expect_flag_error(run_dcgan(base + "--memory swap", dir), "--memory: expected none, recompute or offload, got 'swap'",
                     "memory mode");
-  expect_flag_error(run_dcgan(base + "--memory offload --offload-above 2", dir),
-                    "--offload-above: expected a fraction of the GPU's memory in [0, 1], got 2", "offload fraction");
+  expect_flag_error(run_dcgan(base + "--memory offload --offload-budget 2", dir),
+                    "--offload-budget: expected a fraction of the GPU's memory in [0, 1], got 2", "offload budget");
   expect_flag_error(run_dcgan(base + "--memory offload --r1 1", dir),
                     "--memory offload: the R1 and gradient penalties differentiate through every block's input",
                     "offload with a penalty");

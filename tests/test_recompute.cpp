@@ -182,39 +182,67 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
 
 // What recomputation is for: the seed's DCGAN at batch 256 keeps less between the forward and the backward. Peak
 // memory of one D and G forward and backward (after one untimed pass), with and without, on one GPU; offloading
-// every block (the default) keeps less still, and offloading only above half the GPU's memory leaves a batch this
-// small as it is.
+// every block (offload_budget 0) keeps less still, and offloading as the budget requires leaves a batch this small
+// as it is once a measured step has made the plan.
 TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();
   using hierpar::nn::ActivationMemory;
-  auto peak = [](ActivationMemory memory, double offload_above = 0) {
+  auto peak = [](ActivationMemory memory, double offload_budget = 0) {
     hierpar::models::DCGANOptions model;
     model.layers = LayerSet::hierpar;
     model.memory = memory;
-    model.offload_above = offload_above;
+    model.offload_budget = offload_budget;
     torch::manual_seed(0);
     hierpar::models::Generator g(model);
     hierpar::models::Discriminator d(model);
     g->to(torch::kCUDA);
     d->to(torch::kCUDA);
     const auto z = torch::randn({256, model.nz, 1, 1}, torch::kCUDA);
+    auto pass = [&] { d->forward(g->forward(z)).square().mean().backward(); };
+    if (offload_budget > 0) {  // a measured step, then the plan (AdversarialTrainer marks its steps so)
+      hierpar::nn::begin_offload_step(torch::Device(torch::kCUDA, 0));
+      pass();
+      hierpar::nn::begin_offload_step(torch::Device(torch::kCUDA, 0));
+    }
     torch::cuda::synchronize();
     c10::cuda::CUDACachingAllocator::resetPeakStats(0);
     const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
-    d->forward(g->forward(z)).square().mean().backward();
+    pass();
     torch::cuda::synchronize();
     return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
   };
   peak(ActivationMemory::none);  // the first pass's one-time allocations (cuDNN, cuBLAS) are not the activations'
   const int64_t keeping = peak(ActivationMemory::none), recomputing = peak(ActivationMemory::recompute),
-                offloading = peak(ActivationMemory::offload), offloading_if_needed = peak(ActivationMemory::offload, 0.5);
+                offloading = peak(ActivationMemory::offload), offloading_if_needed = peak(ActivationMemory::offload, 0.9);
   std::cout << "peak bytes above the start: keeping " << keeping << ", recomputing " << recomputing
-            << ", offloading every block " << offloading << ", offloading above half the memory "
+            << ", offloading every block " << offloading << ", offloading within 90% of the memory "
             << offloading_if_needed << "\n";
   EXPECT_LT(recomputing, keeping * 9 / 10) << "recompute should keep at least a tenth less";
   EXPECT_LT(offloading, recomputing) << "offload should keep less than recompute";
   EXPECT_NEAR(static_cast<double>(offloading_if_needed), static_cast<double>(keeping), 0.01 * keeping)
-      << "a batch far below the threshold offloads nothing";
+      << "a batch far below the budget offloads nothing";
+}
+
+// The budget's choice: nothing kept without headroom, everything when all fits, and in between the blocks that save
+// the most copying per byte kept (a discriminator's block keeps its input and a half-size output; a generator's a
+// double-size output), largest first among equals.
+TEST(Recompute, OffloadPlanKeepsWhatTheBudgetAllows) {
+  using hierpar::nn::OffloadCandidate;
+  const std::vector<OffloadCandidate> blocks{{100, 300}, {200, 300}, {400, 600}, {50, 150}};  // G-like, D-like, ...
+  auto kept = [&](int64_t peak, int64_t budget) {
+    std::vector<int> out;
+    const auto plan = hierpar::nn::plan_kept_blocks(blocks, peak, budget);
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (plan[i]) out.push_back(static_cast<int>(i));
+    }
+    return out;
+  };
+  EXPECT_EQ(kept(1000, 900), std::vector<int>{}) << "a step already over the budget keeps nothing";
+  EXPECT_EQ(kept(1000, 1000), std::vector<int>{});
+  EXPECT_EQ(kept(1000, 1000 + 300 + 300 + 600 + 150), (std::vector<int>{0, 1, 2, 3})) << "a batch that fits keeps all";
+  EXPECT_EQ(kept(1000, 1000 + 600), (std::vector<int>{2})) << "2/3 input per byte kept, the larger of two";
+  EXPECT_EQ(kept(1000, 1000 + 900), (std::vector<int>{1, 2}));
+  EXPECT_EQ(kept(1000, 1000 + 1050), (std::vector<int>{1, 2, 3})) << "then the 1/3 ones that still fit";
 }
 
 // Offloaded blocks on CUDA: a chain of four blocks (each offloading its input, prefetched by the block after it in

@@ -360,7 +360,10 @@ int train_dcgan(DCGANTrainConfig config) {
     say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
         (config.model.memory == hierpar::nn::ActivationMemory::recompute ? ", activations recomputed in the backward"
          : config.model.memory == hierpar::nn::ActivationMemory::offload
-             ? ", activations recomputed in the backward from inputs kept in host memory"
+             ? (config.model.offload_budget > 0
+                    ? ", activations offloaded to host memory as far as " + format_number(config.model.offload_budget) +
+                          " of the GPU's memory requires (planned from the third step)"
+                    : ", every block's activations recomputed in the backward from inputs kept in host memory")
              : "") +
         "; generator " +
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +

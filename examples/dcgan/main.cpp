@@ -78,9 +78,9 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
            "and runs its forward again in the backward: less memory, one more forward, the same numbers); or offload "
            "(as recompute, and those inputs wait in pinned host memory: least memory, limited by PCIe; eager steps, no "
            "penalties)")
-      .add("offload-above", &config.model.offload_above, "with --memory offload: blocks that start while the GPU holds "
-           "less than this fraction of its memory keep their activations and run at full speed (0: offload every block)",
-           -1.0)
+      .add("offload-budget", &config.model.offload_budget, "with --memory offload: the fraction of the GPU's memory a "
+           "step may use; from the third step on, blocks keep their activations (full speed) as far as the measured "
+           "peak allows (0: offload every block)", -1.0)
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
@@ -110,9 +110,9 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   config.model.image_size = run.image_size;
   config.model.channels = run.channels;
   config.model.width = run.width;
-  if (config.model.offload_above < 0 || config.model.offload_above > 1)
-    throw FlagError("--offload-above: expected a fraction of the GPU's memory in [0, 1], got " +
-                    format_number(config.model.offload_above));
+  if (config.model.offload_budget < 0 || config.model.offload_budget > 1)
+    throw FlagError("--offload-budget: expected a fraction of the GPU's memory in [0, 1], got " +
+                    format_number(config.model.offload_budget));
   config.model.nz = run.nz;
   try {
     config.model.memory = hierpar::nn::parse_activation_memory(run.memory);

@@ -14,7 +14,12 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
+#include <map>
 #include <optional>
+#include <set>
+#include <utility>
 
 namespace hierpar::nn {
 
@@ -107,6 +112,100 @@ struct OffloadedInput {
 
 }  // namespace detail
 
+namespace {
+
+// One device's offload plan (begin_offload_step): what the measured step saw of each block, and the blocks kept.
+struct DevicePlan {
+  enum class State { unmarked, measuring, planned };
+  using Key = std::pair<uint64_t, int64_t>;  // (chain, block)
+  struct Seen {
+    int64_t input_numel = 0;
+    OffloadCandidate candidate;
+  };
+  std::mutex mutex;
+  State state = State::unmarked;
+  bool stale = false;  // a block's input changed shape since the plan: the next step measures again
+  double budget = 0.9;
+  std::map<Key, Seen> seen;
+  std::set<Key> kept;
+};
+
+// The plans of the devices on which a block has offloaded (keeps_activations creates them).
+std::mutex plans_mutex;
+std::map<c10::DeviceIndex, std::shared_ptr<DevicePlan>> plans;
+
+std::shared_ptr<DevicePlan> plan_of(c10::DeviceIndex device, bool create) {
+  std::lock_guard<std::mutex> lock(plans_mutex);
+  auto it = plans.find(device);
+  if (it != plans.end()) return it->second;
+  if (!create) return nullptr;
+  return plans[device] = std::make_shared<DevicePlan>();
+}
+
+std::atomic<uint64_t> next_chain_id{1};
+
+}  // namespace
+
+std::vector<bool> plan_kept_blocks(const std::vector<OffloadCandidate>& blocks, int64_t measured_peak,
+                                   int64_t budget_bytes) {
+  std::vector<size_t> order(blocks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto ratio = [&](size_t i) {
+    return static_cast<double>(blocks[i].input_bytes) / static_cast<double>(std::max<int64_t>(1, blocks[i].kept_bytes));
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return ratio(a) != ratio(b) ? ratio(a) > ratio(b) : blocks[a].kept_bytes > blocks[b].kept_bytes;
+  });
+  std::vector<bool> kept(blocks.size(), false);
+  int64_t headroom = budget_bytes - measured_peak;
+  for (size_t i : order) {
+    if (blocks[i].kept_bytes <= headroom) {
+      kept[i] = true;
+      headroom -= blocks[i].kept_bytes;
+    }
+  }
+  return kept;
+}
+
+void begin_offload_step(const c10::Device& device) {
+#ifdef HIERPAR_WITH_CUDA
+  if (!device.is_cuda()) return;
+  const std::shared_ptr<DevicePlan> plan = plan_of(device.index(), /*create=*/false);
+  if (plan == nullptr) return;
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  if (plan->state == DevicePlan::State::planned && !plan->stale) return;
+  if (plan->state == DevicePlan::State::measuring && !plan->stale) {
+    // The allocator's reserved memory, not the allocations: what running out depends on, fragmentation included.
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const int64_t peak = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    const auto total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
+    std::vector<DevicePlan::Key> keys;
+    std::vector<OffloadCandidate> candidates;
+    for (const auto& [key, seen] : plan->seen) {
+      keys.push_back(key);
+      candidates.push_back(seen.candidate);
+    }
+    const std::vector<bool> kept = plan_kept_blocks(candidates, peak, static_cast<int64_t>(plan->budget * total));
+    plan->kept.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (kept[i]) plan->kept.insert(keys[i]);
+    }
+    plan->state = DevicePlan::State::planned;
+    return;
+  }
+  // No plan yet, or one for other shapes: this step offloads every block and measures.
+  plan->seen.clear();
+  plan->kept.clear();
+  plan->stale = false;
+  plan->state = DevicePlan::State::measuring;
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#else
+  (void)device;
+#endif
+}
+
+OffloadChain::OffloadChain() : id_(next_chain_id.fetch_add(1)) {}
+
 std::weak_ptr<detail::OffloadedInput> OffloadChain::append(const std::shared_ptr<detail::OffloadedInput>& input) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::weak_ptr<detail::OffloadedInput> previous = last_;
@@ -114,18 +213,32 @@ std::weak_ptr<detail::OffloadedInput> OffloadChain::append(const std::shared_ptr
   return previous;
 }
 
-bool OffloadChain::keeps_activations(const torch::Tensor& input) const {
-#ifdef HIERPAR_WITH_CUDA
-  if (!input.is_cuda()) return false;
-  const c10::DeviceIndex device = input.device().index();
-  const auto total = at::cuda::getDeviceProperties(device)->totalGlobalMem;  // ATen caches the properties
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  const int64_t allocated = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
-  return static_cast<double>(allocated) < keep_below_fraction * static_cast<double>(total);
-#else
-  (void)input;
-  return false;
-#endif
+bool OffloadChain::keeps_activations(int64_t block, const torch::Tensor& input) const {
+  if (!input.is_cuda() || budget <= 0) return false;
+  const std::shared_ptr<DevicePlan> plan = plan_of(input.device().index(), /*create=*/true);
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  plan->budget = budget;
+  if (plan->state != DevicePlan::State::planned) return false;
+  const DevicePlan::Key key{id_, block};
+  const auto seen = plan->seen.find(key);
+  if (seen == plan->seen.end() || seen->second.input_numel != input.numel()) {
+    plan->stale = true;
+    return false;
+  }
+  return plan->kept.count(key) > 0;
+}
+
+void OffloadChain::observe(int64_t block, const torch::Tensor& input, const torch::Tensor& output) const {
+  if (!input.is_cuda() || budget <= 0) return;
+  const std::shared_ptr<DevicePlan> plan = plan_of(input.device().index(), /*create=*/true);
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  if (plan->state != DevicePlan::State::measuring) return;
+  DevicePlan::Seen& seen = plan->seen[{id_, block}];
+  const int64_t in = input.numel() * static_cast<int64_t>(input.element_size());
+  const int64_t out = output.numel() * static_cast<int64_t>(output.element_size());
+  seen.input_numel = input.numel();
+  seen.candidate.input_bytes = std::max(seen.candidate.input_bytes, in);
+  seen.candidate.kept_bytes = std::max(seen.candidate.kept_bytes, in + out);
 }
 
 const char* to_string(ActivationMemory memory) {

@@ -36,12 +36,12 @@ struct DCGANOptions {
   // Activation memory (hierpar/nn/recompute.h, seed 001). recompute: every convolution with what follows it up to the
   // next convolution (BatchNorm + activation, G's tanh, D's first LeakyReLU) keeps only its input for the backward
   // and runs again there: less memory, one more forward, same numbers. offload: as recompute, and the inputs the
-  // network produced itself wait for the backward in pinned host memory (eager steps only: not captured). With
-  // `offload_above` > 0 a block keeps its activations (no recomputation, no copy) while the GPU's caching allocator
-  // holds less than that fraction of its memory when the block runs: faster where memory allows; 0 offloads every
-  // block (least memory). On the CPU every block offloads.
+  // network produced itself wait for the backward in pinned host memory (eager steps only: not captured), as far
+  // as memory requires: from a measured step on, blocks keep their activations (no recomputation, no copy) while
+  // the step's peak stays under `offload_budget` of the GPU's memory (hierpar::nn::begin_offload_step, which
+  // AdversarialTrainer drives); 0 offloads every block (least memory). On the CPU every block offloads.
   nn::ActivationMemory memory = nn::ActivationMemory::none;
-  double offload_above = 0;
+  double offload_budget = 0.9;
 
   // Throws c10::Error naming the option and the accepted values.
   void validate() const;

@@ -12,9 +12,11 @@
 // memory between the forward and the backward.
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -37,21 +39,48 @@ namespace detail {
 struct OffloadedInput;
 }
 
+// Offloading only as much as memory requires (`--memory offload`): a plan per GPU, made from a measured step.
+// Steps are marked by begin_offload_step(device) (AdversarialTrainer calls it on each device of a replica before its
+// step). Until a plan exists every block offloads: the first marked step also measures the device's peak memory and
+// each block's activations. The next step begins by choosing the blocks that keep their activations (run as without
+// recomputation: no copy, no second forward) so that the measured peak plus the kept blocks' activations stays under
+// the chain's `budget` of the device's memory; the blocks that save the most copying per byte kept come first, and a
+// batch that fits keeps every block. The plan holds until a block's input changes shape (another batch), which
+// measures again. Without marked steps (a model called directly) every block offloads. A no-op on devices where no
+// block has offloaded; the device's peak-memory statistics restart at a measured step's start.
+void begin_offload_step(const c10::Device& device);
+
+// One block of a measured step: the bytes of its input (what offloading copies out and back) and of the
+// activations it keeps when it does not offload (its input and output, counted high).
+struct OffloadCandidate {
+  int64_t input_bytes = 0;
+  int64_t kept_bytes = 0;
+};
+// The plan's choice: which of `blocks` keep their activations, given the step's `measured_peak` with every block
+// offloaded and a `budget_bytes` the peak may reach; most input bytes per kept byte first.
+std::vector<bool> plan_kept_blocks(const std::vector<OffloadCandidate>& blocks, int64_t measured_peak,
+                                   int64_t budget_bytes);
+
 // The offloaded blocks of one network, in the order its forward ran them: each block's backward starts copying
 // back the input of the block before it (the next backward to run), so the copy overlaps this block's
 // recomputation. One per network instance (a replica's clone has its own); used by recompute(..., offload).
 class OffloadChain {
  public:
+  OffloadChain();
+
   // Appends a block's input (called by recompute()) and returns the block offloaded before it.
   std::weak_ptr<detail::OffloadedInput> append(const std::shared_ptr<detail::OffloadedInput>& input);
 
-  // Offloading only as much as memory requires: whether a block whose input is `input` may keep its activations
-  // (run as without recomputation, at full speed), i.e. the caching allocator holds less than
-  // `keep_below_fraction` of the device's memory when the block runs. Always false on the CPU.
-  bool keeps_activations(const torch::Tensor& input) const;
-  double keep_below_fraction = 0;
+  // Whether block `block` of this network (its index in the forward), given `input`, keeps its activations under the
+  // device's plan (begin_offload_step). Always false on the CPU, where offloading keeps the input where it is.
+  bool keeps_activations(int64_t block, const torch::Tensor& input) const;
+  // After block `block` ran offloaded: its input and output, for the measured step's plan.
+  void observe(int64_t block, const torch::Tensor& input, const torch::Tensor& output) const;
+  // The fraction of the device's memory a planned step may use; 0 offloads every block.
+  double budget = 0.9;
 
  private:
+  const uint64_t id_;  // this chain's blocks in the device's plan
   std::mutex mutex_;
   std::weak_ptr<detail::OffloadedInput> last_;
 };
