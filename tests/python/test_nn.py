@@ -297,27 +297,35 @@ def random_conv_transpose(rng):
         groups=groups, bias=rng.random() < 0.7, dilation=dilation)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_conv_transpose2d_matches_torch(seeded, device, dtype, layout):
-    rng = seeded
+def check_random_conv_modules(rng, hp_class, stock_class, random_args, input_hw, device, dtype, layout):
+    """Three random modules of a kind against torch's: input_hw(rng, args) draws an input height and width."""
     for trial in range(3):
-        args = random_conv_transpose(rng)
-        hp, stock = same_seeded_modules(hierpar.nn.ConvTranspose2d, torch.nn.ConvTranspose2d, args, trial, device, dtype)
-        # The smallest input size whose output size is positive, and up to 6 more.
-        smallest = [1 - min(0, ((args["dilation"][i] * (args["kernel_size"][i] - 1) + args["output_padding"][i] -
-                                 2 * args["padding"][i]) // args["stride"][i])) for i in range(2)]
-        sizes = [rng.choice([1, rng.randint(1, 3)]), args["in_channels"], rng.randint(smallest[0], smallest[0] + 6),
-                 rng.randint(smallest[1], smallest[1] + 6)]
+        args = random_args(rng)
+        hp, stock = same_seeded_modules(hp_class, stock_class, args, trial, device, dtype)
+        sizes = [rng.choice([1, rng.randint(1, 3)]), args["in_channels"], *input_hw(rng, args)]
         if rng.random() < 0.2:
             sizes = sizes[1:]
         x = random_tensor(sizes, dtype, device, layout)
         # TF32 off: both sides then compute in full fp32 (each follows cuDNN's TF32 flag), so the float32
         # tolerance applies; TF32 itself is tested per op in tests/test_conv_transpose.cpp.
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-            check_same_module(hp, stock, x, f"ConvTranspose2d({args}) on {tuple(sizes)} {dtype} {layout}",
+            check_same_module(hp, stock, x, f"{stock_class.__name__}({args}) on {tuple(sizes)} {dtype} {layout}",
                               grad=dtype != torch.float16 or device != "cpu")
+
+
+def conv_transpose_input_hw(rng, args):
+    """The smallest input size whose output size is positive, and up to 6 more."""
+    smallest = [1 - min(0, ((args["dilation"][i] * (args["kernel_size"][i] - 1) + args["output_padding"][i] -
+                             2 * args["padding"][i]) // args["stride"][i])) for i in range(2)]
+    return [rng.randint(smallest[i], smallest[i] + 6) for i in range(2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conv_transpose2d_matches_torch(seeded, device, dtype, layout):
+    check_random_conv_modules(seeded, hierpar.nn.ConvTranspose2d, torch.nn.ConvTranspose2d, random_conv_transpose,
+                              conv_transpose_input_hw, device, dtype, layout)
 
 
 def test_conv_transpose2d_output_size_picks_the_same_size():
@@ -345,24 +353,18 @@ def random_conv(rng):
         padding_mode=padding_mode)
 
 
+def conv_input_hw(rng, args):
+    """Reflection padding needs the padding below the input size: inputs at least kernel-sized and 3 wide."""
+    return [rng.randint(3, 4) + args["dilation"][i] * (args["kernel_size"][i] - 1) + rng.randint(0, 4)
+            for i in range(2)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_conv2d_matches_torch(seeded, device, dtype, layout):
-    rng = seeded
-    for trial in range(3):
-        args = random_conv(rng)
-        hp, stock = same_seeded_modules(hierpar.nn.Conv2d, torch.nn.Conv2d, args, trial, device, dtype)
-        # Reflection padding needs the padding below the input size: inputs at least kernel-sized and 3 wide.
-        sizes = [rng.choice([1, rng.randint(1, 3)]), args["in_channels"],
-                 rng.randint(3, 4) + args["dilation"][0] * (args["kernel_size"][0] - 1) + rng.randint(0, 4),
-                 rng.randint(3, 4) + args["dilation"][1] * (args["kernel_size"][1] - 1) + rng.randint(0, 4)]
-        if rng.random() < 0.2:
-            sizes = sizes[1:]
-        x = random_tensor(sizes, dtype, device, layout)
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-            check_same_module(hp, stock, x, f"Conv2d({args}) on {tuple(sizes)} {dtype} {layout}",
-                              grad=dtype != torch.float16 or device != "cpu")
+    check_random_conv_modules(seeded, hierpar.nn.Conv2d, torch.nn.Conv2d, random_conv, conv_input_hw, device, dtype,
+                              layout)
 
 
 @pytest.mark.parametrize("device", DEVICES)
