@@ -71,6 +71,31 @@ std::string format_tick(double v) {
   return buf;
 }
 
+// Horizontal grid lines at fifths of [lo, hi] (to_y: a value's pixel row), each labelled left of the y axis.
+template <typename ToY>
+void draw_y_grid(Canvas& canvas, int left, int plot_w, double lo, double hi, ToY to_y) {
+  const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
+  for (int t = 0; t <= 4; ++t) {
+    const double v = lo + (hi - lo) * t / 4;
+    const int y = static_cast<int>(std::lround(to_y(v)));
+    canvas.rect(left, y, left + plot_w, y + 1, grey);
+    const auto label = format_tick(v);
+    canvas.text(left - 6 - Canvas::text_width(label), y - 3, label, black);
+  }
+}
+
+// The series' names from row `y` down, right-aligned at `right`, each after a swatch of its colour covering rows
+// swatch_top to swatch_bottom of its line.
+void draw_legend(Canvas& canvas, const std::vector<PlotSeries>& series, int right, int y, int swatch_top,
+                 int swatch_bottom) {
+  for (const auto& s : series) {
+    const int x = right - Canvas::text_width(s.name) - 22;
+    canvas.rect(x, y + swatch_top, x + 16, y + swatch_bottom, s.rgb);
+    canvas.text(x + 22, y, s.name, {0, 0, 0});
+    y += 14;
+  }
+}
+
 }  // namespace
 
 void write_image_grid(const torch::Tensor& images, const std::string& path, int64_t columns) {
@@ -127,16 +152,10 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
   const double margin = 0.05 * (hi - lo);
   lo -= margin;
   hi += margin;
-  const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
+  const std::array<uint8_t, 3> black{0, 0, 0};
   auto to_x = [&](double i) { return left + (count > 1 ? (i - 1) / (count - 1) : 0.5) * plot_w; };
   auto to_y = [&](double v) { return top + (hi - v) / (hi - lo) * plot_h; };
-  for (int t = 0; t <= 4; ++t) {  // horizontal grid lines with y labels
-    const double v = lo + (hi - lo) * t / 4;
-    const int y = static_cast<int>(std::lround(to_y(v)));
-    canvas.rect(left, y, left + plot_w, y + 1, grey);
-    const auto label = format_tick(v);
-    canvas.text(left - 6 - Canvas::text_width(label), y - 3, label, black);
-  }
+  draw_y_grid(canvas, left, plot_w, lo, hi, to_y);
   for (int t = 0; t <= 4 && count > 0; ++t) {  // x ticks
     const double i = 1 + (static_cast<double>(count) - 1) * t / 4;
     const int x = static_cast<int>(std::lround(to_x(i)));
@@ -168,13 +187,7 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
       prev_y = y;
     }
   }
-  int legend_y = top + 6;  // legend, top right
-  for (const auto& s : series) {
-    const int x = left + plot_w - 10 - Canvas::text_width(s.name) - 22;
-    canvas.rect(x, legend_y + 2, x + 16, legend_y + 5, s.rgb);
-    canvas.text(x + 22, legend_y, s.name, black);
-    legend_y += 14;
-  }
+  draw_legend(canvas, series, left + plot_w - 10, top + 6, 2, 5);  // top right, a line per series
   write_png(path, width, height, 3, canvas.rgb.data());
 }
 
@@ -190,15 +203,9 @@ void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<Plot
       if (std::isfinite(v)) hi = std::max(hi, v);
   if (hi <= 0) hi = 1;
   hi *= 1.12;  // room for the value labels
-  const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
+  const std::array<uint8_t, 3> black{0, 0, 0};
   auto to_y = [&](double v) { return static_cast<int>(std::lround(top + (hi - v) / hi * plot_h)); };
-  for (int t = 0; t <= 4; ++t) {
-    const double v = hi * t / 4;
-    const int y = to_y(v);
-    canvas.rect(left, y, left + plot_w, y + 1, grey);
-    const auto label = format_tick(v);
-    canvas.text(left - 6 - Canvas::text_width(label), y - 3, label, black);
-  }
+  draw_y_grid(canvas, left, plot_w, 0.0, hi, to_y);
   const double group_w = static_cast<double>(plot_w) / groups.size();
   const double bar_w = group_w * 0.8 / series.size();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -218,13 +225,7 @@ void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<Plot
   canvas.rect(left, top, left + 1, top + plot_h + 1, black);
   canvas.rect(left, top + plot_h, left + plot_w + 1, top + plot_h + 1, black);
   canvas.text(4, 4, y_label, black);
-  int legend_y = 6;
-  for (const auto& s : series) {
-    const int x = left + plot_w - 10 - Canvas::text_width(s.name) - 22;
-    canvas.rect(x, legend_y + 1, x + 16, legend_y + 7, s.rgb);
-    canvas.text(x + 22, legend_y, s.name, black);
-    legend_y += 14;
-  }
+  draw_legend(canvas, series, left + plot_w - 10, 6, 1, 7);  // above the bars, a box per series
   write_png(path, width, height, 3, canvas.rgb.data());
 }
 
