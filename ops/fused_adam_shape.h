@@ -1,8 +1,10 @@
-// Argument checks of hierpar::fused_adam_, shared by its CPU, CUDA and Meta kernels. Private to hierpar_ops.
+// Argument checks of hierpar::fused_adam_ and the kernels' common entry, shared by its CPU, CUDA and Meta kernels.
+// Private to hierpar_ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <torch/library.h>
 
 namespace hierpar::detail {
 
@@ -21,5 +23,24 @@ void check_fused_adam_args(at::TensorList params, at::TensorList grads, at::Tens
                            at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
                            const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
                            bool amsgrad);
+
+// A backend's kernel of either overload (Lr: double, or const at::Tensor& for tensor_lr): the checks above, then
+// Update::run(the same arguments), the backend's update.
+template <typename Update, typename Lr>
+void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList max_exp_avg_sqs, at::TensorList steps, Lr lr, double beta1, double beta2,
+                      double weight_decay, double eps, bool amsgrad) {
+  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+                        eps, amsgrad);
+  Update::run(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
+              amsgrad);
+}
+
+// Registers both overloads' kernels of the backend whose update is `Update`.
+template <typename Update>
+void register_fused_adam(torch::Library& m) {
+  m.impl("fused_adam_", &fused_adam_entry<Update, double>);
+  m.impl("fused_adam_.tensor_lr", &fused_adam_entry<Update, const at::Tensor&>);
+}
 
 }  // namespace hierpar::detail

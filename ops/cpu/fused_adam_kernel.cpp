@@ -8,31 +8,21 @@
 namespace hierpar::detail {
 namespace {
 
-void fused_adam_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                    at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
-                    double weight_decay, double eps, bool amsgrad) {
-  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                        eps, amsgrad);
-  if (params.empty()) return;
-  at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-                   amsgrad, /*maximize=*/false);
-}
-
-void fused_adam_tensor_lr_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                              const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
-                              bool amsgrad) {
-  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                        eps, amsgrad);
-  if (params.empty()) return;
-  at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps,
-                   amsgrad, /*maximize=*/false);
-}
+// ATen's fused CPU Adam, which takes lr as a number or a tensor as the two overloads do.
+struct CpuUpdate {
+  template <typename Lr>
+  static void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList steps, Lr lr, double beta1, double beta2,
+                  double weight_decay, double eps, bool amsgrad) {
+    if (params.empty()) return;
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
+                     eps, amsgrad, /*maximize=*/false);
+  }
+};
 
 }  // namespace
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
-  m.impl("fused_adam_", &hierpar::detail::fused_adam_cpu);
-  m.impl("fused_adam_.tensor_lr", &hierpar::detail::fused_adam_tensor_lr_cpu);
+  hierpar::detail::register_fused_adam<hierpar::detail::CpuUpdate>(m);
 }

@@ -153,29 +153,27 @@ void update(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
   });
 }
 
-void fused_adam_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                     at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
-                     double weight_decay, double eps, bool amsgrad) {
-  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                        eps, amsgrad);
-  update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-         AdamHyper{lr, beta1, beta2, weight_decay, eps, /*lr_tensor=*/nullptr}, amsgrad);
+// The hyper-parameters with lr a number, or (tensor_lr) a device scalar that the kernel reads.
+AdamHyper adam_hyper(double lr, double beta1, double beta2, double weight_decay, double eps) {
+  return AdamHyper{lr, beta1, beta2, weight_decay, eps, /*lr_tensor=*/nullptr};
+}
+AdamHyper adam_hyper(const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps) {
+  return AdamHyper{0.0, beta1, beta2, weight_decay, eps, lr.const_data_ptr()};
 }
 
-void fused_adam_tensor_lr_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                               const at::Tensor& lr, double beta1, double beta2, double weight_decay, double eps,
-                               bool amsgrad) {
-  check_fused_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay,
-                        eps, amsgrad);
-  update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-         AdamHyper{0.0, beta1, beta2, weight_decay, eps, lr.const_data_ptr()}, amsgrad);
-}
+struct CudaUpdate {
+  template <typename Lr>
+  static void run(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList steps, Lr lr, double beta1, double beta2,
+                  double weight_decay, double eps, bool amsgrad) {
+    update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+           adam_hyper(lr, beta1, beta2, weight_decay, eps), amsgrad);
+  }
+};
 
 }  // namespace
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
-  m.impl("fused_adam_", &hierpar::detail::fused_adam_cuda);
-  m.impl("fused_adam_.tensor_lr", &hierpar::detail::fused_adam_tensor_lr_cuda);
+  hierpar::detail::register_fused_adam<hierpar::detail::CudaUpdate>(m);
 }
