@@ -62,23 +62,30 @@ struct KernelGeometry {
         dilation_h(g.dilation_h), dilation_w(g.dilation_w) {}
 };
 
+// Element i's (n, c, h, w) in a [N, channels, height, width] tensor laid out NCHW or channels_last.
+template <bool channels_last, typename index_t>
+__device__ __forceinline__ void unravel(index_t i, index_t channels, index_t height, index_t width, index_t& n,
+                                        index_t& c, index_t& h, index_t& w) {
+  if (channels_last) {
+    c = i % channels;
+    w = (i / channels) % width;
+    h = (i / (channels * width)) % height;
+    n = i / (channels * width * height);
+  } else {
+    w = i % width;
+    h = (i / width) % height;
+    c = (i / (width * height)) % channels;
+    n = i / (width * height * channels);
+  }
+}
+
 template <typename scalar_t, typename index_t, bool channels_last>
 __global__ void forward_general(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                 uint8_t* __restrict__ idx, KernelGeometry<index_t> g, index_t total) {
   using acc_t = at::opmath_type<scalar_t>;
   for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(gridDim.x) * blockDim.x) {
     index_t n, c, oh, ow;
-    if (channels_last) {
-      c = i % g.channels;
-      ow = (i / g.channels) % g.out_w;
-      oh = (i / (g.channels * g.out_w)) % g.out_h;
-      n = i / (g.channels * g.out_w * g.out_h);
-    } else {
-      ow = i % g.out_w;
-      oh = (i / g.out_w) % g.out_h;
-      c = (i / (g.out_w * g.out_h)) % g.channels;
-      n = i / (g.out_w * g.out_h * g.channels);
-    }
+    unravel<channels_last>(i, g.channels, g.out_h, g.out_w, n, c, oh, ow);
     const index_t h0 = oh * g.stride_h - g.pad_h, w0 = ow * g.stride_w - g.pad_w;
     const auto th = valid_taps(h0, g.in_h, g.kernel_h, g.dilation_h);
     const auto tw = valid_taps(w0, g.in_w, g.kernel_w, g.dilation_w);
@@ -108,17 +115,7 @@ __global__ void backward_general(const scalar_t* __restrict__ grad_out, const ui
   using acc_t = at::opmath_type<scalar_t>;
   for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(gridDim.x) * blockDim.x) {
     index_t n, c, ih, iw;
-    if (channels_last) {
-      c = i % g.channels;
-      iw = (i / g.channels) % g.in_w;
-      ih = (i / (g.channels * g.in_w)) % g.in_h;
-      n = i / (g.channels * g.in_w * g.in_h);
-    } else {
-      iw = i % g.in_w;
-      ih = (i / g.in_w) % g.in_h;
-      c = (i / (g.in_w * g.in_h)) % g.channels;
-      n = i / (g.in_w * g.in_h * g.channels);
-    }
+    unravel<channels_last>(i, g.channels, g.in_h, g.in_w, n, c, ih, iw);
     const auto wh = covering_windows(ih, g.out_h, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
     const auto ww = covering_windows(iw, g.out_w, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
     acc_t sum = 0;
@@ -135,42 +132,6 @@ __global__ void backward_general(const scalar_t* __restrict__ grad_out, const ui
     }
     grad_in[i] = static_cast<scalar_t>(sum);
   }
-}
-
-// Launches the general kernels with 32-bit indexing when every offset fits (the common case), else 64-bit.
-template <typename scalar_t>
-void launch_forward_general(const scalar_t* in, scalar_t* out, uint8_t* idx, const MaxPool2dGeometry& g,
-                            int64_t input_numel, int64_t total, bool channels_last, cudaStream_t stream) {
-  auto launch = [&](auto index_zero) {
-    using index_t = decltype(index_zero);
-    const KernelGeometry<index_t> kg(g);
-    const unsigned blocks = blocks_for(total, kMaxBlocks);
-    if (channels_last) {
-      forward_general<scalar_t, index_t, true><<<blocks, kThreads, 0, stream>>>(in, out, idx, kg, index_t(total));
-    } else {
-      forward_general<scalar_t, index_t, false><<<blocks, kThreads, 0, stream>>>(in, out, idx, kg, index_t(total));
-    }
-  };
-  if (fits_int32(input_numel, total)) launch(int32_t(0)); else launch(int64_t(0));
-}
-
-template <typename scalar_t>
-void launch_backward_general(const scalar_t* grad_out, const uint8_t* idx, scalar_t* grad_in,
-                             const MaxPool2dGeometry& g, int64_t output_numel, int64_t total, bool channels_last,
-                             cudaStream_t stream) {
-  auto launch = [&](auto index_zero) {
-    using index_t = decltype(index_zero);
-    const KernelGeometry<index_t> kg(g);
-    const unsigned blocks = blocks_for(total, kMaxBlocks);
-    if (channels_last) {
-      backward_general<scalar_t, index_t, true><<<blocks, kThreads, 0, stream>>>(grad_out, idx, grad_in, kg,
-                                                                                index_t(total));
-    } else {
-      backward_general<scalar_t, index_t, false><<<blocks, kThreads, 0, stream>>>(grad_out, idx, grad_in, kg,
-                                                                                 index_t(total));
-    }
-  };
-  if (fits_int32(output_numel, total)) launch(int32_t(0)); else launch(int64_t(0));
 }
 
 // ---- 2x2 stride-2 tiling fast path ------------------------------------------------------------------------------
@@ -323,6 +284,68 @@ FastPath fast_path_for(const MaxPool2dGeometry& g, c10::MemoryFormat layout, int
   return aligned(big, 2 * element_size) ? FastPath::nchw1 : FastPath::none;
 }
 
+// The forward's or the backward's kernel of each path, for the one launcher below: both directions' kernels take
+// their three tensors (in the direction's own order), then the same geometry, on the same grids.
+template <bool kBackward, typename scalar_t, typename index_t, bool channels_last>
+auto general_kernel() {
+  if constexpr (kBackward) return backward_general<scalar_t, index_t, channels_last>;
+  else return forward_general<scalar_t, index_t, channels_last>;
+}
+
+template <bool kBackward, typename scalar_t, int kNchwWindows>
+auto nchw_kernel() {
+  if constexpr (kBackward) return backward_2x2_nchw<scalar_t, kNchwWindows>;
+  else return forward_2x2_nchw<scalar_t, kNchwWindows>;
+}
+
+template <bool kBackward, typename scalar_t>
+auto channels_last_kernel() {
+  if constexpr (kBackward) return backward_2x2_channels_last<scalar_t>;
+  else return forward_2x2_channels_last<scalar_t>;
+}
+
+// Launches one direction's kernel of `path`. total: the elements written (the general kernels' threads);
+// read_numel: the elements of the other tensor read. The general kernels index in 32 bits when every offset fits
+// (the common case), else in 64.
+template <bool kBackward, typename scalar_t, typename A, typename B, typename C>
+void launch(FastPath path, const MaxPool2dGeometry& g, c10::MemoryFormat layout, int64_t read_numel, int64_t total,
+            cudaStream_t stream, A a, B b, C c) {
+  const int rows = g.batch * g.channels * g.out_h;
+  switch (path) {
+    case FastPath::nchw4:
+      nchw_kernel<kBackward, scalar_t, 4>()<<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0,
+                                              stream>>>(a, b, c, rows, g.out_w / 4, g.in_w);
+      break;
+    case FastPath::nchw1:
+      nchw_kernel<kBackward, scalar_t, 1>()<<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
+          a, b, c, rows, g.out_w, g.in_w);
+      break;
+    case FastPath::channels_last: {
+      const int windows = g.batch * g.out_h * g.out_w;
+      const int work = windows * (g.channels / channels_per_thread<scalar_t>());
+      channels_last_kernel<kBackward, scalar_t>()<<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
+          a, b, c, windows, g.out_w, g.channels);
+      break;
+    }
+    case FastPath::none: {
+      auto launch_general = [&](auto index_zero) {
+        using index_t = decltype(index_zero);
+        const KernelGeometry<index_t> kg(g);
+        const unsigned blocks = blocks_for(total, kMaxBlocks);
+        if (layout == c10::MemoryFormat::ChannelsLast) {
+          general_kernel<kBackward, scalar_t, index_t, true>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
+                                                                                              index_t(total));
+        } else {
+          general_kernel<kBackward, scalar_t, index_t, false>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
+                                                                                               index_t(total));
+        }
+      };
+      if (fits_int32(read_numel, total)) launch_general(int32_t(0)); else launch_general(int64_t(0));
+      break;
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::IntArrayRef kernel_size,
                                                    at::IntArrayRef stride, at::IntArrayRef padding,
                                                    at::IntArrayRef dilation, bool ceil_mode) {
@@ -340,27 +363,8 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     scalar_t* out = output.mutable_data_ptr<scalar_t>();
     uint8_t* idx = indices.mutable_data_ptr<uint8_t>();
-    const int rows = g.batch * g.channels * g.out_h;
-    switch (fast_path_for(g, layout, sizeof(scalar_t), in, out, idx)) {
-      case FastPath::nchw4:
-        forward_2x2_nchw<scalar_t, 4><<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0, stream>>>(
-            in, out, idx, rows, g.out_w / 4, g.in_w);
-        break;
-      case FastPath::nchw1:
-        forward_2x2_nchw<scalar_t, 1><<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
-            in, out, idx, rows, g.out_w, g.in_w);
-        break;
-      case FastPath::channels_last: {
-        const int windows = g.batch * g.out_h * g.out_w;
-        const int work = windows * (g.channels / channels_per_thread<scalar_t>());
-        forward_2x2_channels_last<scalar_t><<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
-            in, out, idx, windows, g.out_w, g.channels);
-        break;
-      }
-      case FastPath::none:
-        launch_forward_general(in, out, idx, g, x.numel(), total, layout == c10::MemoryFormat::ChannelsLast, stream);
-        break;
-    }
+    launch</*kBackward=*/false, scalar_t>(fast_path_for(g, layout, sizeof(scalar_t), in, out, idx), g, layout, x.numel(),
+                                          total, stream, in, out, idx);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {output, indices};
@@ -386,28 +390,8 @@ at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Ten
     const scalar_t* gout = go.const_data_ptr<scalar_t>();
     const uint8_t* idx = ix.const_data_ptr<uint8_t>();
     scalar_t* gin = grad_input.mutable_data_ptr<scalar_t>();
-    const int rows = g.batch * g.channels * g.out_h;
-    switch (fast_path_for(g, layout, sizeof(scalar_t), gin, gout, idx)) {
-      case FastPath::nchw4:
-        backward_2x2_nchw<scalar_t, 4><<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0, stream>>>(
-            gout, idx, gin, rows, g.out_w / 4, g.in_w);
-        break;
-      case FastPath::nchw1:
-        backward_2x2_nchw<scalar_t, 1><<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
-            gout, idx, gin, rows, g.out_w, g.in_w);
-        break;
-      case FastPath::channels_last: {
-        const int windows = g.batch * g.out_h * g.out_w;
-        const int work = windows * (g.channels / channels_per_thread<scalar_t>());
-        backward_2x2_channels_last<scalar_t><<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
-            gout, idx, gin, windows, g.out_w, g.channels);
-        break;
-      }
-      case FastPath::none:
-        launch_backward_general(gout, idx, gin, g, go.numel(), total, layout == c10::MemoryFormat::ChannelsLast,
-                                stream);
-        break;
-    }
+    launch</*kBackward=*/true, scalar_t>(fast_path_for(g, layout, sizeof(scalar_t), gin, gout, idx), g, layout,
+                                         go.numel(), total, stream, gout, idx, gin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad_input;
