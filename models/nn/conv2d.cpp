@@ -2,15 +2,14 @@
 
 #include "hierpar/ops.h"
 #include "hierpar/routing.h"
+#include "conv_module.h"
 
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/conv2d.h>
 #include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/pad.h>
-#include <torch/nn/init.h>
 
 #include <array>
-#include <cmath>
 #include <ostream>
 
 namespace hierpar::nn {
@@ -35,49 +34,25 @@ std::array<std::array<int64_t, 2>, 2> padding_of(const torch::nn::Conv2dOptions&
 Conv2dImpl::Conv2dImpl(const torch::nn::Conv2dOptions& options_) : options(options_) { reset(); }
 
 void Conv2dImpl::reset() {
-  TORCH_CHECK(options.in_channels() > 0 && options.out_channels() > 0,
-              "hierpar::nn::Conv2d: in_channels and out_channels must be positive, got ", options.in_channels(),
-              " and ", options.out_channels());
-  TORCH_CHECK(options.groups() > 0, "hierpar::nn::Conv2d: groups must be positive, got ", options.groups());
-  TORCH_CHECK(options.in_channels() % options.groups() == 0,
-              "hierpar::nn::Conv2d: in_channels must be divisible by groups");
-  TORCH_CHECK(options.out_channels() % options.groups() == 0,
-              "hierpar::nn::Conv2d: out_channels must be divisible by groups");
+  detail::check_conv_channels("hierpar::nn::Conv2d", options.in_channels(), options.out_channels(), options.groups());
   if (std::holds_alternative<torch::enumtype::kSame>(options.padding())) {
     TORCH_CHECK((*options.stride())[0] == 1 && (*options.stride())[1] == 1,
                 "hierpar::nn::Conv2d: padding kSame is not supported for strided convolutions (as in torch::nn)");
   }
-  const auto& k = *options.kernel_size();
-  weight = register_parameter(
-      "weight", torch::empty({options.out_channels(), options.in_channels() / options.groups(), k[0], k[1]}));
-  if (options.bias()) {
-    bias = register_parameter("bias", torch::empty({options.out_channels()}));
-  } else {
-    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
-  }
-  reset_parameters();
+  detail::init_conv_parameters(*this, options, options.out_channels(), options.in_channels() / options.groups(),
+                               weight, bias);
 }
 
-void Conv2dImpl::reset_parameters() {
-  // torch::nn's initialisation: kaiming_uniform(a = sqrt(5)) and a bias from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-  torch::nn::init::kaiming_uniform_(weight, /*a=*/std::sqrt(5.0));
-  if (bias.defined()) {
-    const auto fan_in = std::get<0>(torch::nn::init::_calculate_fan_in_and_fan_out(weight));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-    torch::nn::init::uniform_(bias, -bound, bound);
-  }
-}
+void Conv2dImpl::reset_parameters() { detail::reset_conv_parameters(weight, bias); }
 
 void Conv2dImpl::pretty_print(std::ostream& stream) const {
-  stream << "hierpar::nn::Conv2d(" << options.in_channels() << ", " << options.out_channels()
-         << ", kernel_size=" << options.kernel_size() << ", stride=" << options.stride();
-  const auto is = [](const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (*a)[1] == v; };
+  detail::print_conv_start(stream, "hierpar::nn::Conv2d", options);
   if (const auto* explicit_padding = std::get_if<torch::ExpandingArray<2>>(&options.padding())) {
-    if (!is(*explicit_padding, 0)) stream << ", padding=" << *explicit_padding;
+    if (!detail::both(*explicit_padding, 0)) stream << ", padding=" << *explicit_padding;
   } else {
     stream << ", padding=" << (std::holds_alternative<torch::enumtype::kSame>(options.padding()) ? "'same'" : "'valid'");
   }
-  if (!is(options.dilation(), 1)) stream << ", dilation=" << options.dilation();
+  if (!detail::both(options.dilation(), 1)) stream << ", dilation=" << options.dilation();
   if (options.groups() != 1) stream << ", groups=" << options.groups();
   if (!options.bias()) stream << ", bias=" << std::boolalpha << false;
   if (!std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode())) {

@@ -2,12 +2,10 @@
 
 #include "hierpar/ops.h"
 #include "hierpar/routing.h"
+#include "conv_module.h"
 
 #include <ATen/ops/conv_transpose2d.h>
 
-#include <torch/nn/init.h>
-
-#include <cmath>
 #include <ostream>
 
 namespace hierpar::nn {
@@ -21,42 +19,19 @@ void ConvTranspose2dImpl::reset() {
   TORCH_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
               "hierpar::nn::ConvTranspose2d: only padding_mode zeros is supported (as in torch::nn), got ",
               torch::enumtype::get_enum_name(options.padding_mode()));
-  TORCH_CHECK(options.in_channels() > 0 && options.out_channels() > 0,
-              "hierpar::nn::ConvTranspose2d: in_channels and out_channels must be positive, got ",
-              options.in_channels(), " and ", options.out_channels());
-  TORCH_CHECK(options.groups() > 0, "hierpar::nn::ConvTranspose2d: groups must be positive, got ", options.groups());
-  TORCH_CHECK(options.in_channels() % options.groups() == 0,
-              "hierpar::nn::ConvTranspose2d: in_channels must be divisible by groups");
-  TORCH_CHECK(options.out_channels() % options.groups() == 0,
-              "hierpar::nn::ConvTranspose2d: out_channels must be divisible by groups");
-  const auto& k = *options.kernel_size();
-  weight = register_parameter(
-      "weight", torch::empty({options.in_channels(), options.out_channels() / options.groups(), k[0], k[1]}));
-  if (options.bias()) {
-    bias = register_parameter("bias", torch::empty({options.out_channels()}));
-  } else {
-    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
-  }
-  reset_parameters();
+  detail::check_conv_channels("hierpar::nn::ConvTranspose2d", options.in_channels(), options.out_channels(),
+                              options.groups());
+  detail::init_conv_parameters(*this, options, options.in_channels(), options.out_channels() / options.groups(),
+                               weight, bias);
 }
 
-void ConvTranspose2dImpl::reset_parameters() {
-  // torch::nn's initialisation: fan_in of a transposed weight is weight.size(1) * kH * kW.
-  torch::nn::init::kaiming_uniform_(weight, /*a=*/std::sqrt(5.0));
-  if (bias.defined()) {
-    const auto fan_in = std::get<0>(torch::nn::init::_calculate_fan_in_and_fan_out(weight));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
-    torch::nn::init::uniform_(bias, -bound, bound);
-  }
-}
+void ConvTranspose2dImpl::reset_parameters() { detail::reset_conv_parameters(weight, bias); }
 
 void ConvTranspose2dImpl::pretty_print(std::ostream& stream) const {
-  stream << "hierpar::nn::ConvTranspose2d(" << options.in_channels() << ", " << options.out_channels()
-         << ", kernel_size=" << options.kernel_size() << ", stride=" << options.stride();
-  const auto is = [](const torch::ExpandingArray<2>& a, int64_t v) { return (*a)[0] == v && (*a)[1] == v; };
-  if (!is(options.padding(), 0)) stream << ", padding=" << options.padding();
-  if (!is(options.dilation(), 1)) stream << ", dilation=" << options.dilation();
-  if (!is(options.output_padding(), 0)) stream << ", output_padding=" << options.output_padding();
+  detail::print_conv_start(stream, "hierpar::nn::ConvTranspose2d", options);
+  if (!detail::both(options.padding(), 0)) stream << ", padding=" << options.padding();
+  if (!detail::both(options.dilation(), 1)) stream << ", dilation=" << options.dilation();
+  if (!detail::both(options.output_padding(), 0)) stream << ", output_padding=" << options.output_padding();
   if (options.groups() != 1) stream << ", groups=" << options.groups();
   if (!options.bias()) stream << ", bias=" << std::boolalpha << false;
   stream << ")";
