@@ -244,14 +244,8 @@ bool k4s2p1_small_cout_applies(const ConvTranspose2dGeometry& g, at::ScalarType 
 void k4s2p1_small_cout_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, const at::Tensor& weight,
                                const at::Tensor& bias, const at::Tensor& out) {
   c10::cuda::CUDAGuard device_guard(input4.device());
-  SmallArgs a = base_args(g);
-  a.w = weight.const_data_ptr();
-  a.ws = strides_of(weight);
-  a.x = input4.const_data_ptr();
-  a.xs = strides_of(input4);
+  SmallArgs a = small_args(g, input4, /*grad_output=*/at::Tensor(), weight, out);
   a.bias = bias.defined() ? bias.const_data_ptr() : nullptr;
-  a.out = out.mutable_data_ptr();
-  a.os = strides_of(out);
   auto stream = at::cuda::getCurrentCUDAStream();
   if (mma_applies(g, input4.scalar_type(), forward_mma_smem(input4.scalar_type())) && reads_by_vectors(input4)) {
     const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;

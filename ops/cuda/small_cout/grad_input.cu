@@ -206,14 +206,8 @@ void k4s2p1_small_cout_grad_input(const ConvTranspose2dGeometry& g, const at::Te
                                   const at::Tensor& weight, const at::Tensor& grad_input,
                                   std::optional<double> leaky_relu_slope) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  SmallArgs a = base_args(g);
+  SmallArgs a = small_args(g, /*x=*/at::Tensor(), grad_output4, weight, grad_input);
   a.grad_input_slope = float(leaky_relu_slope.value_or(1.0));
-  a.w = weight.const_data_ptr();
-  a.ws = strides_of(weight);
-  a.go = grad_output4.const_data_ptr();
-  a.gos = strides_of(grad_output4);
-  a.out = grad_input.mutable_data_ptr();
-  a.os = strides_of(grad_input);
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dtype = grad_output4.scalar_type();
   // fp32 (TF32) takes the tensor-core kernel where grad_output's channels are innermost (one channel always is):

@@ -167,11 +167,7 @@ bool k4s2p1_small_cout_grad_weight_applies(const ConvTranspose2dGeometry& g, con
 void k4s2p1_small_cout_grad_weight(const ConvTranspose2dGeometry& g, const at::Tensor& grad_output4,
                                    const at::Tensor& input4, const at::Tensor& grad_weight) {
   c10::cuda::CUDAGuard device_guard(grad_output4.device());
-  SmallArgs a = base_args(g);
-  a.x = input4.const_data_ptr();
-  a.xs = strides_of(input4);
-  a.go = grad_output4.const_data_ptr();
-  a.gos = strides_of(grad_output4);
+  SmallArgs a = small_args(g, input4, grad_output4, /*weight=*/at::Tensor(), /*out=*/at::Tensor());
   const int tiles_x = (a.W + kMmaCols - 1) / kMmaCols, tiles_y = (a.H + kMmaRows - 1) / kMmaRows;
   const int tiles = a.batch * tiles_x * tiles_y, chunks = (a.cin + kCiChunk - 1) / kCiChunk;
   auto stream = at::cuda::getCurrentCUDAStream();

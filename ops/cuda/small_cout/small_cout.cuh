@@ -347,13 +347,27 @@ inline bool rows_are_byte_spans(const at::Tensor& t) {
          t.stride(0) % vec == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
-inline SmallArgs base_args(const ConvTranspose2dGeometry& g) {
+// A pass's arguments: the sizes, and the tensors it uses (undefined for those it does not: their pointers stay null).
+inline SmallArgs small_args(const ConvTranspose2dGeometry& g, const at::Tensor& x, const at::Tensor& grad_output,
+                            const at::Tensor& weight, const at::Tensor& out) {
   SmallArgs a{};
   a.batch = int(g.batch);
   a.cin = int(g.in_channels);
   a.cout = int(g.out_channels);
   a.H = int(g.in_h);
   a.W = int(g.in_w);
+  auto read = [](const at::Tensor& t, const void*& data, Strides4d& strides) {
+    if (!t.defined()) return;
+    data = t.const_data_ptr();
+    strides = strides_of(t);
+  };
+  read(x, a.x, a.xs);
+  read(grad_output, a.go, a.gos);
+  read(weight, a.w, a.ws);
+  if (out.defined()) {
+    a.out = out.mutable_data_ptr();
+    a.os = strides_of(out);
+  }
   a.grad_input_slope = 1.f;
   return a;
 }
