@@ -80,6 +80,29 @@ __global__ void pack_forward_weight_kernel(const scalar_t* __restrict__ w, int64
 // multiple of the K-tile); on wgmma also whole 64-column blocks (C_out > 32). The pack kernel this spares runs
 // before the GEMM on the same stream (256->128: 5 us at batch 1024 bf16, 3.9 us at batch 64 fp32).
 // HIERPAR_K4S2P1_WEIGHT_IN_PLACE=0 packs as before (same-process timings; also fp32 grad_input's weight copy).
+// Plans the K splits of a GEMM over `phases` phases (plan_splits) whose output is `out` [batch, channels, h, w],
+// dense in channels_last or NCHW, and sets that output. With splits, fp32 adds them straight into `out` (zeroed
+// here) by atomics; other dtypes into a zeroed fp32 channels_last workspace, returned, which the caller copies into
+// `out` after the launch (permute_copy_).
+template <typename scalar_t>
+at::Tensor plan_dense_output(GemmArgs& a, int phases, const at::Tensor& out, int64_t batch, int channels, int64_t h,
+                             int64_t w, bool channels_last) {
+  const bool split = plan_splits<scalar_t>(a, phases, false);
+  if (split && std::is_same_v<scalar_t, float>) {
+    zero_dense(out);
+    set_output<scalar_t>(a, out.data_ptr(), dense_strides(channels, h, w, channels_last), true);
+    return at::Tensor();
+  }
+  if (split) {
+    at::Tensor ws = at::empty({batch, channels, h, w}, out.options().dtype(at::kFloat), at::MemoryFormat::ChannelsLast);
+    zero_dense(ws);
+    set_output<scalar_t>(a, ws.data_ptr<float>(), dense_strides(channels, h, w, true), true);
+    return ws;
+  }
+  set_output<scalar_t>(a, out.mutable_data_ptr<scalar_t>(), dense_strides(channels, h, w, channels_last), false);
+  return at::Tensor();
+}
+
 bool weight_in_place_enabled() { return switch_on(Switch::k4s2p1_weight_in_place); }
 
 template <typename scalar_t>
@@ -136,13 +159,10 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
       constexpr int VEC = 16 / int(sizeof(scalar_t));
       auto stream = at::cuda::getCurrentCUDAStream();
 
-      GemmArgs a{};
+      GemmArgs a = input_pixel_gemm<scalar_t>(g, x);
       a.M = int(g.in_pixels());
       a.N = cout;
       a.K = 4 * cin;
-      set_activation<scalar_t>(a, x);
-      a.rows_H = int(g.in_h);
-      a.rows_W = int(g.in_w);
       a.taps_w = 2;
       a.taps_shift = 1;
       a.ntaps = 4;
@@ -151,20 +171,8 @@ void k4s2p1_forward(const ConvTranspose2dGeometry& g, const at::Tensor& input4, 
       a.src_dir = -1;
       a.b_vec = cout % VEC == 0;
       a.dst_scale = 2;
-      const bool split = plan_splits<scalar_t>(a, 4, false);
-      at::Tensor ws;
-      if (split && std::is_same_v<scalar_t, float>) {  // fp32: the K splits add straight into the output
-        zero_dense(out);
-        set_output<scalar_t>(a, out.data_ptr(), dense_strides(cout, g.out_h, g.out_w, out_channels_last), true);
-      } else if (split) {
-        ws = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, out.options().dtype(at::kFloat),
-                       at::MemoryFormat::ChannelsLast);
-        zero_dense(ws);
-        set_output<scalar_t>(a, ws.data_ptr<float>(), dense_strides(cout, g.out_h, g.out_w, true), true);
-      } else {
-        set_output<scalar_t>(a, out.mutable_data_ptr<scalar_t>(),
-                             dense_strides(cout, g.out_h, g.out_w, out_channels_last), false);
-      }
+      const at::Tensor ws =
+          plan_dense_output<scalar_t>(a, 4, out, g.batch, cout, g.out_h, g.out_w, out_channels_last);
       const bool wgmma = wgmma_applies<scalar_t>(a);
       at::Tensor packed;
       if (forward_weight_in_place<scalar_t>(weight, cin, cout, wgmma)) {
@@ -208,16 +216,13 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
     using scalar_t = decltype(tag);
     {
       constexpr int VEC = 16 / int(sizeof(scalar_t));
-      GemmArgs common{};
-      set_activation<scalar_t>(common, go);
+      GemmArgs common = input_pixel_gemm<scalar_t>(g, go);
       common.taps_w = 4;
       common.taps_shift = 2;
       common.ntaps = 16;
       common.src_scale = 2;
       common.src_off = -1;
       common.src_dir = 1;
-      common.rows_H = int(g.in_h);
-      common.rows_W = int(g.in_w);
       if (grad_input.defined() &&
           wgmma_grad_input_patch_applies<scalar_t>(g, go, grad_input, grad_input_channels_last)) {
         launch_wgmma_grad_input_patch<scalar_t>(g, go, weight, grad_input);
@@ -229,21 +234,8 @@ void k4s2p1_backward(const ConvTranspose2dGeometry& g, const at::Tensor& grad_ou
         a.b_phase_stride = 0;
         a.b_vec = cin % VEC == 0;
         a.dst_scale = 1;
-        const bool split = plan_splits<scalar_t>(a, 1, false);
-        at::Tensor ws;
-        if (split && std::is_same_v<scalar_t, float>) {
-          zero_dense(grad_input);
-          set_output<scalar_t>(a, grad_input.data_ptr(),
-                               dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), true);
-        } else if (split) {
-          ws = at::empty({g.batch, g.in_channels, g.in_h, g.in_w}, go.options().dtype(at::kFloat),
-                         at::MemoryFormat::ChannelsLast);
-          zero_dense(ws);
-          set_output<scalar_t>(a, ws.data_ptr<float>(), dense_strides(cin, g.in_h, g.in_w, true), true);
-        } else {
-          set_output<scalar_t>(a, grad_input.mutable_data_ptr<scalar_t>(),
-                               dense_strides(cin, g.in_h, g.in_w, grad_input_channels_last), false);
-        }
+        const at::Tensor ws =
+            plan_dense_output<scalar_t>(a, 1, grad_input, g.batch, cin, g.in_h, g.in_w, grad_input_channels_last);
         // B[(ky, kx, co), ci] = w[ci, co, ky, kx] ([K, N]), or its transpose [ci][(ky, kx, co)] for wgmma and,
         // where that is the weight's own memory (channels_last), for fp32: no copy of the weight (4.9 us before
         // the 256->128 grad_input at batch 64 fp32).

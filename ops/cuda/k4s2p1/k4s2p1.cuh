@@ -232,6 +232,17 @@ void set_activation(GemmArgs& a, const at::Tensor& t) {
   a.a_vec = c % VEC == 0 && aligned16(a.act);
 }
 
+// A GEMM over the g.in_h x g.in_w grid of input pixels gathering from the activation `t` (every pass of this
+// family): the activation and the grid set, the rest zero.
+template <typename scalar_t>
+GemmArgs input_pixel_gemm(const ConvTranspose2dGeometry& g, const at::Tensor& t) {
+  GemmArgs a{};
+  set_activation<scalar_t>(a, t);
+  a.rows_H = int(g.in_h);
+  a.rows_W = int(g.in_w);
+  return a;
+}
+
 // ---- the kernel families: when each applies, and its launcher ------------------------------------------------
 // The launchers are instantiated for float, at::BFloat16 and at::Half (the fast path's dtypes) in their files;
 // the wgmma ones hold only an assertion for float.

@@ -230,13 +230,10 @@ void launch_wgmma_all_phases(const ConvTranspose2dGeometry& g, const at::Tensor&
         weight.const_data_ptr<scalar_t>(), weight.stride(0), weight.stride(1), weight.stride(2), weight.stride(3),
         cin, cout, packed.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    GemmArgs a{};
+    GemmArgs a = input_pixel_gemm<scalar_t>(g, x);
     a.M = int(g.in_pixels());
     a.N = cout;
     a.K = 9 * cin;
-    set_activation<scalar_t>(a, x);
-    a.rows_H = int(g.in_h);
-    a.rows_W = int(g.in_w);
     a.b = packed.const_data_ptr<scalar_t>();
     a.splits = 1;
     set_output<scalar_t>(a, out.data_ptr(), dense_strides(cout, g.out_h, g.out_w, true), false);

@@ -163,10 +163,7 @@ void launch_wgmma_grad_input_patch(const ConvTranspose2dGeometry& g, const at::T
     const int cin = int(g.in_channels);
     // [C_in][ky, kx, co]: K-major rows of 16 * 32 = 512 elements.
     const at::Tensor wt = contiguous_as(weight.permute({0, 2, 3, 1}), at::MemoryFormat::Contiguous);
-    GemmArgs a{};
-    set_activation<scalar_t>(a, go);
-    a.rows_H = int(g.in_h);
-    a.rows_W = int(g.in_w);
+    GemmArgs a = input_pixel_gemm<scalar_t>(g, go);
     a.b = wt.const_data_ptr<scalar_t>();
     a.N = cin;
     a.splits = 1;
