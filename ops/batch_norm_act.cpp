@@ -1,7 +1,7 @@
 // Schemas of hierpar::batch_norm_act and its backward, and their C++ entry points.
 #include "hierpar/ops.h"
+#include "typed_op.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace hierpar::ops {
@@ -11,9 +11,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act(
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
     double momentum, double eps, c10::string_view activation, double slope,
     const std::optional<at::Tensor>& num_batches_tracked) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::batch_norm_act", "")
-                       .typed<decltype(batch_norm_act)>();
+  static const auto op = detail::typed_op<decltype(batch_norm_act)>("hierpar::batch_norm_act");
   return op.call(input, weight, bias, running_mean, running_var, training, momentum, eps, activation, slope,
                  num_batches_tracked);
 }
@@ -23,9 +21,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_act_backward(
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
     const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
     std::array<bool, 3> output_mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::batch_norm_act_backward", "")
-                       .typed<decltype(batch_norm_act_backward)>();
+  static const auto op = detail::typed_op<decltype(batch_norm_act_backward)>("hierpar::batch_norm_act_backward");
   return op.call(grad_output, output, input, weight, bias, save_mean, save_invstd, training, eps, activation,
                  slope, output_mask);
 }

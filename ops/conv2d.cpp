@@ -1,8 +1,8 @@
 // Schemas of hierpar::conv2d and its backward, and their C++ entry points. The kernels are
 // hierpar::conv_transpose2d's, called with the dual arguments (see conv2d_shape.h).
 #include "hierpar/ops.h"
+#include "typed_op.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace hierpar::ops {
@@ -10,8 +10,7 @@ namespace hierpar::ops {
 at::Tensor conv2d(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                   std::optional<double> leaky_relu_slope) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("hierpar::conv2d", "").typed<decltype(conv2d)>();
+  static const auto op = detail::typed_op<decltype(conv2d)>("hierpar::conv2d");
   return op.call(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
 }
 
@@ -19,9 +18,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward(const at::Tensor&
                                                                const at::Tensor& weight, at::IntArrayRef stride,
                                                                at::IntArrayRef padding, at::IntArrayRef dilation,
                                                                int64_t groups, std::array<bool, 3> output_mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::conv2d_backward", "")
-                       .typed<decltype(conv2d_backward)>();
+  static const auto op = detail::typed_op<decltype(conv2d_backward)>("hierpar::conv2d_backward");
   return op.call(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
 }
 

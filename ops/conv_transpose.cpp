@@ -1,7 +1,7 @@
 // Schemas of hierpar::conv_transpose2d and its backward, and their C++ entry points.
 #include "hierpar/ops.h"
+#include "typed_op.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace hierpar::ops {
@@ -9,9 +9,7 @@ namespace hierpar::ops {
 at::Tensor conv_transpose2d(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding,
                             int64_t groups, at::IntArrayRef dilation) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::conv_transpose2d", "")
-                       .typed<decltype(conv_transpose2d)>();
+  static const auto op = detail::typed_op<decltype(conv_transpose2d)>("hierpar::conv_transpose2d");
   return op.call(input, weight, bias, stride, padding, output_padding, groups, dilation);
 }
 
@@ -19,9 +17,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::conv_transpose2d_backward", "")
-                       .typed<decltype(conv_transpose2d_backward)>();
+  static const auto op = detail::typed_op<decltype(conv_transpose2d_backward)>("hierpar::conv_transpose2d_backward");
   return op.call(grad_output, input, weight, stride, padding, output_padding, groups, dilation, output_mask);
 }
 

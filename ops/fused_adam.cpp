@@ -1,8 +1,8 @@
 // Schemas of hierpar::fused_adam_ (Adam's update of many tensors in one launch; the learning rate a number or,
 // overload tensor_lr, a device tensor) and their C++ entry points.
 #include "hierpar/ops.h"
+#include "typed_op.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace hierpar::ops {
@@ -12,7 +12,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double weight_decay, double eps, bool amsgrad) {
   using Signature = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                          at::TensorList, double, double, double, double, double, bool);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hierpar::fused_adam_", "").typed<Signature>();
+  static const auto op = detail::typed_op<Signature>("hierpar::fused_adam_");
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps, amsgrad);
 }
 
@@ -21,8 +21,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double beta2, double weight_decay, double eps, bool amsgrad) {
   using Signature = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                          at::TensorList, const at::Tensor&, double, double, double, double, bool);
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("hierpar::fused_adam_", "tensor_lr").typed<Signature>();
+  static const auto op = detail::typed_op<Signature>("hierpar::fused_adam_", "tensor_lr");
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps, amsgrad);
 }
 

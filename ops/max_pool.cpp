@@ -1,7 +1,7 @@
 // Schemas of hierpar::max_pool2d and its backward, and their C++ entry points.
 #include "hierpar/ops.h"
+#include "typed_op.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace hierpar::ops {
@@ -9,18 +9,14 @@ namespace hierpar::ops {
 std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size,
                                               at::IntArrayRef stride, at::IntArrayRef padding,
                                               at::IntArrayRef dilation, bool ceil_mode) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::max_pool2d", "")
-                       .typed<decltype(max_pool2d)>();
+  static const auto op = detail::typed_op<decltype(max_pool2d)>("hierpar::max_pool2d");
   return op.call(input, kernel_size, stride, padding, dilation, ceil_mode);
 }
 
 at::Tensor max_pool2d_backward(const at::Tensor& grad_output, const at::Tensor& indices,
                                at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
                                at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hierpar::max_pool2d_backward", "")
-                       .typed<decltype(max_pool2d_backward)>();
+  static const auto op = detail::typed_op<decltype(max_pool2d_backward)>("hierpar::max_pool2d_backward");
   return op.call(grad_output, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode);
 }
 
