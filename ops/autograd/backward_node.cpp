@@ -17,4 +17,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> differentiable_convolution_backwa
   return {grad_input, grad_weight, grad_bias};
 }
 
+void check_conv_backward_not_recorded(const char* op, const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& weight) {
+  const bool records_graph = torch::autograd::GradMode::is_enabled() &&
+                             (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());
+  TORCH_CHECK(!records_graph, "hierpar::", op, "_backward is not differentiable (it was asked to record a graph for ",
+              "inputs that require grad); for second derivatives differentiate hierpar::", op,
+              " with create_graph=true");
+}
+
 }  // namespace hierpar::detail

@@ -13,56 +13,31 @@
 namespace hierpar::detail {
 namespace {
 
-using torch::autograd::SavedVariable;
-using torch::autograd::Variable;
-using torch::autograd::variable_list;
-
 // Edges: input, weight, bias (empty when absent).
-struct ConvTranspose2dBackwardNode final : torch::autograd::Node {
+struct ConvTranspose2dBackwardNode final : ConvBackwardNodeBase {
   std::string name() const override { return "hierpar::ConvTranspose2dBackward"; }
 
-  variable_list apply(variable_list&& grads) override {
-    if (!grads[0].defined()) return variable_list(3);
-    const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
-    if (torch::autograd::GradMode::is_enabled()) {  // create_graph: second derivatives (backward_node.h)
-      auto [grad_input, grad_weight, grad_bias] = differentiable_convolution_backward(
-          grads[0], input.unpack(), weight.unpack(), weight.unpack().size(1) * groups, stride, padding, dilation,
-          /*transposed=*/true, output_padding, groups, mask);
-      return {grad_input, grad_weight, grad_bias};
-    }
-    auto [grad_input, grad_weight, grad_bias] = ops::conv_transpose2d_backward(
-        grads[0], input.unpack(), weight.unpack(), stride, padding, output_padding, groups, dilation, mask);
-    return {grad_input, grad_weight, grad_bias};
+  Gradients first_gradients(const at::Tensor& grad, std::array<bool, 3> mask) override {
+    return ops::conv_transpose2d_backward(grad, input.unpack(), weight.unpack(), stride, padding, output_padding,
+                                          groups, dilation, mask);
   }
-  void release_variables() override {
-    input.reset_data();
-    weight.reset_data();
+  Gradients differentiable_gradients(const at::Tensor& grad, std::array<bool, 3> mask) override {
+    return differentiable_convolution_backward(grad, input.unpack(), weight.unpack(),
+                                               weight.unpack().size(1) * groups, stride, padding, dilation,
+                                               /*transposed=*/true, output_padding, groups, mask);
   }
 
-  SavedVariable input, weight;
-  std::vector<int64_t> stride, padding, output_padding, dilation;
-  int64_t groups = 1;
+  std::vector<int64_t> output_padding;
 };
 
 at::Tensor conv_transpose2d_autograd(const at::Tensor& input, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
                                      at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
                                      at::IntArrayRef dilation) {
-  at::Tensor output;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    output = ops::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
-  }
-  if (!torch::autograd::compute_requires_grad(input, weight, bias)) return output;
-  auto node = new_backward_node<ConvTranspose2dBackwardNode>(input, weight, bias);
-  node->input = SavedVariable(input, /*is_output=*/false);
-  node->weight = SavedVariable(weight, /*is_output=*/false);
-  node->stride = stride.vec();
-  node->padding = padding.vec();
-  node->output_padding = output_padding.vec();
-  node->dilation = dilation.vec();
-  node->groups = groups;
-  torch::autograd::set_history(output, node);
+  auto [output, node] = record_conv<ConvTranspose2dBackwardNode>(
+      [&] { return ops::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation); },
+      input, weight, bias, stride, padding, dilation, groups);
+  if (node) node->output_padding = output_padding.vec();
   return output;
 }
 
@@ -70,11 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_autogra
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask) {
-  const bool records_graph = torch::autograd::GradMode::is_enabled() &&
-                             (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());
-  TORCH_CHECK(!records_graph,
-              "hierpar::conv_transpose2d_backward is not differentiable (it was asked to record a graph for inputs "
-              "that require grad); for second derivatives differentiate hierpar::conv_transpose2d with create_graph=true");
+  check_conv_backward_not_recorded("conv_transpose2d", grad_output, input, weight);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return ops::conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups,
                                         dilation, output_mask);
