@@ -70,6 +70,17 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     if constexpr (kHasX) return static_cast<acc_t>(l.x.v[u]);
     else return static_cast<acc_t>(l.out.v[u]);
   };
+  // The element at index u of a loaded row: whether the activation passed it (out > 0), and dy through the
+  // activation's backward.
+  struct ActGrad {
+    bool pos;
+    acc_t g;
+  };
+  auto act_grad = [&](const Loaded& l, int u) {
+    const acc_t o = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
+    const bool pos = o > acc_t(0);
+    return ActGrad{pos, pos ? d : d * neg_slope};
+  };
 
   // Dynamic shared memory: the cluster path's exchange buffer, then the staged rows: [row][stream][thread]
   // vectors, conflict-free; streams dy, out and (kHasX) x.
@@ -112,9 +123,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         const int k = kCL ? u : 0;
-        const acc_t o = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
-        const bool pos = o > acc_t(0);
-        const acc_t g = pos ? d : d * neg_slope;
+        const auto [pos, g] = act_grad(l, u);
         const acc_t xhat = src_of(l, u) * xhat_coef(pos, k) + b0[k];
         sdy[u] += g;
         sdyx[u] += g * xhat;
@@ -161,14 +170,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       const S1 total = cluster_totals(s, reinterpret_cast<acc_t*>(staged_raw), t.splits);
       if (finisher) finalize(fch, total.p[0], total.q[0], f_gamma, f_invstd, blockIdx.y == 0, tid);
     } else {
-      if (tid < bx && active) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          a.partial[static_cast<int64_t>(blockIdx.y) * t.C + channel(k)] = s.p[k];
-          a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = s.q[k];
-        }
-      }
-      wait_for_all_partials();
+      publish_partials(a.partial, s, t.C, t.splits, tid < bx && active, channel);
       const bool write = blockIdx.y == 0;
       if (!(mode & kGradInput) && !write) return;  // only the parameter gradients were asked for
       const int parts = kThreads / chb;
@@ -216,9 +218,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
 #pragma unroll
     for (int u = 0; u < V; ++u) {
       const int k = kCL ? u : 0;
-      const acc_t ov = static_cast<acc_t>(l.out.v[u]), d = static_cast<acc_t>(l.dy.v[u]);
-      const bool pos = ov > acc_t(0);
-      const acc_t g = pos ? d : d * neg_slope;
+      const auto [pos, g] = act_grad(l, u);
       o.v[u] = static_cast<scalar_t>(kk[k] * g + (src_of(l, u) * src_coef(pos, k) + c0[k]));
     }
     store_streaming(reinterpret_cast<VecT*>(dx + offset_of(j)), o);

@@ -305,6 +305,21 @@ __device__ __forceinline__ void wait_for_all_partials() {
   cooperative_groups::this_grid().sync();
 }
 
+// Split path without a cluster: this block row's sums `s` (in threads where `publishes`: K channels each, channel(k)
+// their indices) into the partials ([2][splits][C]), then the wait for every block's.
+template <int K, typename acc_t, typename Channel>
+__device__ __forceinline__ void publish_partials(acc_t* partial, const SumsK<acc_t, K>& s, int64_t C, int splits,
+                                                 bool publishes, Channel channel) {
+  if (publishes) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      partial[static_cast<int64_t>(blockIdx.y) * C + channel(k)] = s.p[k];
+      partial[(static_cast<int64_t>(splits) + blockIdx.y) * C + channel(k)] = s.q[k];
+    }
+  }
+  wait_for_all_partials();
+}
+
 // Cluster path (sm_90). Every thread arrives at the cluster barrier when the kernel starts; the wait for
 // that phase comes before the first store into another CTA's shared memory, which is only valid once that
 // CTA runs.

@@ -107,14 +107,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
         finish(fch, f_params, f_origin, total.p[0], total.q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
       }
     } else {
-      if (tid < bx && active) {
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          a.partial[static_cast<int64_t>(blockIdx.y) * t.C + channel(k)] = s.p[k];
-          a.partial[(static_cast<int64_t>(t.splits) + blockIdx.y) * t.C + channel(k)] = s.q[k];
-        }
-      }
-      wait_for_all_partials();
+      publish_partials(a.partial, s, t.C, t.splits, tid < bx && active, channel);
       // Threads = (channel of the group) x (part of the splits): each part sums its splits (independent
       // loads), then a tree over the parts; the same order in every block.
       const int parts = kThreads / chb;
