@@ -81,6 +81,13 @@ Case make_case(std::vector<int64_t> shape, c10::ScalarType dtype, c10::ScalarTyp
 
 const double kSlopes[] = {0.2, 0.01, 0.25, 0.125, 0.3};
 
+// A random activation for the case, and a slope (which only leaky_relu uses).
+void random_activation(Case& c) {
+  const char* acts[] = {"identity", "relu", "leaky_relu"};
+  c.act = acts[rand_int(0, 2)];
+  c.slope = kSlopes[rand_int(0, 4)];
+}
+
 Case random_case(const std::vector<c10::ScalarType>& dtypes, int64_t max_c = 12, int64_t max_hw = 9) {
   Case c;
   const int rank = rand_int(0, 5) == 0 ? static_cast<int>(rand_int(2, 3)) : 4;
@@ -92,9 +99,7 @@ Case random_case(const std::vector<c10::ScalarType>& dtypes, int64_t max_c = 12,
                                                                                         : torch::kFloat;
   c.layout = static_cast<Layout>(rand_int(0, 2));
   if (rank != 4 && c.layout == Layout::channels_last) c.layout = Layout::contiguous;
-  const char* acts[] = {"identity", "relu", "leaky_relu"};
-  c.act = acts[rand_int(0, 2)];
-  c.slope = kSlopes[rand_int(0, 4)];
+  random_activation(c);
   c.training = rand_int(0, 3) != 0;
   c.affine = rand_int(0, 3) != 0;
   c.running = !c.training || coin();
@@ -258,15 +263,26 @@ void expect_layout_kept(const torch::Tensor& in, const torch::Tensor& out, const
   }
 }
 
+// hierpar's forward + backward on `in` against the float64 reference: values, activation branches and the layout
+// kept. Both results, for further checks.
+struct Checked {
+  Result got, ref;
+};
+
+Checked check_against_reference(const Case& c, const Inputs& in, const std::string& where) {
+  Result got = run_hierpar(c, in);
+  Result ref = run_reference(c, in, got.out);
+  compare(got, ref, c, scaled_rtol(c.dtype), where);
+  check_branches(got, ref, c, where);
+  expect_layout_kept(in.x, got.out, c.describe());
+  return {got, ref};
+}
+
 TEST(BatchNormActCpu, MatchesAtenOnRandomShapes) {
   for (int trial = 0; trial < 40; ++trial) {
     Case c = random_case({torch::kDouble, torch::kFloat, torch::kBFloat16, torch::kHalf});
     Inputs in = random_inputs(c, torch::kCPU);
-    Result got = run_hierpar(c, in);
-    Result ref = run_reference(c, in, got.out);
-    compare(got, ref, c, scaled_rtol(c.dtype), "cpu");
-    check_branches(got, ref, c, "cpu");
-    expect_layout_kept(in.x, got.out, c.describe());
+    const Result got = check_against_reference(c, in, "cpu").got;
     EXPECT_EQ(got.save_mean.scalar_type(), c.dtype == torch::kDouble ? torch::kDouble : torch::kFloat);
     if (c.affine) EXPECT_EQ(got.dw.scalar_type(), c.param_dtype);
   }
@@ -734,11 +750,7 @@ TEST(BatchNormActCuda, MatchesAtenAndCpu) {
                          large ? 40 : 9);
     if (large && c.shape.size() == 4) c.shape[0] = rand_int(16, 70);
     Inputs in = random_inputs(c, torch::kCUDA);
-    Result got = run_hierpar(c, in);
-    Result ref = run_reference(c, in, got.out);
-    compare(got, ref, c, scaled_rtol(c.dtype), "cuda");
-    check_branches(got, ref, c, "cuda");
-    expect_layout_kept(in.x, got.out, c.describe());
+    const auto [got, ref] = check_against_reference(c, in, "cuda");
     Inputs cpu_in;
     cpu_in.x = same_layout_on(in.x, torch::kCPU);
     cpu_in.dy = same_layout_on(in.dy, torch::kCPU);
@@ -854,11 +866,7 @@ void check_direct_backward(const Case& c, const Inputs& in, const Result& got, c
 // hierpar's forward + backward on `in` against the reference: values, the activation's branches, the output's
 // layout, and the backward op called directly.
 void expect_matches_reference(const Case& c, const Inputs& in, const std::string& where) {
-  Result got = run_hierpar(c, in);
-  Result ref = run_reference(c, in, got.out);
-  compare(got, ref, c, scaled_rtol(c.dtype), where);
-  check_branches(got, ref, c, where);
-  expect_layout_kept(in.x, got.out, c.describe());
+  const auto [got, ref] = check_against_reference(c, in, where);
   check_direct_backward(c, in, got, ref, where);
 }
 
@@ -895,9 +903,7 @@ TEST(BatchNormActCuda, EveryKernelPathAgainstAten) {
             c.dtype = dtype;
             c.param_dtype = dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
             c.layout = channels_last ? Layout::channels_last : Layout::contiguous;
-            const char* acts[] = {"identity", "relu", "leaky_relu"};
-            c.act = acts[rand_int(0, 2)];
-            c.slope = kSlopes[rand_int(0, 4)];
+            random_activation(c);
             c.affine = rand_int(0, 3) != 0;
             c.training = rand_int(0, 4) != 0;
             c.running = !c.training || coin();
@@ -981,9 +987,7 @@ TEST(BatchNormActCuda, ClusterPathShapesAndBoundaries) {
       c.dtype = s.dtype;
       c.param_dtype = s.dtype == torch::kDouble ? torch::kDouble : torch::kFloat;
       c.layout = s.layout;
-      const char* acts[] = {"identity", "relu", "leaky_relu"};
-      c.act = acts[rand_int(0, 2)];
-      c.slope = kSlopes[rand_int(0, 4)];
+      random_activation(c);
       c.affine = rand_int(0, 3) != 0;
       c.running = coin();
       Inputs in = random_inputs(c, torch::kCUDA);
