@@ -114,6 +114,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> backward_only(const Case
                                                  c.output_padding, c.groups, c.dilation, mask);
 }
 
+// check_cuda_case on every case in every dtype (`label` starts the messages), then the test's own checks:
+// more(c, t, dtype, what, got) with got hierpar's results.
+template <typename More>
+void check_cuda_cases_every_dtype(const std::vector<Case>& cases, const std::string& label, More&& more) {
+  for (const Case& c : cases) {
+    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
+      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
+      const std::string what = label + c10::toString(dtype) + " " + c.describe();
+      more(c, t, dtype, what, check_cuda_case(c, t, dtype, what));
+    }
+  }
+}
+
 void check_random_cases(const torch::Device& device, int trials) {
   const bool cuda = device.is_cuda();
   for (int trial = 0; trial < trials; ++trial) {
@@ -386,19 +399,15 @@ TEST(ConvTransposeCuda, K4S2P1FastPathRandomShapesEveryLayoutAndDtype) {
     cases.push_back(Case{batch, cin, 32, h, w, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
                          coin(), false});
   }
-  for (const Case& c : cases) {
-    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
-      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
-      const std::string what = std::string("CUDA k4s2p1 ") + c10::toString(dtype) + " " + c.describe();
-      const auto got = check_cuda_case(c, t, dtype, what);
-      // Each gradient alone (the backward computes only what is asked for).
-      const auto only_weight = backward_only(c, t, {false, true, false});
-      EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
-      // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
-      expect_close(std::get<1>(only_weight), got.grad_weight, scaled(conv_rel_tolerance(dtype, true), got.grad_weight),
-                   what + " grad_weight alone");
-    }
-  }
+  check_cuda_cases_every_dtype(cases, "CUDA k4s2p1 ", [](const Case& c, const Tensors& t, torch::Dtype dtype,
+                                                         const std::string& what, const Results& got) {
+    // Each gradient alone (the backward computes only what is asked for).
+    const auto only_weight = backward_only(c, t, {false, true, false});
+    EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
+    // fp32 atomics sum the K splits in any order: equal within the dtype's tolerance, not bitwise.
+    expect_close(std::get<1>(only_weight), got.grad_weight, scaled(conv_rel_tolerance(dtype, true), got.grad_weight),
+                 what + " grad_weight alone");
+  });
 }
 
 TEST(ConvTransposeCuda, K4S2P1WgmmaTmaLoads) {
@@ -512,21 +521,17 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutRandomShapesEveryLayoutAndDtype) {
   // Two tiles across (the second tile's grad_output rows start mid-row) with whole 16-byte output rows.
   cases.push_back(Case{5, 32, 4, 11, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
                        false, false});
-  for (const Case& c : cases) {
-    for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble}) {
-      const auto t = make_tensors(c, torch::TensorOptions().dtype(dtype).device(torch::kCUDA));
-      const std::string what = std::string("CUDA k4s2p1 small C_out ") + c10::toString(dtype) + " " + c.describe();
-      const auto got = check_cuda_case(c, t, dtype, what);
-      // Each gradient alone, bitwise equal to the joint call: no kernel of this path uses atomics (grad_weight's
-      // block sums are added in a fixed order), and the general path's GEMM is deterministic.
-      const auto only_weight = backward_only(c, t, {false, true, false});
-      const auto only_input = backward_only(c, t, {true, false, false});
-      EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
-      EXPECT_FALSE(std::get<1>(only_input).defined()) << what;
-      EXPECT_TRUE(torch::equal(std::get<1>(only_weight), got.grad_weight)) << what << ": grad_weight alone";
-      EXPECT_TRUE(torch::equal(std::get<0>(only_input), got.grad_input)) << what << ": grad_input alone";
-    }
-  }
+  check_cuda_cases_every_dtype(cases, "CUDA k4s2p1 small C_out ", [](const Case& c, const Tensors& t, torch::Dtype,
+                                                                     const std::string& what, const Results& got) {
+    // Each gradient alone, bitwise equal to the joint call: no kernel of this path uses atomics (grad_weight's
+    // block sums are added in a fixed order), and the general path's GEMM is deterministic.
+    const auto only_weight = backward_only(c, t, {false, true, false});
+    const auto only_input = backward_only(c, t, {true, false, false});
+    EXPECT_FALSE(std::get<0>(only_weight).defined()) << what;
+    EXPECT_FALSE(std::get<1>(only_input).defined()) << what;
+    EXPECT_TRUE(torch::equal(std::get<1>(only_weight), got.grad_weight)) << what << ": grad_weight alone";
+    EXPECT_TRUE(torch::equal(std::get<0>(only_input), got.grad_input)) << what << ": grad_input alone";
+  });
 }
 
 TEST(ConvTransposeCuda, K4S2P1SmallCoutTf32TensorCoreKernels) {
