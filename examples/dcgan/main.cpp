@@ -65,8 +65,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("strategy", &config.strategy, "single, task (G and D on 2 GPUs), data (a replica per GPU) or "
            "hierarchical (a G GPU and a D GPU per replica)")
       .add("gpus", &config.gpus, "devices in all, over every process (0: the strategy's own count)", 0)
-      .add("reduce", &config.reduce, "gradient averaging across replicas: nccl (the default on GPUs; Gloo on the CPU) or "
-           "host (pinned memory summed by CPU threads, the seed's way; the default on the CPU)")
+      .add("reduce", &config.reduce, "gradient averaging across replicas: nccl (NCCL's all-reduce; Gloo's with --device "
+           "cpu) or host (pinned memory summed by CPU threads, the seed's way); default: nccl on GPUs, host on the CPU")
       .add("sync-bn", &config.sync_batch_norm, "BatchNorm statistics over all replicas (default: per replica)")
       .add("batch-size", &run.batch_size, "images per step over all replicas (the global batch); train takes auto: "
            "tune's epoch-time search first (docs/batch_size.md); tune starts its search there")
