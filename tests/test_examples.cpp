@@ -699,6 +699,17 @@ TEST(Examples, TuneChoosesABatchAndDrawsIt) {
                             "\n      40   yes"})
     EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
 
+  // The sweep beside the search: evenly spaced batches over the search's range, the choice's distance from their
+  // best, and what the search cost against a 20-epoch run.
+  out = dcgan_stdout(common + " --objective epoch-time --max-batch 24 --sweep 3");
+  EXPECT_NE(out.find("sweep: 3 batches from 8 to 24"), std::string::npos) << out;
+  for (const char* batch : {"\n  batch 8: ", "\n  batch 16: ", "\n  batch 24: "})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+  EXPECT_NE(out.find("% from the sweep's best (batch "), std::string::npos) << out;
+  EXPECT_NE(out.find("% of a 20-epoch run at batch "), std::string::npos) << out;
+  expect_flag_error(run_dcgan(common + " --sweep -1", dir), "--sweep: expected an integer >= 0, got -1",
+                    "negative sweep");
+
   expect_flag_error(run_dcgan(common + " --objective fastest", dir),
                     "--objective: expected max-memory, epoch-time or gpu-usage, got 'fastest'", "unknown objective");
   expect_flag_error(run_dcgan(common + " --strategy data --gpus 2 --batch-size 9", dir),

@@ -11,10 +11,13 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iomanip>
 #include <memory>
 #include <set>
+#include <sstream>
 
 namespace hierpar::examples {
 namespace hs = hierpar::strategy;
@@ -114,30 +117,82 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   out << "tune: " << hs::to_string(options.objective) << " from batch " << options.start << " on "
       << placement.to_string() << "; " << tune.steps << " timed steps per batch, epochs of " << dataset_size
       << " images\n";
+  auto probe = [&](int64_t batch) {
+    auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps);
+    out << "  batch " << batch << ": " << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch" : trial.note)
+        << std::endl;
+    return trial;
+  };
   hs::BatchSearchResult result;
+  const auto began = std::chrono::steady_clock::now();
   try {
-    result = hs::search_batch_size(
-        [&](int64_t batch) {
-          auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps);
-          out << "  batch " << batch << ": "
-              << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch" : trial.note) << std::endl;
-          return trial;
-        },
-        options);
+    result = hs::search_batch_size(probe, options);
   } catch (const c10::Error& e) {
     throw Error(std::string("tune: ") + e.what_without_backtrace());
   }
+  const double search_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   out << result.table() << "chose batch " << result.chosen << ": " << result.reason << "\n"
       << "note: a GAN's batch size also changes what it learns (and the learning rate that suits it); this is a "
          "speed choice, and --batch-size stays what you give it\n";
-  std::vector<BarGroup> groups;
-  for (const auto& t : result.trials) {
-    if (t.fits) groups.push_back({std::to_string(t.batch), {t.epoch_seconds}});
+  auto fixed = [](double value, int digits) {
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(digits) << value;
+    return os.str();
+  };
+  const auto chosen = std::find_if(result.trials.begin(), result.trials.end(),
+                                   [&](const hs::BatchTrial& t) { return t.batch == result.chosen && t.fits; });
+  if (chosen != result.trials.end() && chosen->epoch_seconds > 0) {
+    const double run_seconds = 20 * chosen->epoch_seconds;
+    out << "search: " << result.trials.size() << " trials in " << fixed(search_seconds, 2) << " s, "
+        << fixed(100 * search_seconds / run_seconds, 1) << "% of a 20-epoch run at batch " << result.chosen << " ("
+        << fixed(run_seconds, 2) << " s)\n";
   }
-  const PlotSeries epoch{"seconds per epoch", {}, {31, 119, 180}};
+
+  // The sweep: batches evenly spaced over what the search ran, each measured as the search's trials were.
+  std::vector<hs::BatchTrial> swept;
+  int64_t top = options.start;
+  for (const auto& t : result.trials) {
+    if (t.fits) top = std::max(top, t.batch);
+  }
+  std::vector<int64_t> sweep_batches;
+  for (int64_t k = 0; k < tune.sweep; ++k) {
+    const double at = tune.sweep == 1 ? 1.0 : static_cast<double>(k) / static_cast<double>(tune.sweep - 1);
+    const int64_t raw = options.start + std::llround(at * static_cast<double>(top - options.start));
+    const int64_t batch = std::max(options.multiple, raw / options.multiple * options.multiple);
+    if (std::find(sweep_batches.begin(), sweep_batches.end(), batch) == sweep_batches.end()) sweep_batches.push_back(batch);
+  }
+  if (!sweep_batches.empty()) out << "sweep: " << sweep_batches.size() << " batches from " << options.start << " to " << top << "\n";
+  for (int64_t batch : sweep_batches) swept.push_back(probe(batch));
+  const auto best = std::min_element(swept.begin(), swept.end(), [](const hs::BatchTrial& a, const hs::BatchTrial& b) {
+    return a.fits != b.fits ? a.fits : a.epoch_seconds < b.epoch_seconds;
+  });
+  if (best != swept.end() && best->fits && chosen != result.trials.end()) {
+    out << "chosen batch " << result.chosen << ": " << format_number(chosen->epoch_seconds) << " s/epoch, "
+        << fixed(100 * (chosen->epoch_seconds / best->epoch_seconds - 1), 1) << "% from the sweep's best (batch "
+        << best->batch << ": " << format_number(best->epoch_seconds) << " s/epoch)\n";
+  }
+
+  std::vector<BarGroup> groups;
+  auto add = [&](const hs::BatchTrial& t, size_t series) {
+    if (!t.fits) return;
+    const std::string label = std::to_string(t.batch);
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
+    if (group == groups.end()) {
+      groups.push_back({label, std::vector<double>(swept.empty() ? 1 : 2, NAN)});
+      group = groups.end() - 1;
+    }
+    group->values[series] = t.epoch_seconds;
+  };
+  for (const auto& t : result.trials) add(t, 0);
+  for (const auto& t : swept) add(t, 1);
+  std::sort(groups.begin(), groups.end(), [](const BarGroup& a, const BarGroup& b) {
+    return std::stoll(a.label) < std::stoll(b.label);
+  });
+  std::vector<PlotSeries> series{{"search: seconds per epoch", {}, {31, 119, 180}}};
+  if (!swept.empty()) series.push_back({"sweep: seconds per epoch", {}, {253, 141, 60}});
   require_writable_folder("--out", config.out);
   const std::string png = config.out + "/tune.png";
-  write_bar_chart(groups, {epoch}, "seconds per epoch (x: global batch)", png);
+  write_bar_chart(groups, series, "seconds per epoch (x: global batch)", png);
   out << "chart: " << png << "\n";
   return result;
 }

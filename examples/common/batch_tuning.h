@@ -14,6 +14,9 @@ struct TuneConfig {
   std::string objective = "epoch-time";  // epoch-time | gpu-usage | max-memory
   int64_t steps = 20;                    // timed steps per trial (after the warm-up and any capture)
   int64_t max_batch = 0;                 // never above this (0: the data set's size)
+  // After the search, this many batches evenly spaced from the starting batch to the largest the search ran, measured
+  // alike (0: none): the exhaustive sweep that the search's choice is compared with.
+  int64_t sweep = 0;
 };
 
 // `steps` training steps of networks built from config.model on config's placement (one process) at global batch
@@ -22,8 +25,9 @@ struct TuneConfig {
 hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch,
                                                   int64_t dataset_size, int64_t steps);
 
-// Searches from config.batch_size for `tune.objective`; prints the trials and the choice to `out` and writes
-// <config.out>/tune.png (epoch time and images/s per batch).
+// Searches from config.batch_size for `tune.objective`; prints the trials, the choice and what the search cost
+// against a 20-epoch run at the chosen batch to `out`, with `tune.sweep` the sweep and how far the choice is from its
+// best epoch time, and writes <config.out>/tune.png (seconds per epoch per batch: the search's and the sweep's).
 hierpar::strategy::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig& tune,
                                                      std::ostream& out);
 

@@ -214,6 +214,8 @@ int tune(int argc, char** argv) {
             "or max-memory (the largest batch that fits)")
       .add("steps", &tune.steps, "timed steps per batch size", 1)
       .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
+      .add("sweep", &tune.sweep, "after the search, measure this many batches evenly spaced over its range and say how "
+           "far its choice is from their best (0: no sweep)", 0)
       .add("out", &config.out, "folder for tune.png");
   if (!flags.parse(argc, argv, 2)) return 0;
   resolve_run_flags(config, run, /*allow_auto=*/false);
