@@ -85,11 +85,17 @@ Timing time_cuda(const std::function<void()>& fn, int warmup, int repeats) {
   stream.synchronize();
   std::vector<double> us(repeats);
   for (int i = 0; i < repeats; ++i) us[i] = 1000.0 * starts[i].elapsed_time(ends[i]);
-  std::sort(us.begin(), us.end());
+  return timing_of(std::move(us));
+}
+
+Timing timing_of(std::vector<double> samples_us) {
+  TORCH_CHECK(!samples_us.empty(), "timing_of: no samples");
+  std::sort(samples_us.begin(), samples_us.end());
+  const size_t n = samples_us.size();
   Timing t;
-  t.repeats = repeats;
-  t.min_us = us.front();
-  t.median_us = repeats % 2 ? us[repeats / 2] : 0.5 * (us[repeats / 2 - 1] + us[repeats / 2]);
+  t.repeats = static_cast<int>(n);
+  t.min_us = samples_us.front();
+  t.median_us = n % 2 ? samples_us[n / 2] : 0.5 * (samples_us[n / 2 - 1] + samples_us[n / 2]);
   return t;
 }
 
@@ -104,13 +110,7 @@ Timing time_host(const std::function<void()>& fn, int rounds, int calls, int war
     if (r >= 0) per_call.push_back(us / calls);
   }
   if (before_round) before_round();
-  std::sort(per_call.begin(), per_call.end());
-  Timing t;
-  t.repeats = rounds;
-  t.min_us = per_call.front();
-  const size_t n = per_call.size();
-  t.median_us = n % 2 ? per_call[n / 2] : 0.5 * (per_call[n / 2 - 1] + per_call[n / 2]);
-  return t;
+  return timing_of(std::move(per_call));
 }
 
 void Report::add(const std::string& bench, const std::string& impl, const Config& config, const Timing& t,

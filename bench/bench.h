@@ -45,6 +45,9 @@ struct Timing {
   int repeats = 0;
 };
 
+// The median and minimum of samples in microseconds (at least one); repeats = their count.
+Timing timing_of(std::vector<double> samples_us);
+
 // Times fn on the current CUDA stream: `warmup` untimed calls, then `repeats` calls each between two CUDA
 // events; returns the median and minimum. fn must only enqueue work (no host synchronisation).
 Timing time_cuda(const std::function<void()>& fn, int warmup = 20, int repeats = 100);

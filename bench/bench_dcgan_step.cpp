@@ -277,11 +277,11 @@ void measure_pair(Report& report, std::vector<Row>& rows, const std::string& ben
     for (int side = 0; side < 2; ++side) {
       Measured& m = measured[side];
       const std::vector<double>& samples = side == 0 ? stock_ms : hierpar_ms;
-      m.row.ms = median(samples);
+      std::vector<double> samples_us;
+      for (double ms : samples) samples_us.push_back(ms * 1e3);
+      m.timing = timing_of(std::move(samples_us));
+      m.row.ms = m.timing.median_us / 1e3;
       m.row.images_per_s = batch * 1e3 / m.row.ms;
-      m.timing.median_us = m.row.ms * 1e3;
-      m.timing.min_us = *std::min_element(samples.begin(), samples.end()) * 1e3;
-      m.timing.repeats = kPairs;
       m.extra.set("ms_per_step", m.row.ms).set("images_per_s", m.row.images_per_s);
       m.extra.set("paired_samples_ms", samples).set("paired_ratio", side == 0 ? 1.0 : paired_ratio);
       m.row.paired_ratio = side == 0 ? 1.0 : paired_ratio;

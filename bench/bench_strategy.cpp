@@ -108,12 +108,7 @@ Timing time_steps(hs::AdversarialTrainer& trainer, const std::vector<torch::Tens
     sync();
     us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / steps);
   }
-  std::sort(us.begin(), us.end());
-  Timing t;
-  t.repeats = runs;
-  t.min_us = us.front();
-  t.median_us = runs % 2 ? us[runs / 2] : 0.5 * (us[runs / 2 - 1] + us[runs / 2]);
-  return t;
+  return timing_of(std::move(us));
 }
 
 struct Result {

@@ -386,16 +386,22 @@ TEST(StrategyPlacement, ReadsTheLaunchEnvironment) {
 
 // ---- schemes against references (CPU) --------------------------------------------------------------
 
-TEST(StrategyTrainer, TaskEqualsSingleExactlyOnCpu) {
-  const auto data = make_data(8, hierpar::testing::rng()());
+namespace {
+// Task (G and D on two devices) against single, with and without BatchNorm, on `batch`-image batches: bit for bit.
+void expect_task_equals_single(c10::DeviceType device_type, int64_t batch) {
+  const auto data = make_data(batch, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
+  const std::string on = device_type == c10::DeviceType::CUDA ? " on GPUs" : "";
   for (bool bn : {false, true}) {
-    const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), bn, data, init);
-    const auto task = train(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CPU, {}), bn, data, init);
+    const auto single = train(hs::Placement::from_flags("single", 1, "host", device_type, {}), bn, data, init);
+    const auto task = train(hs::Placement::from_flags("task", 2, "host", device_type, {}), bn, data, init);
     expect_trained(single[0], init, bn);
-    expect_states_equal(task[0], single[0], bn ? "task vs single, BatchNorm" : "task vs single");
+    expect_states_equal(task[0], single[0], "task vs single" + on + (bn ? ", BatchNorm" : ""));
   }
 }
+}  // namespace
+
+TEST(StrategyTrainer, TaskEqualsSingleExactlyOnCpu) { expect_task_equals_single(c10::DeviceType::CPU, 8); }
 
 TEST(StrategyTrainer, DataAndHierarchicalMatchSingleWithoutBatchNorm) {
   const auto data = make_data(8, hierpar::testing::rng()());
@@ -936,14 +942,7 @@ TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
 TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
   HIERPAR_REQUIRE_GPUS(2);
   deterministic_cudnn();
-  const auto data = make_data(16, hierpar::testing::rng()());
-  const uint64_t init = hierpar::testing::rng()();
-  for (bool bn : {false, true}) {
-    const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), bn, data, init);
-    const auto task = train(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CUDA, {}), bn, data, init);
-    expect_trained(single[0], init, bn);
-    expect_states_equal(task[0], single[0], bn ? "task vs single on GPUs, BatchNorm" : "task vs single on GPUs");
-  }
+  expect_task_equals_single(c10::DeviceType::CUDA, 16);
 }
 
 TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
