@@ -1,0 +1,298 @@
+// AdversarialTrainer's step as pieces, the DCGAN recipe per replica (adversarial_trainer.h): each piece runs now on its
+// device (eager) or goes into that device's open CUDA graph segment (capture), and what runs between segments
+// (copies across devices, averaging outside the graphs) into the replay program.
+#include "trainer_replica.h"
+
+#include "hierpar/nn/batch_norm.h"
+#include "hierpar/ops.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/_foreach_lerp.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+
+#include <optional>
+
+namespace hierpar::strategy {
+namespace {
+
+using detail::current_stream;
+using detail::gradients_of;
+using detail::order;
+
+// D's weights need no gradient while G's loss backpropagates through D: freezing them saves D's weight
+// gradient kernels, and G's gradients do not change.
+class FrozenParameters {
+ public:
+  explicit FrozenParameters(const std::vector<torch::Tensor>& parameters) : parameters_(parameters) {
+    for (const torch::Tensor& p : parameters_) p.requires_grad_(false);
+  }
+  ~FrozenParameters() {
+    for (const torch::Tensor& p : parameters_) p.requires_grad_(true);
+  }
+
+ private:
+  const std::vector<torch::Tensor>& parameters_;
+};
+
+// Autocast's cache of cast weights off for the scope: a cast cached by one stream's pass and read by the
+// other's would be freed to the first stream's pool while the second may still read it.
+class AutocastCacheOff {
+ public:
+  explicit AutocastCacheOff(bool active) : active_(active), was_(at::autocast::is_autocast_cache_enabled()) {
+    if (active_) at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastCacheOff() {
+    if (active_) at::autocast::set_autocast_cache_enabled(was_);
+  }
+
+ private:
+  bool active_, was_;
+};
+
+}  // namespace
+
+void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
+                                   Phase phase) {
+  Replica& r = *replicas_[local];
+  const ReplicaDevices& devices = placement_.replicas[local];
+  const c10::Device& g_device = devices.generator;
+  const c10::Device& d_device = devices.discriminator;
+  const bool two_devices = g_device != d_device;
+  const AdversarialLoss& loss = options_.loss;
+  auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.precision.autocast_dtype()); };
+
+  // The step as pieces. on(device, name, work): work of one device, run now (eager) or captured into the open
+  // segment of that device's CapturedStep, a new segment starting where the step moves to the other device.
+  // between(device, name, work): what runs between segments (copies across devices, averaging), run now or appended
+  // to the replay program. `device` is whose stream the piece runs on, for the timeline.
+  CapturedStep* open = nullptr;
+  std::optional<ProgramPiece> segment;  // the open segment's program entry, its name growing with its pieces
+  auto close_open = [&] {
+    if (open == nullptr) return;
+    open->close_segment();
+    segment->run = [graph = open, index = open->segments() - 1] { graph->replay(index); };
+    r.program.push_back(std::move(*segment));
+    segment.reset();
+    open = nullptr;
+  };
+  auto on = [&](const c10::Device& device, const char* name, const std::function<void()>& work) {
+    if (phase == Phase::eager) {
+      c10::OptionalDeviceGuard device_guard(device);
+      timed(local, device, name, /*compute=*/true, work);
+      return;
+    }
+    CapturedStep* graph = two_devices && device == g_device ? r.generator_graph.get() : r.graph.get();
+    if (open != graph) {
+      close_open();
+      graph->open_segment();
+      open = graph;
+      segment = ProgramPiece{name, device, /*compute=*/true, {}};
+    } else {
+      segment->name += std::string(" + ") + name;
+    }
+    work();
+  };
+  auto between = [&](const c10::Device& device, const char* name, std::function<void()> work) {
+    if (phase == Phase::eager) {
+      timed(local, device, name, /*compute=*/false, work);
+    } else {
+      close_open();
+      r.program.push_back(ProgramPiece{name, device, /*compute=*/false, std::move(work)});
+    }
+  };
+  // Averaging captured in the graphs (NCCL's bucketed all-reduces) is one more piece of the network's segment;
+  // otherwise it runs between segments.
+  auto average = [&](Network network) {
+    if (!averager_) return;
+    const bool d = network == Network::discriminator;
+    const c10::Device& device = d ? d_device : g_device;
+    const char* name = d ? "average D" : "average G";
+    auto work = [this, local, network, d, &r] {
+      averager_->average(local, network, gradients_of(d ? r.discriminator_parameters : r.generator_parameters));
+    };
+    if (phase == Phase::capture && graph_averaging_ == GraphAveraging::whole) {
+      on(device, name, work);
+    } else {
+      between(device, name, work);
+    }
+  };
+
+  // One device (options.overlap_passes): G's forward and D's pass over the fakes run on `fake_stream` beside D's
+  // pass over the real batch on the device's stream (`main_stream`, under capture the side stream); chosen in the
+  // first piece, where that stream is current.
+  std::optional<c10::Stream> fake_stream, main_stream;
+  std::optional<AutocastCacheOff> autocast_cache_off;
+
+  // G's forward: the fakes, kept with their autograd graph until G's backward (the end of this step).
+  on(g_device, "G forward", [&] {
+    if (!two_devices) {
+      main_stream = current_stream(d_device);
+      fake_stream = fake_pass_stream(local);
+      autocast_cache_off.emplace(fake_stream.has_value() && options_.precision.autocast_dtype().has_value());
+    }
+    const torch::Tensor noise = noise_share.defined() ? noise_share.to(g_device, /*non_blocking=*/true)
+                                                      : draw_noise(local, real_share.size(0));
+    if (fake_stream) {
+      order(*main_stream, *fake_stream);
+      noise.record_stream(*fake_stream);
+    }
+    c10::OptionalStreamGuard on_fake_stream(fake_stream);
+    auto scope = autocast(g_device);
+    hierpar::nn::BatchNormSyncGuard bn_sync(r.generator_bn_sync.get());
+    r.fake = r.generator.forward<torch::Tensor>(noise);
+  });
+
+  // D's pass over the real batch, forward and backward: it needs no fakes, so on a task or hierarchical placement it
+  // runs on D's device while G's device runs G's backward and update of the previous step and its forward.
+  torch::Tensor d_loss_real, d_loss_fake, g_loss, real_on_d;
+  // The penalties' gradient: of D's logits (their sum) with respect to its input `x`, kept differentiable, in float.
+  auto input_gradient = [](const torch::Tensor& logits, const torch::Tensor& x) {
+    return torch::autograd::grad({logits.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0]
+        .to(torch::kFloat);
+  };
+  on(d_device, "D real", [&] {
+    torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
+    if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
+    real_on_d = real;
+    const bool r1 = options_.r1_gamma > 0 && (steps_ - 1) % options_.r1_every == 0;
+    if (r1) real = real.detach().requires_grad_(true);
+    r.discriminator_optimizer->zero_grad();
+    torch::Tensor real_logits;
+    {
+      auto scope = autocast(d_device);
+      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+      std::optional<hierpar::ops::DoubleBackwardScope> keep_inputs;
+      if (r1) keep_inputs.emplace();
+      real_logits = r.discriminator.forward<torch::Tensor>(real);
+      d_loss_real = loss(real_logits, LossTerm::real);
+    }
+    torch::Tensor d_objective_real = d_loss_real;
+    if (r1) {
+      const torch::Tensor penalty = input_gradient(real_logits, real).square().flatten(1).sum(1).mean();
+      d_objective_real = d_loss_real + penalty * (0.5 * options_.r1_gamma * static_cast<double>(options_.r1_every));
+    }
+    // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
+    if (fake_stream) order(*main_stream, *fake_stream);
+    if (averager_) averager_->set_final_backward(local, Network::discriminator, false);
+    d_objective_real.backward();
+  });
+
+  // The fakes to D's device (ATen's copy orders both devices' streams with events); on one device, the same memory.
+  if (two_devices) {
+    between(g_device, "copy fakes", [&r, d_device] {
+      if (!r.fake_on_d.defined()) r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+      r.fake_on_d.copy_(r.fake.detach(), /*non_blocking=*/true);
+    });
+  }
+
+  // D's pass over the fakes; its gradients add to the real pass's.
+  on(d_device, "D fakes", [&] {
+    if (!two_devices) {
+      r.fake_on_d = r.fake.detach();
+    } else if (!r.fake_on_d.defined()) {  // captured without a warm-up step: the buffer comes from D's graph pool
+      r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+    }
+    {
+      auto scope = autocast(d_device);
+      hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+      c10::OptionalStreamGuard on_fake_stream(fake_stream);
+      d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d.detach()), LossTerm::fake);
+    }
+    if (fake_stream) {
+      // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
+      order(*fake_stream, *main_stream);
+      r.fake_on_d.record_stream(*main_stream);
+      d_loss_fake.record_stream(*main_stream);
+    }
+    torch::Tensor d_objective_fake = d_loss_fake;
+    if (options_.gradient_penalty > 0) {
+      const torch::Tensor fake = r.fake_on_d.detach();
+      std::vector<int64_t> per_image(fake.dim(), 1);
+      per_image[0] = fake.size(0);
+      const torch::Tensor e = torch::rand(per_image, fake.options().dtype(torch::kFloat));
+      const torch::Tensor mixed = (real_on_d * e + fake * (1 - e)).requires_grad_(true);
+      torch::Tensor mixed_logits;
+      {
+        auto scope = autocast(d_device);
+        hierpar::ops::DoubleBackwardScope keep_inputs;
+        mixed_logits = r.discriminator.forward<torch::Tensor>(mixed);
+      }
+      const torch::Tensor penalty = (input_gradient(mixed_logits, mixed).flatten(1).norm(2, {1}) - 1).square().mean();
+      d_objective_fake = d_loss_fake + penalty * options_.gradient_penalty;
+    }
+    if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
+    d_objective_fake.backward();
+    // Its nodes ran on `fake_stream`; autograd has made the main stream wait for them (D's update reads those
+    // gradients), and so does a capture's end: made explicit here and after G's backward.
+    if (fake_stream) order(*fake_stream, *main_stream);
+    if (averager_) averager_->backward_done(local, Network::discriminator);
+  });
+  average(Network::discriminator);
+
+  // D's update, then G's loss through the updated D (D's weights frozen), back to the fakes on D's device only.
+  on(d_device, "D update + G loss", [&] {
+    r.discriminator_optimizer->step();
+    // Under autocast, the casts of D's weights cached by the forwards above are stale after the update; the cache
+    // is per thread, so each replica's thread clears its own.
+    at::autocast::clear_cache();
+    r.fake_on_d.requires_grad_(true);
+    r.fake_on_d.mutable_grad() = torch::Tensor();
+    {
+      FrozenParameters frozen(r.discriminator_parameters);
+      {
+        auto scope = autocast(d_device);
+        hierpar::nn::BatchNormSyncGuard bn_sync(r.discriminator_bn_sync.get());
+        g_loss = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d), LossTerm::generator);
+      }
+      g_loss.backward();
+    }
+    r.fake_on_d.requires_grad_(false);
+    // Kept without their autograd graphs: a graph kept alive past the step would keep the parameters'
+    // AccumulateGrad nodes (and, captured, the capture's stream) alive.
+    r.d_loss = (d_loss_real + d_loss_fake).detach();
+    r.d_loss_real = d_loss_real.detach();
+    r.d_loss_fake = d_loss_fake.detach();
+    r.g_loss = g_loss.detach();
+    torch::NoGradGuard no_grad;
+    const auto row = torch::stack({r.d_loss_real, r.d_loss_fake, r.g_loss}).to(torch::kFloat).unsqueeze(0);
+    r.loss_log.index_copy_(0, r.loss_row, row);
+    r.loss_row.add_(1);
+  });
+
+  // The gradient w.r.t. the fakes to G's device.
+  if (two_devices) {
+    between(d_device, "copy gradient", [&r, g_device] {
+      if (!r.fake_grad.defined()) r.fake_grad = torch::empty_like(r.fake_on_d.grad(), r.fake.options().device(g_device));
+      r.fake_grad.copy_(r.fake_on_d.grad(), /*non_blocking=*/true);
+    });
+  }
+
+  // G's backward from that gradient, its averaging and update.
+  on(g_device, "G backward", [&] {
+    if (!two_devices) {
+      r.fake_grad = r.fake_on_d.grad();
+    } else if (!r.fake_grad.defined()) {
+      r.fake_grad = torch::empty_like(r.fake);
+    }
+    r.generator_optimizer->zero_grad();
+    torch::autograd::backward({r.fake}, {r.fake_grad});
+    if (fake_stream) order(*fake_stream, *main_stream);  // G's backward ran there
+    if (averager_) averager_->backward_done(local, Network::generator);
+  });
+  average(Network::generator);
+  on(g_device, "G update", [&] {
+    r.generator_optimizer->step();
+    if (!r.generator_ema.empty()) {
+      torch::NoGradGuard no_grad;
+      at::_foreach_lerp_(r.generator_ema, r.generator_parameters, 1.0 - options_.generator_ema_decay);
+    }
+    at::autocast::clear_cache();
+    // The fakes' autograd graph is spent: G's activations are freed now, not at the next step's forward.
+    if (phase == Phase::eager) r.fake = r.fake.detach();
+  });
+  close_open();
+  r.first_step_done = true;
+}
+
+}  // namespace hierpar::strategy
