@@ -1,5 +1,6 @@
-// The adversarial training strategy: placements, and every scheme's parameters after K steps against
-// single-device references, on tiny conv G/D pairs of our own (with and without BatchNorm).
+// The adversarial training strategy: every scheme's parameters after K steps against single-device references, on
+// tiny conv G/D pairs of our own (with and without BatchNorm). Placements and losses: test_placement.cpp,
+// test_losses.cpp.
 // CPU tests run everywhere (replicas as threads on "cpu" devices, Gloo for the collective path, two
 // ranks as two processes of this binary); CUDA versions skip with a reason when GPUs are missing.
 #include "testing.h"
@@ -265,124 +266,6 @@ constexpr int64_t kTwoRankBatch = 6;
 constexpr int kWorkerStoppedByPeer = 3;  // a worker's exit code when its step failed (after reporting why)
 
 }  // namespace
-
-// ---- placements ------------------------------------------------------------------------------------
-
-// The trainer's default loss gives binary_cross_entropy_with_logits' values and gradients against all-ones and
-// all-zeros targets, for logits around 0 and far out in both tails (softplus switches to x beyond 20).
-TEST(StrategyLoss, BceWithLogitsMatchesAten) {
-  for (auto dtype : {torch::kFloat, torch::kDouble}) {
-    const double tol = dtype == torch::kFloat ? 1e-6 : 1e-12;
-    auto logits = hierpar::testing::random_tensor({37, 1}, dtype).mul_(3);
-    logits.index_put_({torch::indexing::Slice(0, 4)}, torch::tensor({-40.0, -19.5, 25.0, 90.0}, dtype).view({4, 1}));
-    for (bool real : {true, false}) {
-      auto ours_in = logits.clone().requires_grad_(), aten_in = logits.clone().requires_grad_();
-      auto ours = hs::bce_with_logits_loss(ours_in, real ? hs::LossTerm::real : hs::LossTerm::fake);
-      auto aten = torch::binary_cross_entropy_with_logits(aten_in, torch::full_like(logits, real ? 1.0 : 0.0));
-      ours.backward();
-      aten.backward();
-      const std::string what = std::string(real ? "real" : "fake") + " target, " + c10::toString(dtype);
-      EXPECT_TRUE(torch::allclose(ours, aten, tol, tol)) << what << ": " << ours.item<double>() << " vs " << aten.item<double>();
-      EXPECT_TRUE(torch::allclose(ours_in.grad(), aten_in.grad(), tol, tol))
-          << what << ": largest gradient difference " << (ours_in.grad() - aten_in.grad()).abs().max().item<double>();
-    }
-  }
-  const auto logits = torch::tensor({-2.0, 0.5, 3.0});
-  EXPECT_TRUE(torch::equal(hs::bce_with_logits_loss(logits, hs::LossTerm::generator),
-                           hs::bce_with_logits_loss(logits, hs::LossTerm::real))) << "G's BCE targets real";
-}
-
-// The hinge and Wasserstein losses on known logits, each term; the loss names and their one-line error.
-TEST(StrategyLoss, HingeAndWassersteinTerms) {
-  const auto l = torch::tensor({-2.0, 0.5, 3.0}, torch::kDouble);
-  auto value = [](const torch::Tensor& t) { return t.item<double>(); };
-  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::real)), (3.0 + 0.5 + 0.0) / 3);   // relu(1 - l)
-  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::fake)), (0.0 + 1.5 + 4.0) / 3);   // relu(1 + l)
-  EXPECT_DOUBLE_EQ(value(hs::hinge_loss(l, hs::LossTerm::generator)), -(1.5 / 3));
-  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::real)), -(1.5 / 3));
-  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::fake)), 1.5 / 3);
-  EXPECT_DOUBLE_EQ(value(hs::wasserstein_loss(l, hs::LossTerm::generator)), -(1.5 / 3));
-  EXPECT_DOUBLE_EQ(value(hs::loss_by_name("hinge")(l, hs::LossTerm::fake)), value(hs::hinge_loss(l, hs::LossTerm::fake)));
-  HIERPAR_EXPECT_THROW_MSG(hs::loss_by_name("lsgan"), "--loss: expected bce, hinge or wasserstein, got 'lsgan'");
-}
-
-TEST(StrategyPlacement, PrintsEachScheme) {
-  const auto cpu = c10::DeviceType::CPU;
-  EXPECT_EQ(hs::Placement::from_flags("single", 1, "host", cpu, {}).to_string(),
-            "single: replica 0: G cpu, D cpu; reduce=host");
-  EXPECT_EQ(hs::Placement::from_flags("task", 2, "nccl", cpu, {}).to_string(),
-            "task: replica 0: G cpu, D cpu; reduce=nccl");
-  EXPECT_EQ(hs::Placement::from_flags("data", 3, "host", cpu, {}).to_string(),
-            "data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu | replica 2: G cpu, D cpu; reduce=host");
-  // The seed's 4-GPU layout, built by hand (this machine may have no GPU); validate() checks its shape.
-  hs::Placement seed;
-  seed.scheme = hs::Scheme::hierarchical;
-  seed.reduce = hs::Reduce::collective;
-  seed.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:1")}, {1, c10::Device("cuda:2"), c10::Device("cuda:3")}};
-  seed.validate();
-  std::ostringstream printed;
-  printed << seed;
-  EXPECT_EQ(printed.str(), "hierarchical: replica 0: G cuda:0, D cuda:1 | replica 1: G cuda:2, D cuda:3; reduce=nccl");
-
-  hs::Launch launch;
-  launch.rank = 1;
-  launch.world_size = 2;
-  launch.local_rank = 1;
-  const auto ranked = hs::Placement::make(hs::Scheme::hierarchical, 4, hs::Reduce::host, cpu, launch);
-  EXPECT_EQ(ranked.to_string(), "hierarchical: replica 1: G cpu, D cpu; reduce=host, rank 1 of 2 processes");
-  EXPECT_EQ(ranked.global_replicas(), 2);
-}
-
-TEST(StrategyPlacement, RejectsImpossibleRequests) {
-  const auto cpu = c10::DeviceType::CPU;
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("pipeline", 2, "host", cpu, {}), "--strategy must be one of");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", 2, "mpi", cpu, {}), "--reduce must be host or nccl");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("hierarchical", 3, "host", cpu, {}), "needs an even --gpus");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("task", 3, "host", cpu, {}), "uses exactly 2 devices");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("single", 2, "host", cpu, {}), "uses exactly 1 device");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", 0, "host", cpu, {}), "--gpus must be at least 1");
-  const int64_t visible = static_cast<int64_t>(torch::cuda::device_count());
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("data", visible + 1, "nccl", c10::DeviceType::CUDA, {}),
-                           "visible");
-  hs::Launch launch;
-  launch.world_size = 2;
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::data, 3, hs::Reduce::host, cpu, launch),
-                           "does not split over WORLD_SIZE=2");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::task, 2, hs::Reduce::host, cpu, launch),
-                           "runs one replica in one process");
-  hs::Placement shared_gpu;
-  shared_gpu.scheme = hs::Scheme::data;
-  shared_gpu.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:0")}, {1, c10::Device("cuda:0"), c10::Device("cuda:0")}};
-  HIERPAR_EXPECT_THROW_MSG(shared_gpu.validate(), "each GPU runs one network");
-  hs::Placement split;
-  split.scheme = hs::Scheme::data;
-  split.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:1")}};
-  HIERPAR_EXPECT_THROW_MSG(split.validate(), "keeps G and D on one device");
-}
-
-TEST(StrategyPlacement, ReadsTheLaunchEnvironment) {
-  ::setenv("RANK", "3", 1);
-  ::setenv("WORLD_SIZE", "4", 1);
-  ::setenv("LOCAL_RANK", "1", 1);
-  ::setenv("MASTER_ADDR", "10.0.0.7", 1);
-  ::setenv("MASTER_PORT", "29555", 1);
-  const auto launch = hs::Launch::from_env();
-  EXPECT_EQ(launch.rank, 3);
-  EXPECT_EQ(launch.world_size, 4);
-  EXPECT_EQ(launch.local_rank, 1);
-  EXPECT_EQ(launch.master_addr, "10.0.0.7");
-  EXPECT_EQ(launch.master_port, 29555);
-  EXPECT_FALSE(launch.agent_store);
-  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's agent serves the store
-  EXPECT_TRUE(hs::Launch::from_env().agent_store);
-  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
-  ::setenv("RANK", "4", 1);
-  HIERPAR_EXPECT_THROW_MSG(hs::Launch::from_env(), "RANK must be in [0, WORLD_SIZE=4)");
-  ::setenv("WORLD_SIZE", "two", 1);
-  HIERPAR_EXPECT_THROW_MSG(hs::Launch::from_env(), "WORLD_SIZE must be an integer");
-  for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
-  EXPECT_FALSE(hs::Launch::from_env().multi_process());
-}
 
 // ---- schemes against references (CPU) --------------------------------------------------------------
 
