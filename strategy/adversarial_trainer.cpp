@@ -185,7 +185,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       at::globalContext().setWarnOnAccumulateGradStreamMismatch(false);
     }
   }
-  workers_ = std::make_unique<Workers>(placement_.local_replicas(), options_.report_failures);
+  workers_ = std::make_unique<Workers>(placement_.local_replicas(), options_.report_failures, options_.averaging.timeout);
   if (averager_) {
     workers_->run([this](int64_t i) { averager_->connect(i); }, averager_.get(), placement_);
     if (placement_.launch.multi_process()) broadcast_from_replica0();

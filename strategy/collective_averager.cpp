@@ -40,11 +40,14 @@ class CollectiveAverager final : public GradientAverager {
   void connect(int64_t local) override {
     // Every local replica joins concurrently (Gloo's rendezvous needs all ranks at once); one group
     // per network, so G's and D's buffers may be in flight at the same time on their own devices.
+    // Each replica talks to the store through its own connection: a TCPStore client holds its lock through a
+    // blocking get, so replica 1 waiting there for rank 0's NCCL id kept replica 0 from setting it.
+    const c10::intrusive_ptr<c10d::Store> store = local == 0 ? store_ : store_->clone();
     for (Network network : kNetworks) {
       const int n = static_cast<int>(network);
       const c10::Device device = device_of(placement_, local, network);
       aborted_.check(where(placement_, local, network) + " connect");
-      auto group = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store_),
+      auto group = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store),
                                 placement_.replicas[local].replica, placement_.global_replicas(), device.type(),
                                 placement_.launch, options_.timeout);
       {

@@ -10,8 +10,10 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <iomanip>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,14 +25,17 @@ namespace hierpar::strategy {
 // thread-local state (grad mode, autocast), waits for all, and rethrows the first failure after
 // telling the averager, so replicas waiting on the failed one stop instead of hanging. A replica that
 // has not returned kStuckGrace after the first failure (or after interrupt()) is left behind as hung:
-// run() throws naming it, and its thread keeps what it uses (the shared state, the job) alive.
+// run() throws naming it, and its thread keeps what it uses (the shared state, the job) alive. A replica that
+// has not returned `straggler_limit` after replica 0 did is hung too: with collectives captured in the graphs the
+// others do not wait for it on the host (their GPUs spin in the all-reduce), so no failure would come otherwise.
 class AdversarialTrainer::Workers {
  public:
   // Long enough for a replica released by an abort to unwind its step (a device sync on queued work
   // included), short enough to keep a stop within seconds.
   static constexpr std::chrono::seconds kStuckGrace{3};
 
-  Workers(int64_t replicas, bool report_failures) : shared_(std::make_shared<Shared>(replicas)) {
+  Workers(int64_t replicas, bool report_failures, std::chrono::milliseconds straggler_limit)
+      : shared_(std::make_shared<Shared>(replicas)), straggler_limit_(straggler_limit) {
     shared_->report = report_failures;
     for (int64_t i = 1; i < replicas; ++i) threads_.emplace_back([shared = shared_, i] { loop(*shared, i); });
   }
@@ -88,11 +93,15 @@ class AdversarialTrainer::Workers {
     sh.start.notify_all();
     execute(sh, 0);
     std::vector<int64_t> stuck;
+    bool straggling = false;
     {
       std::unique_lock<std::mutex> lock(sh.mutex);
       auto all_returned = [&] { return std::none_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }); };
-      sh.done.wait(lock, [&] { return all_returned() || sh.first_failure >= 0 || !sh.interrupted.empty(); });
-      if (!sh.done.wait_for(lock, kStuckGrace, all_returned)) {
+      const bool ended = sh.done.wait_for(lock, straggler_limit_, [&] {
+        return all_returned() || sh.first_failure >= 0 || !sh.interrupted.empty();
+      });
+      straggling = !ended;
+      if (straggling || !sh.done.wait_for(lock, kStuckGrace, all_returned)) {
         for (size_t i = 0; i < sh.running.size(); ++i) {
           if (sh.running[i]) stuck.push_back(static_cast<int64_t>(i));
         }
@@ -103,9 +112,14 @@ class AdversarialTrainer::Workers {
     std::string message;
     bool peer = stuck.empty();
     for (int64_t i : stuck) {
-      message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " hangs: the other replicas stopped "
-                          "waiting for it, and it did not return within ", kStuckGrace.count(), " s");
+      message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " hangs: ",
+                          straggling ? c10::str("it had not returned from its step ", seconds(straggler_limit_),
+                                                " after replica 0 did (the timeout)")
+                                     : c10::str("the other replicas stopped waiting for it, and it did not return "
+                                                "within ", kStuckGrace.count(), " s"));
     }
+    // The others' captured collectives wait on the GPU for the hung one: aborting the communicators releases them.
+    if (straggling && sh.averager != nullptr) sh.averager->abort(message.substr(0, message.find('\n')));
     if (!sh.interrupted.empty()) message += c10::str(message.empty() ? "" : "\nthen ", sh.interrupted);
     // A step that ran out of device memory throws c10::OutOfMemoryError, as one replica alone would, so that callers
     // (the batch-size search, a user's retry at a smaller batch) can tell it from other failures.
@@ -152,6 +166,12 @@ class AdversarialTrainer::Workers {
     std::string interrupted;
     bool report = true;  // AdversarialOptions::report_failures
   };
+
+  static std::string seconds(std::chrono::milliseconds d) {
+    std::ostringstream out;
+    out << std::fixed << std::setprecision(1) << static_cast<double>(d.count()) / 1000.0 << " s";
+    return out.str();
+  }
 
   static std::vector<int64_t> failure_order(const Shared& sh) {
     std::vector<int64_t> order;
@@ -234,6 +254,7 @@ class AdversarialTrainer::Workers {
   }
 
   std::shared_ptr<Shared> shared_;
+  std::chrono::milliseconds straggler_limit_;  // AveragingOptions::timeout
   std::vector<std::thread> threads_;
 };
 

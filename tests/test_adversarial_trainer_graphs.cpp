@@ -17,7 +17,11 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/fused_adam.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
+#include <stdexcept>
 
 namespace hs = hierpar::strategy;
 using hierpar::testing::Tolerance;
@@ -676,6 +680,45 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   hs::AdversarialTrainer flat(torch::nn::AnyModule(PairNet(true)), torch::nn::AnyModule(PairNet(false)), placement,
                               between);
   EXPECT_EQ(flat.graph_averaging(), hs::GraphAveraging::between);
+}
+
+// A replica that hangs while the others' captured all-reduces wait for it on the GPU (no host wait to time out) is
+// named once the averaging timeout has passed since replica 0 returned from the step, and the communicators are
+// aborted, so the step ends within seconds instead of never. The hung replica, released afterwards, leaves by an
+// exception (it must not replay against aborted communicators).
+TEST(AdversarialTrainerGraphs, HungReplicaUnderCapturedNcclIsNamedAfterTheTimeout) {
+  HIERPAR_REQUIRE_CUDA();
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  const auto reals = batches(6, 16, torch::kCUDA);
+  auto options = eager_and_graph_options().second;
+  options.averaging.timeout = std::chrono::seconds(2);
+  options.report_failures = false;
+  auto gate = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  auto released = std::make_shared<bool>(false);
+  options.fault_hook = [gate, released](int64_t replica, int64_t step) {
+    if (replica != 1 || step != 4) return;
+    std::unique_lock<std::mutex> lock(gate->first);
+    gate->second.wait(lock, [&] { return *released; });
+    throw std::runtime_error("released after the test");
+  };
+  torch::manual_seed(4);
+  PairNet g(true), d(false);
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
+                                 hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {}), options);
+  ASSERT_EQ(trainer.graph_averaging(), hs::GraphAveraging::whole);
+  for (int k = 0; k < 4; ++k) trainer.step(reals[k]);  // two eager steps, the capture, a replay
+  const auto start = std::chrono::steady_clock::now();
+  HIERPAR_EXPECT_THROW_MSG(trainer.step(reals[4]), "replica 1 (G cuda:1, D cuda:1) hangs: it had not returned from "
+                                                   "its step 2.0 s after replica 0 did");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(seconds, 1.9) << "named before the timeout";
+  EXPECT_LT(seconds, 6.0) << "the 2 s timeout took " << seconds << " s";
+  HIERPAR_EXPECT_THROW_MSG(trainer.step(reals[5]), "refuses every later one");
+  {
+    std::lock_guard<std::mutex> lock(gate->first);
+    *released = true;
+  }
+  gate->second.notify_all();
 }
 
 // Host averaging on 2 GPUs: eager steps sum buckets on the replicas' threads during the backward (caps of a few

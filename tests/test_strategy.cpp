@@ -710,7 +710,8 @@ void deterministic_cudnn() {
 }
 }  // namespace
 
-// The worker half of StrategyTwoProcesses.*: one rank of a data placement over WORLD_SIZE processes.
+// The worker half of StrategyTwoProcesses.*: one rank of a data placement over WORLD_SIZE processes, with
+// HIERPAR_STRATEGY_REPLICAS replicas in all (2: one per process); saves each local replica's parameters.
 TEST(StrategyWorker, TrainAndSave) {
   const char* out = std::getenv("HIERPAR_STRATEGY_WORKER_OUT");
   if (out == nullptr) GTEST_SKIP() << "the worker half of StrategyTwoProcesses.*: runs only in the processes they start";
@@ -719,12 +720,15 @@ TEST(StrategyWorker, TrainAndSave) {
   const uint64_t init_seed = std::stoull(std::getenv("HIERPAR_STRATEGY_INIT_SEED"));
   const std::string reduce = std::getenv("HIERPAR_STRATEGY_REDUCE");
   const char* fail_rank = std::getenv("HIERPAR_STRATEGY_FAIL_RANK");
-  const auto data = make_data(kTwoRankBatch, data_seed);
-  const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per process (NCCL)
+  const char* replicas_env = std::getenv("HIERPAR_STRATEGY_REPLICAS");
+  const int64_t replicas = replicas_env != nullptr ? std::stoll(replicas_env) : 2;
+  const int64_t batch = kTwoRankBatch * replicas / 2;
+  const auto data = make_data(batch, data_seed);
+  const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per replica (NCCL)
   if (cuda) deterministic_cudnn();
-  const auto placement = hs::Placement::make(hs::Scheme::data, 2, hs::parse_reduce(reduce),
+  const auto placement = hs::Placement::make(hs::Scheme::data, replicas, hs::parse_reduce(reduce),
                                              cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, launch);
-  const int64_t share = kTwoRankBatch / launch.world_size;
+  const int64_t share = batch / launch.world_size;
   try {
     torch::manual_seed(init_seed + 1000 * launch.rank);  // different on each rank: the broadcast must fix it
     auto g = tiny_generator(true);  // G first, then D, as train() draws them
@@ -737,7 +741,9 @@ TEST(StrategyWorker, TrainAndSave) {
       if (fail_rank != nullptr && std::stoll(fail_rank) == launch.rank) real = real.narrow(1, 0, 2);  // a bad batch
       trainer.step(real, data.noise[k].narrow(0, launch.rank * share, share));
     }
-    torch::save(state_of(trainer, 0), std::string(out) + "/rank" + std::to_string(launch.rank) + ".pt");
+    for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+      torch::save(state_of(trainer, i), c10::str(out, "/rank", launch.rank, "-", i, ".pt"));
+    }
   } catch (const c10::Error& e) {
     std::ofstream(std::string(out) + "/error" + std::to_string(launch.rank) + ".txt") << e.what_without_backtrace();
     std::fflush(nullptr);
@@ -747,33 +753,49 @@ TEST(StrategyWorker, TrainAndSave) {
 
 namespace {
 
-// Ranks 0 and 1 as two processes (one GPU each on CUDA) end with the parameters of the in-process replicas 0 and 1
-// of the same placement, bit for bit.
-void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device, const char* reduce, bool sync_bn) {
+// Ranks 0 and 1 as two processes (one GPU per replica on CUDA) end with the parameters of the in-process replicas
+// of the same placement: `replicas` in all, replicas / 2 in each process; bit for bit unless `exact` is false (host
+// averaging then adds each process's replicas first, (a + b) + (c + d), where one process adds ((a + b) + c) + d).
+void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device, const char* reduce, bool sync_bn,
+                                                         int64_t replicas = 2, bool exact = true) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
-  const auto data = make_data(kTwoRankBatch, data_seed);
-  const std::string what = c10::str(reduce, sync_bn ? " sync BN" : "", " on ", c10::DeviceTypeName(device, true));
-  const std::string dir = temp_dir(std::string("agree_") + reduce + (sync_bn ? "_sync" : ""));
+  const auto data = make_data(kTwoRankBatch * replicas / 2, data_seed);
+  const std::string what = c10::str(reduce, sync_bn ? " sync BN" : "", " on ", c10::DeviceTypeName(device, true), ", ",
+                                    replicas, " replicas");
+  const std::string dir = temp_dir(c10::str("agree_", reduce, sync_bn ? "_sync" : "", "_", replicas));
   std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
                                          {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
                                          {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
-                                         {"HIERPAR_STRATEGY_REDUCE", reduce}};
+                                         {"HIERPAR_STRATEGY_REDUCE", reduce},
+                                         {"HIERPAR_STRATEGY_REPLICAS", std::to_string(replicas)}};
   if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
   if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
   const auto children = run_two_ranks(env, dir, std::chrono::seconds(120));
   auto options = test_options();
   options.sync_batch_norm = sync_bn;
   if (device == c10::DeviceType::CUDA) deterministic_cudnn();
-  const auto in_process = train(hs::Placement::from_flags("data", 2, reduce, device, {}), true, data, init_seed, 0, -1,
-                                options);
+  const auto in_process = train(hs::Placement::from_flags("data", replicas, reduce, device, {}), true, data, init_seed,
+                                0, -1, options);
   for (int rank = 0; rank < 2; ++rank) {
     ASSERT_EQ(exit_code(children[rank]), 0) << what << " rank " << rank << " failed; its log:\n"
                                             << read_text(children[rank].log);
-    std::vector<torch::Tensor> saved;
-    torch::load(saved, dir + "/rank" + std::to_string(rank) + ".pt");
-    expect_states_equal(saved, in_process[rank], what + ": process rank " + std::to_string(rank) +
-                                                     " vs in-process replica " + std::to_string(rank));
+    for (int64_t i = 0; i < replicas / 2; ++i) {
+      std::vector<torch::Tensor> saved;
+      torch::load(saved, c10::str(dir, "/rank", rank, "-", i, ".pt"));
+      const int64_t replica = rank * replicas / 2 + i;
+      const std::string which = c10::str(what, ": process rank ", rank, "'s replica ", i, " vs in-process replica ",
+                                         replica);
+      if (exact) {
+        expect_states_equal(saved, in_process[replica], which);
+      } else {
+        ASSERT_EQ(saved.size(), in_process[replica].size()) << which;
+        for (size_t t = 0; t < saved.size(); ++t) {
+          hierpar::testing::expect_close(saved[t], in_process[replica][t], {1e-5, 1e-6}, which + ": tensor " +
+                                                                                             std::to_string(t));
+        }
+      }
+    }
   }
   remove_dir(dir);
 }
@@ -788,11 +810,25 @@ TEST(StrategyTwoProcesses, AgreeBitForBitWithInProcessReplicas) {
   }
 }
 
+// Two replicas in each of the two processes: each replica's groups reach the store through a connection of its own
+// (a shared TCPStore client deadlocked their NCCL setup on GPUs), and the replicas of both processes agree with one
+// process's.
+TEST(StrategyTwoProcesses, TwoReplicasPerProcessAgreeWithInProcessReplicas) {
+  HIERPAR_REQUIRE_GLOO();
+  expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CPU, "nccl", false, 4);
+  expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CPU, "host", false, 4, /*exact=*/false);
+}
+
 // One GPU per process, NCCL between the processes (and Gloo for host averaging's sums).
 TEST(StrategyTwoProcessesCuda, AgreeBitForBitWithInProcessReplicas) {
   HIERPAR_REQUIRE_GPUS(2);
   expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CUDA, "nccl", false);
   if (hs::gloo_available()) expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CUDA, "host", false);
+  if (torch::cuda::device_count() >= 4) {
+    expect_two_processes_agree_with_in_process_replicas(c10::DeviceType::CUDA, "nccl", false, 4);
+  } else {
+    std::cout << "two GPUs per process skipped: " << torch::cuda::device_count() << " GPUs\n";
+  }
 }
 
 TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
