@@ -388,7 +388,8 @@ void RunGuard::State::check_hang(Clock::time_point now) {
   if (!in_step.load() || failed()) return;
   const auto began = Clock::time_point(Clock::duration(step_began.load()));
   // One process: the trainer's own waits are bounded by the timeout; this is the backstop.
-  const auto bound = multi ? options.timeout : options.timeout + 2 * options.exit_grace;
+  auto bound = multi ? options.timeout : options.timeout + 2 * options.exit_grace;
+  if (steps_ended.load() < options.startup_steps) bound = std::max(bound, options.startup_timeout);
   if (now - began <= bound) return;
   const int64_t at = step.load();
   if (!multi) {

@@ -66,7 +66,8 @@ std::string logs(const std::vector<Child>& children) {
 
 }  // namespace
 
-// One rank of the runs below: HIERPAR_GUARD_SCENARIO is clean (5 steps), stop (rank 1 asks to stop at kFaultStep),
+// One rank of the runs below: HIERPAR_GUARD_SCENARIO is clean (5 steps), slow_start (5 steps, rank 1's first 2.5 s
+// long), stop (rank 1 asks to stop at kFaultStep),
 // throw, kill, freeze (SIGSTOP) or hang (rank 1, at the start of kFaultStep). Rank 0 enters a "collective" every
 // step, which from kFaultStep on (in the faults) waits for the guard's abort. Each rank writes what happened to files.
 TEST(RunGuardWorker, Run) {
@@ -95,6 +96,8 @@ TEST(RunGuardWorker, Run) {
     bool stopped = false;
     for (int64_t step = 1; step <= 5000 && !stopped; ++step) {
       guard.begin_step(step);
+      // A first step longer than the timeout (startup_timeout, 60 s, bounds it), as capturing CUDA graphs can be.
+      if (faulty && step == 1 && scenario == "slow_start") std::this_thread::sleep_for(std::chrono::milliseconds(2500));
       if (faulty && step == kFaultStep) {
         if (scenario == "kill" || scenario == "freeze") {
           record("killed_at", std::to_string(now_ms()));
@@ -107,7 +110,7 @@ TEST(RunGuardWorker, Run) {
         if (scenario == "stop") guard.request_stop("a test's request");
       }
       ++entered;
-      if (!faulty && step >= kFaultStep && scenario != "clean" && scenario != "stop") {
+      if (!faulty && step >= kFaultStep && scenario != "clean" && scenario != "stop" && scenario != "slow_start") {
         std::unique_lock<std::mutex> lock(mutex);
         aborted.wait(lock, [&] { return !abort_reason.empty(); });
         hs::throw_peer_failure("the collective stopped: " + abort_reason);
@@ -115,7 +118,7 @@ TEST(RunGuardWorker, Run) {
       std::this_thread::sleep_for(std::chrono::milliseconds(faulty ? 35 : 20));  // the ranks drift apart
       stopped = guard.end_step(step);
       if (stopped) record("stopped_after", std::to_string(step));
-      if (scenario == "clean" && step == 5) break;
+      if ((scenario == "clean" || scenario == "slow_start") && step == 5) break;
     }
     if (stopped && launch.rank == 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(500));  // writes the checkpoint
@@ -209,6 +212,14 @@ TEST(RunGuard, HungRankIsNamedAfterTheTimeout) {
   EXPECT_NE(read_text(children[1].log).find("error: rank 1 hangs in step 4"), std::string::npos)
       << "the hung rank says why it exits:\n" << logs(children);
   EXPECT_LT(children[1].seconds, 20.0);
+  hierpar::testing::remove_dir(dir);
+}
+
+// A first step that takes longer than the timeout (2.5 s against 1.5 s) is startup, not a hang: both ranks finish.
+TEST(RunGuard, SlowFirstStepIsNotAHang) {
+  const std::string dir = hierpar::testing::temp_dir("guard_slow_start");
+  const auto children = run_ranks("slow_start", dir);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(exit_code(children[r]), 0) << logs(children);
   hierpar::testing::remove_dir(dir);
 }
 

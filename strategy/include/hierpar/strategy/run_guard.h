@@ -52,6 +52,10 @@ struct RunGuardOptions {
   // --timeout). Give the process groups a longer timeout (the example adds heartbeat_timeout), so that the
   // guard, which can name the rank that hangs, acts first.
   std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  // The first `startup_steps` steps of a process (lazy initialisation, cuDNN's autotuning, CUDA graph warm-up and
+  // capture, slower still with other processes sharing the GPUs) are a hang only after `startup_timeout`, if longer.
+  int64_t startup_steps = 1;
+  std::chrono::milliseconds startup_timeout{std::chrono::seconds(60)};
   std::chrono::milliseconds heartbeat_interval{500};
   std::chrono::milliseconds heartbeat_timeout{std::chrono::seconds(5)};  // a rank silent this long is dead
   // After a failure, the process exits by itself this long later if its main thread has not.
