@@ -6,6 +6,7 @@
 #include "hierpar/strategy/averaging.h"
 
 #include "averaging_parts.h"
+#include "hierpar/enum_names.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -28,15 +29,9 @@ namespace hierpar::strategy {
 const char* to_string(Network network) { return network == Network::generator ? "generator" : "discriminator"; }
 
 const char* to_string(GraphAveraging mode) {
-  switch (mode) {
-    case GraphAveraging::between:
-      return "between";
-    case GraphAveraging::copies:
-      return "copies";
-    case GraphAveraging::whole:
-      return "whole";
-  }
-  return "?";
+  constexpr EnumNames<GraphAveraging, 3> names{
+      {{GraphAveraging::between, "between"}, {GraphAveraging::copies, "copies"}, {GraphAveraging::whole, "whole"}}};
+  return name_of(names, mode);
 }
 
 bool gloo_available() {

@@ -1,5 +1,7 @@
 #include "hierpar/strategy/batch_size_search.h"
 
+#include "hierpar/enum_names.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -10,21 +12,15 @@
 
 namespace hierpar::strategy {
 
-BatchObjective parse_batch_objective(const std::string& name) {
-  if (name == "max-memory") return BatchObjective::max_memory;
-  if (name == "epoch-time") return BatchObjective::epoch_time;
-  if (name == "gpu-usage") return BatchObjective::gpu_usage;
-  TORCH_CHECK(false, "objective: expected max-memory, epoch-time or gpu-usage, got '", name, "'");
-}
+namespace {
+constexpr EnumNames<BatchObjective, 3> objective_names{{{BatchObjective::max_memory, "max-memory"},
+                                                         {BatchObjective::epoch_time, "epoch-time"},
+                                                         {BatchObjective::gpu_usage, "gpu-usage"}}};
+}  // namespace
 
-const char* to_string(BatchObjective objective) {
-  switch (objective) {
-    case BatchObjective::max_memory: return "max-memory";
-    case BatchObjective::epoch_time: return "epoch-time";
-    case BatchObjective::gpu_usage: return "gpu-usage";
-  }
-  return "?";
-}
+BatchObjective parse_batch_objective(const std::string& name) { return parse_name(objective_names, name, "objective"); }
+
+const char* to_string(BatchObjective objective) { return name_of(objective_names, objective); }
 
 std::string BatchSearchResult::table() const {
   std::ostringstream os;

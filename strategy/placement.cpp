@@ -1,9 +1,12 @@
 #include "hierpar/strategy/placement.h"
 
+#include "hierpar/enum_names.h"
+
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 
 namespace hierpar::strategy {
@@ -18,6 +21,14 @@ int64_t env_int(const char* name, int64_t fallback) {
   return parsed;
 }
 
+constexpr EnumNames<Scheme, 4> scheme_names{{{Scheme::single, "single"},
+                                              {Scheme::task, "task"},
+                                              {Scheme::data, "data"},
+                                              {Scheme::hierarchical, "hierarchical"}}};
+
+// --reduce also takes "collective", the enum's own name, for Reduce::collective.
+constexpr EnumNames<Reduce, 2> reduce_names{{{Reduce::host, "host"}, {Reduce::collective, "nccl"}}};
+
 int64_t devices_per_replica(Scheme scheme) {
   return (scheme == Scheme::task || scheme == Scheme::hierarchical) ? 2 : 1;
 }
@@ -25,30 +36,22 @@ int64_t devices_per_replica(Scheme scheme) {
 }  // namespace
 
 Scheme parse_scheme(const std::string& name) {
-  if (name == "single") return Scheme::single;
-  if (name == "task") return Scheme::task;
-  if (name == "data") return Scheme::data;
-  if (name == "hierarchical") return Scheme::hierarchical;
-  TORCH_CHECK(false, "--strategy must be one of single, task, data, hierarchical; got \"", name, "\"");
+  const std::optional<Scheme> scheme = value_named(scheme_names, name);
+  TORCH_CHECK(scheme.has_value(), "--strategy must be one of ", listed_names(scheme_names, ", "), "; got \"", name,
+              "\"");
+  return *scheme;
 }
 
 Reduce parse_reduce(const std::string& name) {
-  if (name == "host") return Reduce::host;
-  if (name == "nccl" || name == "collective") return Reduce::collective;
-  TORCH_CHECK(false, "--reduce must be host or nccl; got \"", name, "\"");
+  if (name == "collective") return Reduce::collective;
+  const std::optional<Reduce> reduce = value_named(reduce_names, name);
+  TORCH_CHECK(reduce.has_value(), "--reduce must be ", listed_names(reduce_names), "; got \"", name, "\"");
+  return *reduce;
 }
 
-const char* to_string(Scheme scheme) {
-  switch (scheme) {
-    case Scheme::single: return "single";
-    case Scheme::task: return "task";
-    case Scheme::data: return "data";
-    case Scheme::hierarchical: return "hierarchical";
-  }
-  return "?";
-}
+const char* to_string(Scheme scheme) { return name_of(scheme_names, scheme); }
 
-const char* to_string(Reduce reduce) { return reduce == Reduce::host ? "host" : "nccl"; }
+const char* to_string(Reduce reduce) { return name_of(reduce_names, reduce); }
 
 Launch Launch::from_env() {
   Launch launch;

@@ -1,5 +1,7 @@
 #include "testing.h"
 
+#include "hierpar/enum_names.h"
+
 #include <ATen/record_function.h>
 
 #include <cstdlib>
@@ -85,12 +87,9 @@ torch::Tensor random_tensor(at::IntArrayRef sizes, const torch::TensorOptions& o
 }
 
 const char* to_string(Layout layout) {
-  switch (layout) {
-    case Layout::contiguous: return "contiguous";
-    case Layout::channels_last: return "channels_last";
-    case Layout::strided: return "strided";
-  }
-  return "?";
+  constexpr EnumNames<Layout, 3> names{
+      {{Layout::contiguous, "contiguous"}, {Layout::channels_last, "channels_last"}, {Layout::strided, "strided"}}};
+  return name_of(names, layout);
 }
 
 bool cuda_available() { return torch::cuda::is_available(); }

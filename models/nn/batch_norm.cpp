@@ -3,6 +3,7 @@
 // hierpar::batch_norm_act.
 #include "hierpar/nn/batch_norm.h"
 
+#include "hierpar/enum_names.h"
 #include "hierpar/ops.h"
 
 #include <torch/nn/init.h>
@@ -11,18 +12,15 @@
 
 namespace hierpar::nn {
 
-const char* to_string(Activation activation) {
-  switch (activation) {
-    case Activation::identity: return "identity";
-    case Activation::relu: return "relu";
-    case Activation::leaky_relu: return "leaky_relu";
-  }
-  return "?";
-}
-
 namespace {
+// The names hierpar::batch_norm_act takes for its activation argument.
+constexpr EnumNames<Activation, 3> activation_names{
+    {{Activation::identity, "identity"}, {Activation::relu, "relu"}, {Activation::leaky_relu, "leaky_relu"}}};
+
 thread_local BatchNormSync* current_sync = nullptr;
 }  // namespace
+
+const char* to_string(Activation activation) { return name_of(activation_names, activation); }
 
 BatchNormSync* batch_norm_sync() { return current_sync; }
 BatchNormSyncGuard::BatchNormSyncGuard(BatchNormSync* sync) : previous_(current_sync) { current_sync = sync; }

@@ -1,5 +1,7 @@
 #include "hierpar/nn/recompute.h"
 
+#include "hierpar/enum_names.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -241,20 +243,16 @@ void OffloadChain::observe(int64_t block, const torch::Tensor& input, const torc
   seen.candidate.kept_bytes = std::max(seen.candidate.kept_bytes, in + out);
 }
 
-const char* to_string(ActivationMemory memory) {
-  switch (memory) {
-    case ActivationMemory::none: return "none";
-    case ActivationMemory::recompute: return "recompute";
-    case ActivationMemory::offload: return "offload";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumNames<ActivationMemory, 3> activation_memory_names{{{ActivationMemory::none, "none"},
+                                                                   {ActivationMemory::recompute, "recompute"},
+                                                                   {ActivationMemory::offload, "offload"}}};
+}  // namespace
+
+const char* to_string(ActivationMemory memory) { return name_of(activation_memory_names, memory); }
 
 ActivationMemory parse_activation_memory(const std::string& name) {
-  for (ActivationMemory m : {ActivationMemory::none, ActivationMemory::recompute, ActivationMemory::offload}) {
-    if (name == to_string(m)) return m;
-  }
-  TORCH_CHECK(false, "--memory: expected none, recompute or offload, got '", name, "'");
+  return parse_name(activation_memory_names, name, "--memory");
 }
 
 namespace {
