@@ -58,11 +58,36 @@ struct ConvResults {
   torch::Tensor output, grad_input, grad_weight, grad_bias;
 };
 
+// `y` and the gradients its backward left in the leaves x, w and b (b undefined without a bias).
+inline ConvResults results_after_backward(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& w,
+                                          const torch::Tensor& b) {
+  return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
+}
+
+// `run()`'s results with TF32 off for convolutions (true fp32 arithmetic); the setting is restored after.
+template <class Run>
+ConvResults without_tf32(const Run& run) {
+  const Tf32ForConvolutions fp32(false);
+  return run();
+}
+
+// A leaf that requires grad: hierpar's op gets the tensor as made (a strided view stays one), the reference a copy
+// in `as`. An undefined tensor (no bias) stays undefined.
+inline torch::Tensor autograd_leaf(const torch::Tensor& x, std::optional<torch::Dtype> as) {
+  if (!x.defined()) return x;
+  return (as ? x.detach().to(*as) : x.detach()).requires_grad_();
+}
+
 // A case's operands (bias undefined without one, grad_output shaped like the output). `Case` has batch, cin, cout,
 // h, w, bias, layout, weight_channels_last, unbatched and out_hw(); the weight is made with `weight_sizes`.
 struct ConvTensors {
   torch::Tensor input, weight, bias, grad_output;
 };
+
+// The operands copied to the CPU, for comparing a CUDA run with hierpar's CPU kernels.
+inline ConvTensors to_cpu(const ConvTensors& t) {
+  return {t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
+}
 
 template <class Case>
 ConvTensors make_conv_tensors(const Case& c, at::IntArrayRef weight_sizes, const torch::TensorOptions& options) {
@@ -131,13 +156,17 @@ inline void compare(const ConvResults& got, const ConvResults& ref, double rel, 
   if (ref.grad_bias.defined()) expect_close(got.grad_bias, ref.grad_bias, scaled(rel, ref.grad_bias), what + " grad_bias");
 }
 
-// Central finite differences (step 1e-6, in float64) of `loss`, a scalar function of (input, weight, bias), at 6
-// random elements of each defined tensor, against the analytic gradients in `got`.
-using ConvLoss = std::function<double(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
-inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch::Tensor& input,
-                                               const torch::Tensor& weight, const torch::Tensor& bias,
-                                               const ConvResults& got, const std::string& what) {
+// Central finite differences (step 1e-6, in float64) of loss = sum(forward(input, weight, bias) * grad_output), whose
+// gradient is the backward of grad_output, at 6 random elements of each defined operand, against the analytic
+// gradients in `got`.
+using ConvOp = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
+inline void expect_finite_difference_gradients(const ConvOp& forward, const ConvTensors& t, const ConvResults& got,
+                                               const std::string& what) {
   const double eps = 1e-6;
+  const torch::Tensor &input = t.input, &weight = t.weight, &bias = t.bias;
+  auto loss = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+    return (forward(x, w, b) * t.grad_output).sum().item<double>();
+  };
   struct Wrt {
     const char* name;
     torch::Tensor value, grad;
@@ -167,9 +196,11 @@ inline void expect_finite_difference_gradients(const ConvLoss& loss, const torch
 using Gradients = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
 using MaskedBackward = std::function<Gradients(std::array<bool, 3> output_mask)>;
 
-// `backward` with each of the 8 output masks computes exactly the gradients asked for, each equal to the full
-// call's. Returns the full call's.
-inline Gradients expect_output_mask_respected(const MaskedBackward& backward) {
+// `backward` (of `t`'s operands) with each of the 8 output masks computes exactly the gradients asked for, each
+// equal to the full call's. Then through autograd, `forward(x, weight, no bias)`: a weight that does not require
+// grad gets none computed, and the input's grad is the full call's.
+inline void expect_output_mask_respected(const MaskedBackward& backward, const ConvOp& forward,
+                                         const ConvTensors& t) {
   const auto all = backward({true, true, true});
   for (int mask = 0; mask < 8; ++mask) {
     std::array<bool, 3> m{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0};
@@ -181,7 +212,9 @@ inline Gradients expect_output_mask_respected(const MaskedBackward& backward) {
       if (m[i]) EXPECT_TRUE(got[i].equal(want[i])) << "mask " << mask << " output " << i;
     }
   }
-  return all;
+  auto x = t.input.detach().requires_grad_();
+  forward(x, t.weight, torch::Tensor()).backward(t.grad_output);
+  expect_close(x.grad(), std::get<0>(all), "grad_input with a frozen weight");
 }
 
 // Second derivatives, as an R1 or WGAN-GP penalty takes them: `forward(hierpar, x, w, b)` returns the output of

@@ -33,18 +33,8 @@
 
 namespace {
 
-using hierpar::testing::coin;
-using hierpar::testing::compare;
-using hierpar::testing::conv_rel_tolerance;
-using hierpar::testing::expect_channels_last_kept;
-using hierpar::testing::expect_close;
-using hierpar::testing::Layout;
-using hierpar::testing::opt;
-using hierpar::testing::rand_int;
-using hierpar::testing::random_tensor;
-using hierpar::testing::scaled;
-using hierpar::testing::Tolerance;
-using Results = hierpar::testing::ConvResults;
+using namespace hierpar::testing;
+using Results = ConvResults;
 
 struct Case {
   int64_t batch, cin, cout, h, w, groups;
@@ -114,17 +104,12 @@ Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
 // backward starts from, instead of its own.
 Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dtype> as = std::nullopt,
             const torch::Tensor& mask_from = {}) {
-  auto leaf = [&](const torch::Tensor& x) {
-    if (!x.defined()) return x;
-    // hierpar gets the tensor as made (a strided view stays one); ATen a float64 copy.
-    return (as ? x.detach().to(*as) : x.detach()).requires_grad_();
-  };
-  auto x = leaf(t.input), w = leaf(t.weight), b = leaf(t.bias);
+  auto x = autograd_leaf(t.input, as), w = autograd_leaf(t.weight, as), b = autograd_leaf(t.bias, as);
   const auto grad_output = as ? t.grad_output.to(*as) : t.grad_output;
   if (!aten) {
     auto y = hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups, c.slope);
     y.backward(grad_output);
-    return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
+    return results_after_backward(y, x, w, b);
   }
   auto pre = at::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups);
   auto y = c.slope ? at::leaky_relu(pre, *c.slope) : pre;
@@ -134,7 +119,7 @@ Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dty
   } else {
     y.backward(grad_output);
   }
-  return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
+  return results_after_backward(y, x, w, b);
 }
 
 // hierpar's forward + backward of `c` in `t`'s dtype and device against ATen's in float64; on CUDA also against
@@ -149,8 +134,7 @@ void check_case(const Case& c, const Tensors& t, const std::string& what) {
   EXPECT_EQ(got.output.scalar_type(), dtype) << what;
   expect_channels_last_kept(c.layout, c.unbatched, t.input, got, what);
   if (cuda) {
-    Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
-    const auto cpu = run(c, on_cpu, /*aten=*/false);
+    const auto cpu = run(c, to_cpu(t), /*aten=*/false);
     const double rel = conv_rel_tolerance(dtype, true) + conv_rel_tolerance(dtype, false);
     if (c.slope && dtype != torch::kDouble) {
       // The two backends' masks may differ where an output is within rounding of 0 (see the top): outputs only.
@@ -219,29 +203,24 @@ TEST(Conv2dCpu, FiniteDifferenceGradcheckInDouble) {
     Case c = random_case();
     c.bias = true;
     const auto t = make_tensors(c, torch::kDouble);
-    // loss = sum(output * R): its gradient is the backward of grad_output = R.
-    const auto got = run(c, t, false);
-    auto loss = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-      return (hierpar::ops::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups, c.slope) * t.grad_output)
-          .sum()
-          .item<double>();
+    auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+      return hierpar::ops::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups, c.slope);
     };
-    hierpar::testing::expect_finite_difference_gradients(loss, t.input, t.weight, t.bias, got, c.describe());
+    expect_finite_difference_gradients(forward, t, run(c, t, false), c.describe());
   }
 }
 
 TEST(Conv2dCpu, OutputMaskComputesOnlyWhatIsAsked) {
   const Case c = random_case();
   const auto t = make_tensors(c, torch::kDouble);
-  const auto all = hierpar::testing::expect_output_mask_respected([&](std::array<bool, 3> mask) {
+  auto backward = [&](std::array<bool, 3> mask) {
     return hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation, c.groups,
                                          mask);
-  });
-  // Through autograd: a weight that does not require grad gets none computed, and the input's grad is right.
-  auto x = t.input.detach().requires_grad_();
-  auto y = hierpar::ops::conv2d(x, t.weight, std::nullopt, c.stride, c.padding, c.dilation, c.groups);
-  y.backward(t.grad_output);
-  expect_close(x.grad(), std::get<0>(all), "grad_input with a frozen weight");
+  };
+  auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+    return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups);
+  };
+  expect_output_mask_respected(backward, forward, t);
 }
 
 // Second derivatives (an R1 or WGAN-GP penalty differentiates a gradient): the gradient taken with create_graph and
@@ -500,11 +479,7 @@ TEST(Conv2dCuda, SmallCinK4S2P1Tf32TensorCoreKernels) {
     // weight); the gradients then come from an NCHW grad_output, through the CUDA-core kernel and the general
     // path, so only the forward is checked there.
     const auto got = run(c, t, /*aten=*/false);
-    Results exact;
-    {
-      const hierpar::testing::Tf32ForConvolutions fp32(false);
-      exact = run(c, t, /*aten=*/false);
-    }
+    const Results exact = without_tf32([&] { return run(c, t, /*aten=*/false); });
     EXPECT_FALSE(torch::equal(got.output, exact.output)) << what << ": forward not on the TF32 kernel";
     if (c.cin > 1) {
       EXPECT_FALSE(torch::equal(got.grad_input, exact.grad_input)) << what << ": grad_input not on the TF32 kernel";

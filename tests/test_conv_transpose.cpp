@@ -23,18 +23,8 @@
 
 namespace {
 
-using hierpar::testing::coin;
-using hierpar::testing::compare;
-using hierpar::testing::conv_rel_tolerance;
-using hierpar::testing::expect_channels_last_kept;
-using hierpar::testing::expect_close;
-using hierpar::testing::Layout;
-using hierpar::testing::opt;
-using hierpar::testing::rand_int;
-using hierpar::testing::random_tensor;
-using hierpar::testing::scaled;
-using hierpar::testing::Tolerance;
-using Results = hierpar::testing::ConvResults;
+using namespace hierpar::testing;
+using Results = ConvResults;
 
 struct Case {
   int64_t batch, cin, cout, h, w, groups;
@@ -85,17 +75,12 @@ Tensors make_tensors(const Case& c, const torch::TensorOptions& options) {
 
 // Forward + backward through autograd, with hierpar's op or ATen's.
 Results run(const Case& c, const Tensors& t, bool aten, std::optional<torch::Dtype> as = std::nullopt) {
-  auto leaf = [&](const torch::Tensor& x) {
-    if (!x.defined()) return x;
-    // hierpar gets the tensor as made (a strided view stays one); ATen a float64 copy.
-    return (as ? x.detach().to(*as) : x.detach()).requires_grad_();
-  };
-  auto x = leaf(t.input), w = leaf(t.weight), b = leaf(t.bias);
+  auto x = autograd_leaf(t.input, as), w = autograd_leaf(t.weight, as), b = autograd_leaf(t.bias, as);
   auto y = aten ? at::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups, c.dilation)
                 : hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
                                                  c.dilation);
   y.backward(as ? t.grad_output.to(*as) : t.grad_output);
-  return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : torch::Tensor()};
+  return results_after_backward(y, x, w, b);
 }
 
 // hierpar's forward + backward of `c` on CUDA in `dtype` against ATen's in float64; a channels_last input keeps
@@ -142,8 +127,7 @@ void check_random_cases(const torch::Device& device, int trials) {
       expect_channels_last_kept(c.layout, c.unbatched, t.input, got, what);
       if (cuda) {
         // The same op on the CPU, same dtype: the two backends agree within both tolerances.
-        Tensors on_cpu{t.input.cpu(), t.weight.cpu(), t.bias.defined() ? t.bias.cpu() : t.bias, t.grad_output.cpu()};
-        const auto cpu = run(c, on_cpu, /*aten=*/false);
+        const auto cpu = run(c, to_cpu(t), /*aten=*/false);
         compare(got, cpu, conv_rel_tolerance(dtype, true) + conv_rel_tolerance(dtype, false), what + " vs CPU");
       }
     }
@@ -169,31 +153,24 @@ TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
     Case c = random_case();
     c.bias = true;
     const auto t = make_tensors(c, torch::kDouble);
-    // loss = sum(output * R): its gradient is the backward of grad_output = R.
-    const auto got = run(c, t, false);
-    auto loss = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-      return (hierpar::ops::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation) *
-              t.grad_output)
-          .sum()
-          .item<double>();
+    auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+      return hierpar::ops::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
     };
-    hierpar::testing::expect_finite_difference_gradients(loss, t.input, t.weight, t.bias, got, c.describe());
+    expect_finite_difference_gradients(forward, t, run(c, t, false), c.describe());
   }
 }
 
 TEST(ConvTransposeCpu, OutputMaskComputesOnlyWhatIsAsked) {
   const Case c = random_case();
   const auto t = make_tensors(c, torch::kDouble);
-  const auto all = hierpar::testing::expect_output_mask_respected([&](std::array<bool, 3> mask) {
+  auto backward = [&](std::array<bool, 3> mask) {
     return hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
                                                    c.output_padding, c.groups, c.dilation, mask);
-  });
-  // Through autograd: a weight that does not require grad gets none computed, and the input's grad is right.
-  auto x = t.input.detach().requires_grad_();
-  auto y = hierpar::ops::conv_transpose2d(x, t.weight, std::nullopt, c.stride, c.padding, c.output_padding, c.groups,
-                                          c.dilation);
-  y.backward(t.grad_output);
-  expect_close(x.grad(), std::get<0>(all), "grad_input with a frozen weight");
+  };
+  auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+    return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups, c.dilation);
+  };
+  expect_output_mask_respected(backward, forward, t);
 }
 
 // Second derivatives (a penalty on a gradient): differentiated again after create_graph, equal to ATen's, on 4
@@ -576,11 +553,7 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutTf32TensorCoreKernels) {
     EXPECT_TRUE(torch::equal(std::get<0>(backward_only(c, t, {true, false, false})), got.grad_input)) << what;
     // The tensor-core kernels did compute it: TF32's rounding makes every result differ from the true-fp32 one
     // (grad_input from an NCHW grad_output is the true-fp32 kernel's, bit for bit).
-    Results exact;
-    {
-      const hierpar::testing::Tf32ForConvolutions fp32(false);
-      exact = run(c, t, /*aten=*/false);
-    }
+    const Results exact = without_tf32([&] { return run(c, t, /*aten=*/false); });
     EXPECT_FALSE(torch::equal(got.output, exact.output)) << what << ": forward not on the TF32 kernel";
     EXPECT_EQ(torch::equal(got.grad_input, exact.grad_input), grad_output_nchw) << what << ": grad_input's kernel";
     EXPECT_FALSE(torch::equal(got.grad_weight, exact.grad_weight)) << what << ": grad_weight not on the TF32 kernel";
