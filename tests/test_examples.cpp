@@ -413,6 +413,23 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
 
 // ---- the training strategy flags (hierpar::strategy) ----------------------------------------------------------
 
+namespace {
+
+// Flags added to a small synthetic CPU run, the text of the one-line error they give, and what the case checks.
+struct BadTrainFlags {
+  std::string flags, error, what;
+};
+
+// Each case stops `hierpar-dcgan train` with its one-line flag error before a checkpoint is written.
+void expect_train_flag_errors(const TempDir& dir, const std::vector<BadTrainFlags>& cases) {
+  const std::string base =
+      "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
+  for (const BadTrainFlags& c : cases) expect_flag_error(run_dcgan(base + c.flags, dir), c.error, c.what);
+  EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+}
+
+}  // namespace
+
 TEST(Examples, StrategyFlagsParseAndValidate) {
   TempDir dir;
   auto config = tiny_training(dir / "out");
@@ -434,16 +451,15 @@ TEST(Examples, StrategyFlagsParseAndValidate) {
   config.gpus = 4;
   EXPECT_EQ(dcgan_placement(config).global_replicas(), 2);
 
-  const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
-  expect_flag_error(run_dcgan(base + "--strategy model", dir), "--strategy: expected single, task, data or hierarchical, got 'model'", "strategy name");
-  expect_flag_error(run_dcgan(base + "--reduce mpi", dir), "--reduce: expected host or nccl, got 'mpi'", "reduce name");
-  expect_flag_error(run_dcgan(base + "--strategy hierarchical --gpus 3", dir), "needs an even --gpus", "odd hierarchical");
-  expect_flag_error(run_dcgan(base + "--strategy task --gpus 3", dir), "uses exactly 2 devices", "task on 3");
-  expect_flag_error(run_dcgan(base + "--strategy single --gpus 2", dir), "uses exactly 1 device", "single on 2");
-  expect_flag_error(run_dcgan(base + "--gpus -1", dir), "--gpus: expected an integer >= 0, got -1", "negative gpus");
-  expect_flag_error(run_dcgan(base + "--strategy data --gpus 4 --batch-size 18", dir),
-                        "--batch-size 18 does not split evenly over the 4 replicas", "uneven split");
-  EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+  expect_train_flag_errors(
+      dir, {{"--strategy model", "--strategy: expected single, task, data or hierarchical, got 'model'", "strategy name"},
+            {"--reduce mpi", "--reduce: expected host or nccl, got 'mpi'", "reduce name"},
+            {"--strategy hierarchical --gpus 3", "needs an even --gpus", "odd hierarchical"},
+            {"--strategy task --gpus 3", "uses exactly 2 devices", "task on 3"},
+            {"--strategy single --gpus 2", "uses exactly 1 device", "single on 2"},
+            {"--gpus -1", "--gpus: expected an integer >= 0, got -1", "negative gpus"},
+            {"--strategy data --gpus 4 --batch-size 18", "--batch-size 18 does not split evenly over the 4 replicas",
+             "uneven split"}});
 }
 
 // Several CPU "devices" are threads standing in for GPUs, for tests: without --device cpu a placement needs GPUs.
@@ -567,16 +583,15 @@ std::vector<torch::Tensor> checkpoint_networks(const std::string& path, const hi
 
 TEST(Examples, StepFlagsGiveOneLineErrors) {
   TempDir dir;
-  const std::string base = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --out " + (dir / "bad") + " ";
-  expect_flag_error(run_dcgan(base + "--graphs sometimes", dir), "--graphs: expected on or off, got 'sometimes'", "graphs value");
-  expect_flag_error(run_dcgan(base + "--precision fp16", dir), "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value");
-  expect_flag_error(run_dcgan(base + "--overlap maybe", dir), "--overlap: expected on or off, got 'maybe'", "overlap value");
-  expect_flag_error(run_dcgan(base + "--optimizer sgd", dir), "--optimizer: expected adam or fused, got 'sgd'", "optimizer value");
-  expect_flag_error(run_dcgan(base + "--graphs on", dir), "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU");
-  expect_flag_error(run_dcgan(base + "--precision bf16", dir), "--precision bf16 needs a CUDA device", "bf16 on CPU");
-  expect_flag_error(run_dcgan(base + "--log-every 0", dir), "--log-every: expected an integer >= 1, got 0", "log interval");
-  expect_flag_error(run_dcgan(base + "--channels-last=yes", dir), "--channels-last takes no value", "boolean flag");
-  EXPECT_FALSE(fs::exists(dir / "bad/checkpoint.pt"));
+  expect_train_flag_errors(
+      dir, {{"--graphs sometimes", "--graphs: expected on or off, got 'sometimes'", "graphs value"},
+            {"--precision fp16", "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value"},
+            {"--overlap maybe", "--overlap: expected on or off, got 'maybe'", "overlap value"},
+            {"--optimizer sgd", "--optimizer: expected adam or fused, got 'sgd'", "optimizer value"},
+            {"--graphs on", "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU"},
+            {"--precision bf16", "--precision bf16 needs a CUDA device", "bf16 on CPU"},
+            {"--log-every 0", "--log-every: expected an integer >= 1, got 0", "log interval"},
+            {"--channels-last=yes", "--channels-last takes no value", "boolean flag"}});
   expect_flag_error(run_dcgan("plot --output " + (dir / "p.png"), dir), "--runs: give at least one LABEL=PATH", "no runs");
   expect_flag_error(run_dcgan("plot --runs nolabel --output " + (dir / "p.png"), dir), "--runs: expected LABEL=PATH, got 'nolabel'", "run without label");
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "none.csv") + " --output " + (dir / "p.png"), dir), "none.csv: cannot read the losses", "missing csv");
