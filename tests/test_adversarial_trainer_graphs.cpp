@@ -614,8 +614,7 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
 // Data parallelism over 2 GPUs, host and NCCL averaging, graphs against eager (host averaging runs between three
 // graphs per replica; NCCL's bucketed all-reduces are captured in the step's one graph).
 TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   for (const char* reduce : {"host", "nccl"}) {
@@ -631,8 +630,7 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
 // (capture_collectives off): bit for bit on 2 GPUs (a + b), within the reorder tolerance on 4 (NCCL may sum four
 // values in another order for another buffer size or algorithm). progress() counts the replayed steps.
 TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   auto [eager, graphs] = eager_and_graph_options();
@@ -687,8 +685,7 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
 // aborted, so the step ends within seconds instead of never. The hung replica, released afterwards, leaves by an
 // exception (it must not replay against aborted communicators).
 TEST(AdversarialTrainerGraphs, HungReplicaUnderCapturedNcclIsNamedAfterTheTimeout) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   const auto reals = batches(6, 16, torch::kCUDA);
   auto options = eager_and_graph_options().second;
   options.averaging.timeout = std::chrono::seconds(2);
@@ -727,8 +724,7 @@ TEST(AdversarialTrainerGraphs, HungReplicaUnderCapturedNcclIsNamedAfterTheTimeou
 // graph nodes (capture_host_copies) bit for bit: every element is the same sum of the same two values, divided
 // alike. Two runs of each kind in one process, as a user's runs follow each other.
 TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   const auto placement = hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {});
@@ -763,8 +759,7 @@ TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
 // averaging), graphs against eager, and task against single. The same kernels on the same data in the same order:
 // bit for bit.
 TEST(AdversarialTrainerGraphs, TaskAndHierarchicalGraphsEqualEager) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   constexpr Tolerance kExact{0, 0};
@@ -789,8 +784,7 @@ TEST(AdversarialTrainerGraphs, TaskAndHierarchicalGraphsEqualEager) {
 // G update ends. A step that made D's real pass wait for G's update (serialised devices) fails this. The seed's
 // DCGAN at batch 256, so that the GPUs' work, not the host's, sets the pace.
 TEST(AdversarialTrainerGraphs, TaskStepOverlapsTheDevices) {
-  HIERPAR_REQUIRE_CUDA();
-  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  HIERPAR_REQUIRE_TWO_GPUS();
   hierpar::models::DCGANOptions model;
   model.layers = hierpar::LayerSet::hierpar;
   torch::manual_seed(1);

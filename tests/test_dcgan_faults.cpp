@@ -143,12 +143,6 @@ void two_ranks_fail_well(const std::string& device, const std::string& fault) {
   hierpar::testing::remove_tree(dir);
 }
 
-#define HIERPAR_REQUIRE_TWO_GPUS()                                                   \
-  do {                                                                               \
-    HIERPAR_REQUIRE_CUDA();                                                          \
-    if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";             \
-  } while (0)
-
 // torchrun on PATH (scripts/test puts the torch Python's bin first), or "".
 std::string torchrun() {
   const char* path = std::getenv("PATH");

@@ -64,6 +64,13 @@ hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz =
       GTEST_SKIP() << "no CUDA device on this machine: this test runs on the GPU check"; \
   } while (0)
 
+// Skips a test that places work on two GPUs where there are fewer.
+#define HIERPAR_REQUIRE_TWO_GPUS()                                                   \
+  do {                                                                               \
+    HIERPAR_REQUIRE_CUDA();                                                          \
+    if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";             \
+  } while (0)
+
 // Expects `statement` to throw a c10::Error whose message contains `substring`.
 #define HIERPAR_EXPECT_THROW_MSG(statement, substring)                                            \
   do {                                                                                            \
