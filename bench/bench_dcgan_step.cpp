@@ -368,13 +368,9 @@ void write_chart(const std::vector<Row>& rows, const std::string& path) {
   for (const auto& r : rows) {
     if (r.bench != "dcgan_step") continue;
     const std::string label = "b" + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? " NCHW" : " CL");
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
-    if (it == groups.end()) {
-      groups.push_back({label, std::vector<double>(kinds.size(), NAN)});
-      it = groups.end() - 1;
-    }
+    BarGroup& group = hierpar::examples::bar_group(groups, label, kinds.size());
     for (size_t k = 0; k < kinds.size(); ++k) {
-      if (kinds[k].first == r.impl && kinds[k].second == r.graphs) it->values[k] = r.ms;
+      if (kinds[k].first == r.impl && kinds[k].second == r.graphs) group.values[k] = r.ms;
     }
   }
   hierpar::examples::write_bar_chart(groups, series, "DCGAN training step, ms/step (lower is better)", path,

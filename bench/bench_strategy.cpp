@@ -165,12 +165,7 @@ void write_chart(const std::vector<Result>& results, const std::string& path) {
       for (auto& g : groups) g.values.push_back(NAN);
       si = series.end() - 1;
     }
-    auto gi = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == r.group; });
-    if (gi == groups.end()) {
-      groups.push_back({r.group, std::vector<double>(series.size(), NAN)});
-      gi = groups.end() - 1;
-    }
-    gi->values[si - series.begin()] = r.images_per_s / 1000.0;
+    hierpar::examples::bar_group(groups, r.group, series.size()).values[si - series.begin()] = r.images_per_s / 1000.0;
   }
   hierpar::examples::write_bar_chart(groups, series, "DCGAN step, thousands of images/s (higher is better)", path,
                                      std::max<int>(1000, 260 * static_cast<int>(groups.size())), 480);

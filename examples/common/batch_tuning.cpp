@@ -175,13 +175,7 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   std::vector<BarGroup> groups;
   auto add = [&](const hs::BatchTrial& t, size_t series) {
     if (!t.fits) return;
-    const std::string label = std::to_string(t.batch);
-    auto group = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
-    if (group == groups.end()) {
-      groups.push_back({label, std::vector<double>(swept.empty() ? 1 : 2, NAN)});
-      group = groups.end() - 1;
-    }
-    group->values[series] = t.epoch_seconds;
+    bar_group(groups, std::to_string(t.batch), swept.empty() ? 1 : 2).values[series] = t.epoch_seconds;
   };
   for (const auto& t : result.trials) add(t, 0);
   for (const auto& t : swept) add(t, 1);

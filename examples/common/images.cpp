@@ -191,6 +191,13 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
   write_png(path, width, height, 3, canvas.rgb.data());
 }
 
+BarGroup& bar_group(std::vector<BarGroup>& groups, const std::string& label, size_t series) {
+  auto group = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.label == label; });
+  if (group != groups.end()) return *group;
+  groups.push_back({label, std::vector<double>(series, NAN)});
+  return groups.back();
+}
+
 void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<PlotSeries>& series,
                      const std::string& y_label, const std::string& path, int width, int height) {
   if (groups.empty() || series.empty()) throw Error(path + ": a bar chart needs at least one group and one series");

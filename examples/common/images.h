@@ -47,4 +47,8 @@ struct BarGroup {
 void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<PlotSeries>& series,
                      const std::string& y_label, const std::string& path, int width = 900, int height = 420);
 
+// The group labelled `label`, appended to `groups` with `series` NaN values (gaps) when there is none yet. The
+// reference holds until `groups` grows again.
+BarGroup& bar_group(std::vector<BarGroup>& groups, const std::string& label, size_t series);
+
 }  // namespace hierpar::examples
