@@ -141,6 +141,8 @@ struct RunGuard::State {
   std::atomic<int64_t> step{0};
   std::atomic<int64_t> step_began{0};  // Clock ticks
   std::atomic<int64_t> steps_ended{0};
+  std::atomic<int64_t> steps_begun{0};
+  std::atomic<bool> startup_step{false};  // the step in progress is one of the first options.startup_steps
 
   // The main thread's vote schedule.
   int64_t next_vote = 0;
@@ -389,7 +391,7 @@ void RunGuard::State::check_hang(Clock::time_point now) {
   const auto began = Clock::time_point(Clock::duration(step_began.load()));
   // One process: the trainer's own waits are bounded by the timeout; this is the backstop.
   auto bound = multi ? options.timeout : options.timeout + 2 * options.exit_grace;
-  if (steps_ended.load() < options.startup_steps) bound = std::max(bound, options.startup_timeout);
+  if (startup_step.load()) bound = std::max(bound, options.startup_timeout);
   if (now - began <= bound) return;
   const int64_t at = step.load();
   if (!multi) {
@@ -549,6 +551,7 @@ void RunGuard::watch(std::function<void(const std::string&)> abort, std::functio
 
 void RunGuard::begin_step(int64_t step) {
   state_->step.store(step);
+  state_->startup_step.store(state_->steps_begun.fetch_add(1) < state_->options.startup_steps);
   state_->step_began.store(Clock::now().time_since_epoch().count());
   state_->in_step.store(true);
 }
