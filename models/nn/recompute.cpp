@@ -195,11 +195,14 @@ void begin_offload_step(const c10::Device& device) {
     plan->state = DevicePlan::State::planned;
     return;
   }
-  // No plan yet, or one for other shapes: this step offloads every block and measures.
+  // No plan yet, or one for other shapes: this step offloads every block and measures. The cache is emptied first:
+  // what earlier steps reserved (cuDNN's autotuning tries workspaces as large as the free memory) is not this step's
+  // need, and the reserved peak would keep it.
   plan->seen.clear();
   plan->kept.clear();
   plan->stale = false;
   plan->state = DevicePlan::State::measuring;
+  c10::cuda::CUDACachingAllocator::emptyCache();
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #else
   (void)device;
