@@ -4,6 +4,7 @@
 // or, with AveragingOptions::capture_host_copies, the buckets' copies inside the backward's graph (averaging.h).
 #include "averaging_parts.h"
 
+#include <ATen/Dispatch.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #ifdef HIERPAR_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -12,6 +13,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
+
+#include <algorithm>
 
 namespace hierpar::strategy::detail {
 namespace {
@@ -354,11 +357,7 @@ class HostAverager final : public GradientAverager {
     const int64_t begin = std::min(numel, local * chunk);
     const int64_t length = std::min(numel, begin + chunk) - begin;
     at::Tensor sum = sum_buffer.narrow(0, 0, numel);
-    if (length > 0) {
-      at::Tensor out = sum.narrow(0, begin, length);
-      out.copy_(hosts[0].narrow(0, begin, length));
-      for (int64_t i = 1; i < parties; ++i) out.add_(hosts[i].narrow(0, begin, length));
-    }
+    if (length > 0) sum_slice(sum, hosts, parties, begin, length);
     barrier.arrive_and_wait(local, who);
     if (placement_.launch.multi_process()) {
       if (local == 0) {
@@ -369,6 +368,28 @@ class HostAverager final : public GradientAverager {
       barrier.arrive_and_wait(local, who);
     }
     return sum;
+  }
+
+  // out[begin, begin + length) = hosts[0] + hosts[1] + ... (that order), on the calling thread alone: every local
+  // replica's thread sums its slice at the same time, and ATen's intra-op parallelism would start a thread team per
+  // caller (local replicas x cores threads for a few hundred microseconds of adding).
+  static void sum_slice(const at::Tensor& out, const std::vector<at::Tensor>& hosts, int64_t parties, int64_t begin,
+                        int64_t length) {
+    if (out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble) {
+      AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "sum_slice", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>() + begin;
+        const scalar_t* first = hosts[0].data_ptr<scalar_t>() + begin;
+        std::copy(first, first + length, o);
+        for (int64_t i = 1; i < parties; ++i) {
+          const scalar_t* h = hosts[i].data_ptr<scalar_t>() + begin;
+          for (int64_t k = 0; k < length; ++k) o[k] += h[k];
+        }
+      });
+      return;
+    }
+    at::Tensor slice = out.narrow(0, begin, length);
+    slice.copy_(hosts[0].narrow(0, begin, length));
+    for (int64_t i = 1; i < parties; ++i) slice.add_(hosts[i].narrow(0, begin, length));
   }
 
   bool pinned_any(Network network) const {
