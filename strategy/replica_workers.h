@@ -74,6 +74,12 @@ class AdversarialTrainer::Workers {
   }
 
   void run(std::function<void(int64_t)> job, GradientAverager* averager, const Placement& placement) {
+    run(std::move(job), averager, placement, straggler_limit_);
+  }
+  // The same, with another bound for the replicas after replica 0 (a step that may be much slower on one replica:
+  // cuDNN's autotuning, a CUDA graph's capture).
+  void run(std::function<void(int64_t)> job, GradientAverager* averager, const Placement& placement,
+           std::chrono::milliseconds straggler_limit) {
     Shared& sh = *shared_;
     {
       std::lock_guard<std::mutex> lock(sh.mutex);
@@ -97,7 +103,7 @@ class AdversarialTrainer::Workers {
     {
       std::unique_lock<std::mutex> lock(sh.mutex);
       auto all_returned = [&] { return std::none_of(sh.running.begin(), sh.running.end(), [](bool r) { return r; }); };
-      const bool ended = sh.done.wait_for(lock, straggler_limit_, [&] {
+      const bool ended = sh.done.wait_for(lock, straggler_limit, [&] {
         return all_returned() || sh.first_failure >= 0 || !sh.interrupted.empty();
       });
       straggling = !ended;
@@ -113,7 +119,7 @@ class AdversarialTrainer::Workers {
     bool peer = stuck.empty();
     for (int64_t i : stuck) {
       message += c10::str(message.empty() ? "" : "\nthen ", describe(sh, i), " hangs: ",
-                          straggling ? c10::str("it had not returned from its step ", seconds(straggler_limit_),
+                          straggling ? c10::str("it had not returned from its step ", seconds(straggler_limit),
                                                 " after replica 0 did (the timeout)")
                                      : c10::str("the other replicas stopped waiting for it, and it did not return "
                                                 "within ", kStuckGrace.count(), " s"));
