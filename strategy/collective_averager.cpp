@@ -41,7 +41,8 @@ class CollectiveAverager final : public GradientAverager {
     // Every local replica joins concurrently (Gloo's rendezvous needs all ranks at once); one group
     // per network, so G's and D's buffers may be in flight at the same time on their own devices.
     // Each replica talks to the store through its own connection: a TCPStore client holds its lock through a
-    // blocking get, so replica 1 waiting there for rank 0's NCCL id kept replica 0 from setting it.
+    // blocking get, so a replica waiting there for rank 0's NCCL id would keep replica 0 of the same process from
+    // setting it.
     const c10::intrusive_ptr<c10d::Store> store = local == 0 ? store_ : store_->clone();
     for (Network network : kNetworks) {
       const int n = static_cast<int>(network);
