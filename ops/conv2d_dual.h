@@ -16,8 +16,8 @@
 namespace hierpar::detail {
 
 struct ConvTranspose2dBackend {
-  decltype(&run_conv_transpose2d_forward_cpu) forward;
-  decltype(&run_conv_transpose2d_backward_cpu) backward;
+  ConvTranspose2dForwardFn forward;
+  ConvTranspose2dBackwardFn backward;
   // Runs two independent computations on `device` (neither reads what the other writes) and returns when both
   // are done as far as the caller's stream order goes: on the CPU one after the other; on CUDA the second on a
   // side stream concurrently with the first (ops/cuda/side_stream.h).

@@ -35,6 +35,21 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
                                         const at::Tensor& grad_input, const at::Tensor& grad_weight,
                                         std::optional<double> grad_input_leaky_relu_slope);
 
+using ConvTranspose2dForwardFn = decltype(&run_conv_transpose2d_forward_cpu);
+using ConvTranspose2dBackwardFn = decltype(&run_conv_transpose2d_backward_cpu);
+
+// The registered conv_transpose2d and conv_transpose2d_backward kernels of the CPU and CUDA backends once their
+// arguments are checked (`g` from check_conv_transpose2d or check_conv_transpose2d_backward): they allocate the
+// outputs, see unbatched (3-d) inputs with batch 1 and run the backend's `run_forward` / `run_backward`.
+// `sum_grad_bias` writes grad_output4's sum over (n, h, w) into grad_bias [C_out]; it runs before `run_backward`.
+at::Tensor conv_transpose2d_forward_on(ConvTranspose2dForwardFn run_forward, const ConvTranspose2dGeometry& g,
+                                      const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_on(
+    ConvTranspose2dBackwardFn run_backward, void (*sum_grad_bias)(const at::Tensor& grad_output4, at::Tensor& grad_bias),
+    const ConvTranspose2dGeometry& g, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, std::array<bool, 3> output_mask);
+
 // The CPU kernels run float32/float64 on ATen's (Switch::cpu_aten; the reference above computes in the same
 // precision, 1.3-3.5x slower on the DCGAN's layers, docs/cpu.md), half types on the reference (float32 arithmetic).
 bool cpu_conv_on_aten(const at::Tensor& input);

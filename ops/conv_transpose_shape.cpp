@@ -2,6 +2,7 @@
 #include "conv_transpose_shape.h"
 
 #include "common.h"
+#include "conv_transpose_backends.h"
 #include "conv_checks.h"
 
 namespace hierpar::detail {
@@ -63,10 +64,50 @@ void check_conv_transpose2d_grad_output(const at::Tensor& grad_output, const at:
                          {g.batch, g.out_channels, g.out_h, g.out_w});
 }
 
+ConvTranspose2dGeometry check_conv_transpose2d_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                        const at::Tensor& weight, at::IntArrayRef stride,
+                                                        at::IntArrayRef padding, at::IntArrayRef output_padding,
+                                                        int64_t groups, at::IntArrayRef dilation) {
+  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
+                                        dilation);
+  check_conv_transpose2d_grad_output(grad_output, input, g);
+  return g;
+}
+
 c10::MemoryFormat conv_transpose2d_output_layout(const at::Tensor& input4, const at::Tensor& weight) {
   const bool channels_last = layout_of(input4) == c10::MemoryFormat::ChannelsLast ||
                              layout_of(weight) == c10::MemoryFormat::ChannelsLast;
   return channels_last ? c10::MemoryFormat::ChannelsLast : c10::MemoryFormat::Contiguous;
+}
+
+at::Tensor conv_transpose2d_forward_on(ConvTranspose2dForwardFn run_forward, const ConvTranspose2dGeometry& g,
+                                      const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias) {
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
+                              conv_transpose2d_output_layout(input4, weight));
+  run_forward(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
+  return unbatched ? out.squeeze(0) : out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_on(
+    ConvTranspose2dBackwardFn run_backward, void (*sum_grad_bias)(const at::Tensor& grad_output4, at::Tensor& grad_bias),
+    const ConvTranspose2dGeometry& g, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& weight, std::array<bool, 3> output_mask) {
+  const bool unbatched = input.dim() == 3;
+  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
+  const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
+  if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
+  if (output_mask[2]) {
+    grad_bias = new_output({g.out_channels}, input.options());
+    sum_grad_bias(grad_output4, grad_bias);
+  }
+  run_backward(g, grad_output4, input4, weight, grad_input, grad_weight, std::nullopt);
+  if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
+  return {grad_input, grad_weight, grad_bias};
 }
 
 }  // namespace hierpar::detail

@@ -108,4 +108,10 @@ c10::MemoryFormat conv_transpose2d_output_layout(const at::Tensor& input4, const
 void check_conv_transpose2d_grad_output(const at::Tensor& grad_output, const at::Tensor& input,
                                         const ConvTranspose2dGeometry& geometry);
 
+// The backward's checks: its arguments as check_conv_transpose2d checks them (no bias), then grad_output.
+ConvTranspose2dGeometry check_conv_transpose2d_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                        const at::Tensor& weight, at::IntArrayRef stride,
+                                                        at::IntArrayRef padding, at::IntArrayRef output_padding,
+                                                        int64_t groups, at::IntArrayRef dilation);
+
 }  // namespace hierpar::detail

@@ -152,43 +152,32 @@ at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weigh
                                 at::IntArrayRef dilation) {
   const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d (CPU kernel): input must be on the CPU");
-  const bool unbatched = input.dim() == 3;
-  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   if (cpu_conv_on_aten(input)) {
+    const bool unbatched = input.dim() == 3;
+    const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
     const at::Tensor out = with_layout_strides(
         at::conv_transpose2d(input4, weight, bias, stride, padding, output_padding, groups, dilation),
         conv_transpose2d_output_layout(input4, weight));
     return unbatched ? out.squeeze(0) : out;
   }
-  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
-                              conv_transpose2d_output_layout(input4, weight));
-  run_conv_transpose2d_forward_cpu(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
-  return unbatched ? out.squeeze(0) : out;
+  return conv_transpose2d_forward_on(&run_conv_transpose2d_forward_cpu, g, input, weight, bias);
+}
+
+// In the accumulation type, then rounded once to grad_bias's dtype.
+void sum_grad_bias_cpu(const at::Tensor& grad_output4, at::Tensor& grad_bias) {
+  grad_bias.copy_(at::sum(grad_output4.to(acc_type_of(grad_output4.scalar_type())), {0, 2, 3}));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask) {
-  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
-                                        dilation);
-  check_conv_transpose2d_grad_output(grad_output, input, g);
+  const auto g =
+      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d_backward (CPU kernel): input must be on the CPU");
   if (cpu_conv_on_aten(input)) return aten_convolution_backward(g, /*transposed=*/true, grad_output, input, weight, output_mask);
-  const bool unbatched = input.dim() == 3;
-  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
-
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
-  if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
-  run_conv_transpose2d_backward_cpu(g, grad_output4, input4, weight, grad_input, grad_weight, std::nullopt);
-  if (output_mask[2]) {
-    grad_bias = new_output({g.out_channels}, input.options());
-    grad_bias.copy_(at::sum(grad_output4.to(acc_type_of(input.scalar_type())), {0, 2, 3}));
-  }
-  if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
-  return {grad_input, grad_weight, grad_bias};
+  return conv_transpose2d_backward_on(&run_conv_transpose2d_backward_cpu, &sum_grad_bias_cpu, g, grad_output, input,
+                                      weight, output_mask);
 }
 
 }  // namespace

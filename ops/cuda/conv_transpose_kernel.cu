@@ -414,37 +414,23 @@ at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weig
   const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.is_cuda(), "conv_transpose2d (CUDA kernel): input must be a CUDA tensor");
   c10::cuda::CUDAGuard device_guard(input.device());
-  const bool unbatched = input.dim() == 3;
-  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  at::Tensor out = new_output({g.batch, g.out_channels, g.out_h, g.out_w}, input.options(),
-                              conv_transpose2d_output_layout(input4, weight));
-  run_conv_transpose2d_forward_cuda(g, input4, weight, bias.has_value() ? *bias : at::Tensor(), out);
-  return unbatched ? out.squeeze(0) : out;
+  return conv_transpose2d_forward_on(&run_conv_transpose2d_forward_cuda, g, input, weight, bias);
+}
+
+void sum_grad_bias_cuda(const at::Tensor& grad_output4, at::Tensor& grad_bias) {
+  at::sum_out(grad_bias, grad_output4, {0, 2, 3});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask) {
-  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
-                                        dilation);
-  check_conv_transpose2d_grad_output(grad_output, input, g);
+  const auto g =
+      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.is_cuda(), "conv_transpose2d_backward (CUDA kernel): input must be a CUDA tensor");
   c10::cuda::CUDAGuard device_guard(input.device());
-  const bool unbatched = input.dim() == 3;
-  const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
-  const at::Tensor go = unbatched ? grad_output.unsqueeze(0) : grad_output;
-
-  at::Tensor grad_input, grad_weight, grad_bias;
-  if (output_mask[0]) grad_input = new_output(input4.sizes(), input.options(), layout_of(input4));
-  if (output_mask[1]) grad_weight = new_output(weight.sizes(), weight.options(), layout_of(weight));
-  if (output_mask[2]) {
-    grad_bias = new_output({g.out_channels}, input.options());
-    at::sum_out(grad_bias, go, {0, 2, 3});
-  }
-  run_conv_transpose2d_backward_cuda(g, go, input4, weight, grad_input, grad_weight, std::nullopt);
-  if (unbatched && grad_input.defined()) grad_input = grad_input.squeeze(0);
-  return {grad_input, grad_weight, grad_bias};
+  return conv_transpose2d_backward_on(&run_conv_transpose2d_backward_cuda, &sum_grad_bias_cuda, g, grad_output, input,
+                                      weight, output_mask);
 }
 
 }  // namespace

@@ -25,9 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_meta(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
     std::array<bool, 3> output_mask) {
-  const auto g = check_conv_transpose2d(input, weight, std::nullopt, stride, padding, output_padding, groups,
-                                        dilation);
-  check_conv_transpose2d_grad_output(grad_output, input, g);
+  const auto g =
+      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   return empty_conv_gradients(input, weight, g.out_channels, output_mask);
 }
 
