@@ -2,6 +2,8 @@
 // only call them: every argument check and message is compiled once, by the host compiler.
 #include "max_pool_shape.h"
 
+#include "common.h"
+
 #include <tuple>
 #include <utility>
 
@@ -102,6 +104,35 @@ MaxPool2dGeometry max_pool2d_backward_geometry(const at::Tensor& grad_output, co
               at::IntArrayRef(expected), " (the output size for input_size ", input_size, "), got ",
               indices.sizes());
   return g;
+}
+
+std::tuple<at::Tensor, at::Tensor> new_max_pool2d_outputs(const MaxPool2dGeometry& g, const at::Tensor& input) {
+  const auto layout = layout_of(input);
+  return {new_output(g.output_sizes(), input.options(), layout),
+          new_output(g.output_sizes(), input.options().dtype(at::kByte), layout)};
+}
+
+MaxPool2dForwardOperands max_pool2d_forward_operands(const MaxPool2dGeometry& g, const at::Tensor& input) {
+  MaxPool2dForwardOperands f;
+  f.layout = layout_of(input);
+  f.input = input.contiguous(f.layout);
+  std::tie(f.output, f.indices) = new_max_pool2d_outputs(g, input);
+  return f;
+}
+
+at::Tensor new_max_pool2d_grad_input(const at::Tensor& grad_output, const at::Tensor& indices,
+                                     at::IntArrayRef input_size) {
+  return new_output(input_size, grad_output.options(), layout_of(indices));
+}
+
+MaxPool2dBackwardOperands max_pool2d_backward_operands(const at::Tensor& grad_output, const at::Tensor& indices,
+                                                       at::IntArrayRef input_size) {
+  MaxPool2dBackwardOperands b;
+  b.layout = layout_of(indices);
+  b.grad_output = grad_output.contiguous(b.layout);
+  b.indices = indices.contiguous(b.layout);
+  b.grad_input = new_max_pool2d_grad_input(grad_output, indices, input_size);
+  return b;
 }
 
 }  // namespace hierpar::detail

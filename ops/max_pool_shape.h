@@ -4,11 +4,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/MemoryFormat.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 namespace hierpar::detail {
@@ -55,6 +57,31 @@ MaxPool2dGeometry max_pool2d_backward_geometry(const at::Tensor& grad_output, co
                                                at::IntArrayRef input_size, at::IntArrayRef kernel_size,
                                                at::IntArrayRef stride, at::IntArrayRef padding,
                                                at::IntArrayRef dilation, bool ceil_mode);
+
+// max_pool2d's outputs, uninitialised: the values in the input's dtype and the uint8 window offsets, both of
+// g.output_sizes() in the input's layout.
+std::tuple<at::Tensor, at::Tensor> new_max_pool2d_outputs(const MaxPool2dGeometry& g, const at::Tensor& input);
+
+// A max_pool2d call as its CPU and CUDA kernels read and write it: the input dense in its own layout and the outputs
+// of new_max_pool2d_outputs.
+struct MaxPool2dForwardOperands {
+  c10::MemoryFormat layout;
+  at::Tensor input, output, indices;
+};
+MaxPool2dForwardOperands max_pool2d_forward_operands(const MaxPool2dGeometry& g, const at::Tensor& input);
+
+// max_pool2d_backward's grad_input, uninitialised: input_size in the forward's layout, which the indices carry.
+at::Tensor new_max_pool2d_grad_input(const at::Tensor& grad_output, const at::Tensor& indices,
+                                     at::IntArrayRef input_size);
+
+// A max_pool2d_backward call as its CPU and CUDA kernels read and write it: grad_output and the indices dense in the
+// forward's layout (the indices'), and grad_input from new_max_pool2d_grad_input.
+struct MaxPool2dBackwardOperands {
+  c10::MemoryFormat layout;
+  at::Tensor grad_output, indices, grad_input;
+};
+MaxPool2dBackwardOperands max_pool2d_backward_operands(const at::Tensor& grad_output, const at::Tensor& indices,
+                                                       at::IntArrayRef input_size);
 
 // The kernel taps k in [begin, end) of one window dimension whose input coordinate start + k * dilation lies
 // inside [0, size). Requires start < size (the ceil_mode rule guarantees it); empty when begin == end.

@@ -284,21 +284,18 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const at::Tensor& input, at::I
                                                   at::IntArrayRef dilation, bool ceil_mode) {
   const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
   if (aten_applies(g)) return max_pool2d_aten(input, g, kernel_size, stride, padding, dilation, ceil_mode);
-  const auto layout = layout_of(input);
-  const at::Tensor x = input.contiguous(layout);
-  at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
-  at::Tensor indices = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
-  if (output.numel() == 0) return {output, indices};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hierpar::max_pool2d (CPU)", [&] {
-    if (layout == c10::MemoryFormat::ChannelsLast) {
-      forward_channels_last(x.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(),
-                            indices.mutable_data_ptr<uint8_t>(), g);
+  const auto f = max_pool2d_forward_operands(g, input);
+  if (f.output.numel() == 0) return {f.output, f.indices};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.input.scalar_type(), "hierpar::max_pool2d (CPU)", [&] {
+    if (f.layout == c10::MemoryFormat::ChannelsLast) {
+      forward_channels_last(f.input.const_data_ptr<scalar_t>(), f.output.mutable_data_ptr<scalar_t>(),
+                            f.indices.mutable_data_ptr<uint8_t>(), g);
     } else {
-      forward_nchw(x.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(),
-                   indices.mutable_data_ptr<uint8_t>(), g);
+      forward_nchw(f.input.const_data_ptr<scalar_t>(), f.output.mutable_data_ptr<scalar_t>(),
+                   f.indices.mutable_data_ptr<uint8_t>(), g);
     }
   });
-  return {output, indices};
+  return {f.output, f.indices};
 }
 
 at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tensor& indices,
@@ -312,23 +309,19 @@ at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tens
                                                      dilation, ceil_mode);
     if (grad_input.defined()) return grad_input;
   }
-  // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
-  const auto layout = layout_of(indices);
-  const at::Tensor go = grad_output.contiguous(layout);
-  const at::Tensor ix = indices.contiguous(layout);
-  at::Tensor grad_input = new_output(input_size, grad_output.options(), layout);
-  if (grad_input.numel() == 0) return grad_input;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(), "hierpar::max_pool2d_backward (CPU)",
-                                  [&] {
-    if (layout == c10::MemoryFormat::ChannelsLast) {
-      backward_channels_last(go.const_data_ptr<scalar_t>(), ix.const_data_ptr<uint8_t>(),
-                             grad_input.mutable_data_ptr<scalar_t>(), g);
+  const auto b = max_pool2d_backward_operands(grad_output, indices, input_size);
+  if (b.grad_input.numel() == 0) return b.grad_input;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.grad_output.scalar_type(),
+                                  "hierpar::max_pool2d_backward (CPU)", [&] {
+    if (b.layout == c10::MemoryFormat::ChannelsLast) {
+      backward_channels_last(b.grad_output.const_data_ptr<scalar_t>(), b.indices.const_data_ptr<uint8_t>(),
+                             b.grad_input.mutable_data_ptr<scalar_t>(), g);
     } else {
-      backward_nchw(go.const_data_ptr<scalar_t>(), ix.const_data_ptr<uint8_t>(),
-                    grad_input.mutable_data_ptr<scalar_t>(), g);
+      backward_nchw(b.grad_output.const_data_ptr<scalar_t>(), b.indices.const_data_ptr<uint8_t>(),
+                    b.grad_input.mutable_data_ptr<scalar_t>(), g);
     }
   });
-  return grad_input;
+  return b.grad_input;
 }
 
 }  // namespace

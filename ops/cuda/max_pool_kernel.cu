@@ -352,22 +352,19 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::
   const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
   const c10::cuda::CUDAGuard guard(input.device());
   check_device_code(input.get_device());
-  const auto layout = layout_of(input);
-  const at::Tensor x = input.contiguous(layout);
-  at::Tensor output = new_output(g.output_sizes(), input.options(), layout);
-  at::Tensor indices = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
-  const int64_t total = output.numel();
-  if (total == 0) return {output, indices};
+  const auto f = max_pool2d_forward_operands(g, input);
+  const int64_t total = f.output.numel();
+  if (total == 0) return {f.output, f.indices};
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "hierpar::max_pool2d (CUDA)", [&] {
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    scalar_t* out = output.mutable_data_ptr<scalar_t>();
-    uint8_t* idx = indices.mutable_data_ptr<uint8_t>();
-    launch</*kBackward=*/false, scalar_t>(fast_path_for(g, layout, sizeof(scalar_t), in, out, idx), g, layout, x.numel(),
-                                          total, stream, in, out, idx);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.input.scalar_type(), "hierpar::max_pool2d (CUDA)", [&] {
+    const scalar_t* in = f.input.const_data_ptr<scalar_t>();
+    scalar_t* out = f.output.mutable_data_ptr<scalar_t>();
+    uint8_t* idx = f.indices.mutable_data_ptr<uint8_t>();
+    launch</*kBackward=*/false, scalar_t>(fast_path_for(g, f.layout, sizeof(scalar_t), in, out, idx), g, f.layout,
+                                          f.input.numel(), total, stream, in, out, idx);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {output, indices};
+  return {f.output, f.indices};
 }
 
 at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Tensor& indices,
@@ -377,24 +374,20 @@ at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Ten
                                               dilation, ceil_mode);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   check_device_code(grad_output.get_device());
-  // The indices carry the forward's layout; grad_input takes it and grad_output is brought to it.
-  const auto layout = layout_of(indices);
-  const at::Tensor go = grad_output.contiguous(layout);
-  const at::Tensor ix = indices.contiguous(layout);
-  at::Tensor grad_input = new_output(input_size, grad_output.options(), layout);
-  const int64_t total = grad_input.numel();
-  if (total == 0) return grad_input;
+  const auto b = max_pool2d_backward_operands(grad_output, indices, input_size);
+  const int64_t total = b.grad_input.numel();
+  if (total == 0) return b.grad_input;
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, go.scalar_type(), "hierpar::max_pool2d_backward (CUDA)",
-                                  [&] {
-    const scalar_t* gout = go.const_data_ptr<scalar_t>();
-    const uint8_t* idx = ix.const_data_ptr<uint8_t>();
-    scalar_t* gin = grad_input.mutable_data_ptr<scalar_t>();
-    launch</*kBackward=*/true, scalar_t>(fast_path_for(g, layout, sizeof(scalar_t), gin, gout, idx), g, layout,
-                                         go.numel(), total, stream, gout, idx, gin);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.grad_output.scalar_type(),
+                                  "hierpar::max_pool2d_backward (CUDA)", [&] {
+    const scalar_t* gout = b.grad_output.const_data_ptr<scalar_t>();
+    const uint8_t* idx = b.indices.const_data_ptr<uint8_t>();
+    scalar_t* gin = b.grad_input.mutable_data_ptr<scalar_t>();
+    launch</*kBackward=*/true, scalar_t>(fast_path_for(g, b.layout, sizeof(scalar_t), gin, gout, idx), g, b.layout,
+                                         b.grad_output.numel(), total, stream, gout, idx, gin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return grad_input;
+  return b.grad_input;
 }
 
 }  // namespace
