@@ -126,4 +126,10 @@ Geometry check_backward(const at::Tensor& grad_output, const at::Tensor& output,
   return g;
 }
 
+ParamGradDtypes param_grad_dtypes(c10::ScalarType output, const std::optional<at::Tensor>& weight,
+                                  const std::optional<at::Tensor>& bias) {
+  const auto weight_dtype = present(weight) ? weight->scalar_type() : stats_dtype(output);
+  return {weight_dtype, present(bias) ? bias->scalar_type() : weight_dtype};
+}
+
 }  // namespace hierpar::detail::bn

@@ -46,6 +46,14 @@ Geometry check_forward(const at::Tensor& input, const std::optional<at::Tensor>&
                        const std::optional<at::Tensor>& running_var, bool training, double momentum,
                        double eps, Act act, double slope, const std::optional<at::Tensor>& num_batches_tracked);
 
+// The dtypes of the backward's grad_weight and grad_bias: the weight's and the bias's; without a weight the
+// statistics' dtype (stats_dtype of the output's), without a bias grad_weight's.
+struct ParamGradDtypes {
+  c10::ScalarType weight, bias;
+};
+ParamGradDtypes param_grad_dtypes(c10::ScalarType output, const std::optional<at::Tensor>& weight,
+                                  const std::optional<at::Tensor>& bias);
+
 Geometry check_backward(const at::Tensor& grad_output, const at::Tensor& output,
                         const std::optional<at::Tensor>& input, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,

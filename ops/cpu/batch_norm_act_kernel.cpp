@@ -282,13 +282,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   });
 
   // Parameter gradients in the parameters' dtype (float32 by default for half inputs).
-  auto param_dtype = present(weight) ? weight->scalar_type() : stats_dtype(output.scalar_type());
+  const auto dtypes = param_grad_dtypes(output.scalar_type(), weight, bias);
   if (output_mask[1]) {
-    grad_weight = new_output({g.c}, output.options().dtype(param_dtype));
+    grad_weight = new_output({g.c}, output.options().dtype(dtypes.weight));
     grad_weight.copy_(sum_dy_xhat);
   }
   if (output_mask[2]) {
-    grad_bias = new_output({g.c}, output.options().dtype(present(bias) ? bias->scalar_type() : param_dtype));
+    grad_bias = new_output({g.c}, output.options().dtype(dtypes.bias));
     grad_bias.copy_(sum_dy);
   }
   return {grad_input, grad_weight, grad_bias};

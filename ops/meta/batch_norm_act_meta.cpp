@@ -30,13 +30,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     std::array<bool, 3> output_mask) {
   Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
   Geometry g = check_backward(grad_output, output, input, weight, bias, save_mean, save_invstd, eps, act, slope);
-  const auto acc = stats_dtype(output.scalar_type());
-  const auto weight_dtype = present(weight) ? weight->scalar_type() : acc;
-  const auto bias_dtype = present(bias) ? bias->scalar_type() : weight_dtype;
+  const auto dtypes = param_grad_dtypes(output.scalar_type(), weight, bias);
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) grad_input = at::empty(output.sizes(), output.options().memory_format(layout_of(output)));
-  if (output_mask[1]) grad_weight = at::empty({g.c}, output.options().dtype(weight_dtype));
-  if (output_mask[2]) grad_bias = at::empty({g.c}, output.options().dtype(bias_dtype));
+  if (output_mask[1]) grad_weight = at::empty({g.c}, output.options().dtype(dtypes.weight));
+  if (output_mask[2]) grad_bias = at::empty({g.c}, output.options().dtype(dtypes.bias));
   return {grad_input, grad_weight, grad_bias};
 }
 

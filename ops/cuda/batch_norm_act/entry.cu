@@ -163,12 +163,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
       }
     });
   }
-  auto param_dtype = present(weight) ? weight->scalar_type() : acc;
-  if (output_mask[1]) grad_weight = sum_dy_xhat.scalar_type() == param_dtype ? sum_dy_xhat : sum_dy_xhat.to(param_dtype);
-  if (output_mask[2]) {
-    auto bias_dtype = present(bias) ? bias->scalar_type() : param_dtype;
-    grad_bias = sum_dy.scalar_type() == bias_dtype ? sum_dy : sum_dy.to(bias_dtype);
-  }
+  const auto dtypes = param_grad_dtypes(output.scalar_type(), weight, bias);
+  if (output_mask[1]) grad_weight = sum_dy_xhat.scalar_type() == dtypes.weight ? sum_dy_xhat : sum_dy_xhat.to(dtypes.weight);
+  if (output_mask[2]) grad_bias = sum_dy.scalar_type() == dtypes.bias ? sum_dy : sum_dy.to(dtypes.bias);
   return {grad_input, grad_weight, grad_bias};
 }
 
