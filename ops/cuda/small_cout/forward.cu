@@ -46,10 +46,7 @@ __global__ void __launch_bounds__(kThreads) small_cout_forward_kernel(const Smal
       }
       for (int e = threadIdx.x; e < kChunkC * 16 * CO; e += kThreads) {
         const int c = e / (16 * CO), r = e - c * (16 * CO), tap = r / CO, co = r - tap * CO;
-        float v = 0.f;
-        if (c < cn && co < a.cout)
-          v = static_cast<float>(w[(c0 + c) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x]);
-        wsm[c][r] = v;
+        wsm[c][r] = staged_weight(a, w, c0, c, cn, co, tap);
       }
       __syncthreads();
 #pragma unroll 2

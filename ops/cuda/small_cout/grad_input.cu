@@ -58,10 +58,7 @@ __global__ void __launch_bounds__(kThreads) small_cout_grad_input_kernel(const S
     __syncthreads();
     for (int e = threadIdx.x; e < 16 * CO * kGiChunk; e += kThreads) {
       const int j = e / kGiChunk, c = e - j * kGiChunk, tap = j / CO, co = j - tap * CO;
-      float v = 0.f;
-      if (c < cn && co < a.cout)
-        v = static_cast<float>(w[(c0 + c) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x]);
-      wsm[j][c] = v;
+      wsm[j][c] = staged_weight(a, w, c0, c, cn, co, tap);
     }
     __syncthreads();
 #pragma unroll 1

@@ -70,6 +70,16 @@ struct SmallArgs {
 
 __device__ inline float leaky(float v, float slope) { return v < 0.f ? v * slope : v; }
 
+// The staged weight element (input channel c0 + c, output channel co, tap ky * 4 + kx) as float; 0, without a
+// read, for c >= cn or co >= C_out.
+template <typename scalar_t>
+__device__ inline float staged_weight(const SmallArgs& a, const scalar_t* w, int c0, int c, int cn, int co, int tap) {
+  float v = 0.f;
+  if (c < cn && co < a.cout)
+    v = static_cast<float>(w[(c0 + c) * a.ws.n + co * a.ws.c + (tap >> 2) * a.ws.y + (tap & 3) * a.ws.x]);
+  return v;
+}
+
 constexpr int kThreads = 256;
 
 
