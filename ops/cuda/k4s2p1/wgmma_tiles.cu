@@ -106,6 +106,32 @@ __device__ inline void tma_pipeline(int ktiles, uint32_t sbase, Issue&& issue, C
 #endif
 }
 
+// The cp.async mainloop of the wgmma kernels: kStages - 1 K-tiles in flight while one is multiplied. load(stage,
+// k-tile) issues this thread's copies of a K-tile into a stage, in K-tile order; consume(stage, k-tile) issues and
+// commits the warpgroup's wgmma on it. Tile kt + kStages - 1 goes into the stage that tile kt - 1 used: every
+// thread waited for its warpgroup's wgmma of kt - 1 before the barrier at the top of kt.
+template <typename Load, typename Consume>
+__device__ __forceinline__ void cp_async_wgmma_pipeline(int ktiles, Load&& load, Consume&& consume) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < ktiles) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < ktiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    mma::fence_proxy_async_shared();
+    __syncthreads();
+    consume(kt % kStages, kt);
+    const int next = kt + kStages - 1;
+    if (next < ktiles) load(next % kStages, next);
+    cp_async_commit();
+    mma::wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+#endif
+}
+
 // wgmma_conv_kernel's operands by TMA: per K-tile one box for A (the tap's shifted view of the activation: out-of-
 // image taps and rows past M come back as zeros, no tap masks, no per-row address arithmetic; the cp.async path
 // issues 8-12 16-byte copies per thread and K-tile, and Nsight Compute found it issue-bound) and one (packed B)
@@ -249,31 +275,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     };
 
-    // Main loop: tiles kt + 1, kt + 2 in flight while kt is multiplied. Tile kt + 2 goes into the stage that
-    // tile kt - 1 used: every thread waited for its warpgroup's wgmma of kt - 1 before the barrier below.
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < ktiles) {
-        load_a(s);
-        load_b(s, s);
-      }
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < ktiles; ++kt) {
-      cp_async_wait<kStages - 2>();
-      mma::fence_proxy_async_shared();
-      __syncthreads();
-      const int s = kt % kStages;
-      wgmma_conv_ktile<BN, kDirectB, kF16>(acc, sbase + s * T::STAGE_BYTES, wg);
-      const int next = kt + kStages - 1;
-      if (next < ktiles) {
-        load_a(next % kStages);
-        load_b(next % kStages, next);
-      }
-      cp_async_commit();
-      mma::wgmma_wait<0>();
-    }
-    cp_async_wait<0>();
+    cp_async_wgmma_pipeline(
+        ktiles,
+        [&](int s, int kt) {
+          load_a(s);
+          load_b(s, kt);
+        },
+        [&](int s, int) { wgmma_conv_ktile<BN, kDirectB, kF16>(acc, sbase + s * T::STAGE_BYTES, wg); });
   }
   __syncthreads();  // every warpgroup's wgmma is done: the stages may be overwritten
 
@@ -446,29 +454,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     };
 
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < nk) {
-        load_a(s, kt_begin + s);
-        load_b(s, kt_begin + s);
-      }
-      cp_async_commit();
-    }
-    for (int i = 0; i < nk; ++i) {
-      cp_async_wait<kStages - 2>();
-      mma::fence_proxy_async_shared();
-      __syncthreads();
-      const int s = i % kStages;
-      wgmma_wgrad_ktile<BN, kF16>(acc, sbase + s * T::STAGE_BYTES, wg);
-      const int next = i + kStages - 1;
-      if (next < nk) {
-        load_a(next % kStages, kt_begin + next);
-        load_b(next % kStages, kt_begin + next);
-      }
-      cp_async_commit();
-      mma::wgmma_wait<0>();
-    }
-    cp_async_wait<0>();
+    cp_async_wgmma_pipeline(
+        nk,
+        [&](int s, int i) {
+          load_a(s, kt_begin + i);
+          load_b(s, kt_begin + i);
+        },
+        [&](int s, int) { wgmma_wgrad_ktile<BN, kF16>(acc, sbase + s * T::STAGE_BYTES, wg); });
   }
   __syncthreads();  // every warpgroup's wgmma is done: the stages may be overwritten
 
