@@ -76,15 +76,7 @@ __global__ void __launch_bounds__(kThreads, BN <= 32 ? 3 : 2) implicit_gemm_kern
       const int m = m0 + a_r + i * A_ROWS_PER_PASS;
       row_off[i] = 0;
       row_taps[i] = 0;
-      if (m < a.M) {
-        const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
-        const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
-        row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
-        for (int t = 0; t < a.ntaps; ++t) {
-          const int ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
-          if (in_src(y0 + a.src_dir * ty, x0 + a.src_dir * tx)) row_taps[i] |= 1u << t;
-        }
-      }
+      if (m < a.M) conv_row_source(a, m, rows_hw, py, px, sH, sW, row_off[i], row_taps[i]);
     }
     const int k0 = kt_begin * BK + a_v * VEC;
     k_tap = k0 / a.act_C;

@@ -177,6 +177,21 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 
 inline int pick_bn(int n) { return n > 64 ? 128 : n > 32 ? 64 : n > 16 ? 32 : 16; }
 
+// Row m < a.M of a convolution GEMM for output phase (py, px): the offset of its unshifted source pixel in the
+// activation (strides sH, sW) into `off`, and a bit per tap whose source pixel lies inside the activation or'd
+// into `taps`.
+__device__ __forceinline__ void conv_row_source(const GemmArgs& a, int m, int rows_hw, int py, int px, int sH, int sW,
+                                                int& off, uint32_t& taps) {
+  const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
+  const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
+  off = n * int(a.act_sN) + y0 * sH + x0 * sW;
+  for (int t = 0; t < a.ntaps; ++t) {
+    const int ty = t >> a.taps_shift, tx = t & (a.taps_w - 1);
+    const int y = y0 + a.src_dir * ty, x = x0 + a.src_dir * tx;
+    if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) taps |= 1u << t;
+  }
+}
+
 // The most shared memory an mma.sync tile of width BN takes, over the dtypes and GEMMs.
 template <int BN>
 constexpr int mma_tile_smem() {

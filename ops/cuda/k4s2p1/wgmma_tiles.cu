@@ -208,15 +208,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int m = m0 + a_r + 32 * i;
       row_off[i] = 0;
       row_taps[i] = 0;
-      if (m < a.M) {
-        const int n = m / rows_hw, rem = m - n * rows_hw, my = rem / a.rows_W, mx = rem - my * a.rows_W;
-        const int y0 = a.src_scale * my + a.src_off + py, x0 = a.src_scale * mx + a.src_off + px;
-        row_off[i] = n * int(a.act_sN) + y0 * sH + x0 * sW;
-        for (int t = 0; t < a.ntaps; ++t) {
-          const int y = y0 + a.src_dir * (t >> a.taps_shift), x = x0 + a.src_dir * (t & (a.taps_w - 1));
-          if (y >= 0 && y < a.act_H && x >= 0 && x < a.act_W) row_taps[i] |= 1u << t;
-        }
-      }
+      if (m < a.M) conv_row_source(a, m, rows_hw, py, px, sH, sW, row_off[i], row_taps[i]);
     }
     int k_tap = (a_c * VEC) / a.act_C, k_chan = a_c * VEC - k_tap * a.act_C;
     auto load_a = [&](int s) {
