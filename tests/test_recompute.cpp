@@ -225,6 +225,14 @@ TEST(Recompute, LowersPeakMemoryOnCuda) {
   EXPECT_LT(offloading, recomputing) << "offload should keep less than recompute";
   EXPECT_NEAR(static_cast<double>(offloading_if_needed), static_cast<double>(keeping), 0.01 * keeping)
       << "a batch far below the budget offloads nothing";
+  // The plan says so: every block it saw keeps its activations.
+  const std::string plan = hierpar::nn::offload_plan_summary(torch::Device(torch::kCUDA, 0));
+  std::cout << plan << "\n";
+  const auto of = plan.find(" of ");
+  ASSERT_EQ(plan.rfind("offload plan on cuda:0: ", 0), 0u) << plan;
+  ASSERT_NE(of, std::string::npos) << plan;
+  const std::string kept = plan.substr(24, of - 24);
+  EXPECT_EQ(plan.substr(of + 4, kept.size() + 1), kept + " ") << "every block kept: " << plan;
 }
 
 // The budget's choice: nothing kept without headroom, everything when all fits, and in between the blocks that save

@@ -2,6 +2,7 @@
 
 #include "common/cli.h"
 #include "common/images.h"
+#include "hierpar/nn/recompute.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/gpu_utilization.h"
 
@@ -86,6 +87,11 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
       trial.peak_bytes = std::max<int64_t>(trial.peak_bytes, stats.allocated_bytes[0].peak);
     }
 #endif
+    // With --memory offload, what the timed steps kept on the GPU (the plan made during the warm-up).
+    for (const auto& d : devices) {
+      const std::string plan = hierpar::nn::offload_plan_summary(d);
+      if (!plan.empty()) trial.note += (trial.note.empty() ? "" : "; ") + plan;
+    }
   } catch (const c10::OutOfMemoryError& e) {
     trial.fits = false;
     trial.note = "out of memory";
@@ -119,7 +125,9 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
       << " images\n";
   auto probe = [&](int64_t batch) {
     auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps);
-    out << "  batch " << batch << ": " << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch" : trial.note)
+    out << "  batch " << batch << ": "
+        << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch" + (trial.note.empty() ? "" : " (" + trial.note + ")")
+                       : trial.note)
         << std::endl;
     return trial;
   };

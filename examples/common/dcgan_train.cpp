@@ -8,6 +8,7 @@
 #include "common/quality.h"
 #include "common/shared_flags.h"
 #include "hierpar/nn.h"
+#include "hierpar/nn/recompute.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/run_guard.h"
 
@@ -28,6 +29,7 @@
 #include <iostream>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -409,6 +411,7 @@ int train_dcgan(DCGANTrainConfig config) {
       quality_log.emplace(config.out, state.global_step);
     }
     bool stopped = false, interrupted = false;
+    std::set<std::string> said_plans;
     const int64_t steps_per_epoch = loader.batches_per_epoch();
     while (state.epoch < config.epochs && !stopped) {
       loader.start_epoch(state.epoch, state.epoch_step);
@@ -457,6 +460,17 @@ int train_dcgan(DCGANTrainConfig config) {
       synchronize_devices(placement);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start).count();
       const int64_t steps_done = state.epoch_step - first_step;
+      // --memory offload: what each GPU keeps, once its plan exists (from the third step); each plan said once.
+      if (config.model.memory == hierpar::nn::ActivationMemory::offload) {
+        for (const auto& r : placement.replicas) {
+          for (const c10::Device& d : {r.generator, r.discriminator}) {
+            const std::string plan = hierpar::nn::offload_plan_summary(d);
+            if (plan.empty() || said_plans.count(plan) > 0) continue;
+            said_plans.insert(plan);
+            say(plan);
+          }
+        }
+      }
       std::string grid, ema_grid;
       if (state.epoch_step == steps_per_epoch) {
         grid = sample_path(config.out, "epoch", state.epoch + 1);

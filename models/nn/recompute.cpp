@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <set>
@@ -130,6 +131,7 @@ struct DevicePlan {
   double budget = 0.9;
   std::map<Key, Seen> seen;
   std::set<Key> kept;
+  std::string summary;  // offload_plan_summary()
 };
 
 // The plans of the devices on which a block has offloaded (keeps_activations creates them).
@@ -189,10 +191,18 @@ void begin_offload_step(const c10::Device& device) {
     }
     const std::vector<bool> kept = plan_kept_blocks(candidates, peak, static_cast<int64_t>(plan->budget * total));
     plan->kept.clear();
+    int64_t kept_bytes = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (kept[i]) plan->kept.insert(keys[i]);
+      if (!kept[i]) continue;
+      plan->kept.insert(keys[i]);
+      kept_bytes += candidates[i].kept_bytes;
     }
     plan->state = DevicePlan::State::planned;
+    auto gb = [](double bytes) { return c10::str(std::round(bytes / 1e8) / 10.0, " GB"); };
+    plan->summary = c10::str("offload plan on ", device, ": ", plan->kept.size(), " of ", keys.size(),
+                             " blocks keep their activations (", gb(static_cast<double>(kept_bytes)),
+                             "); the measured step reserved at most ", gb(static_cast<double>(peak)), " of a ",
+                             gb(plan->budget * total), " budget");
     return;
   }
   // No plan yet, or one for other shapes: this step offloads every block and measures. The cache is emptied first:
@@ -207,6 +217,14 @@ void begin_offload_step(const c10::Device& device) {
 #else
   (void)device;
 #endif
+}
+
+std::string offload_plan_summary(const c10::Device& device) {
+  if (!device.is_cuda()) return "";
+  const std::shared_ptr<DevicePlan> plan = plan_of(device.index(), /*create=*/false);
+  if (plan == nullptr) return "";
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  return plan->state == DevicePlan::State::planned ? plan->summary : "";
 }
 
 OffloadChain::OffloadChain() : id_(next_chain_id.fetch_add(1)) {}

@@ -49,6 +49,9 @@ struct OffloadedInput;
 // measures again. Without marked steps (a model called directly) every block offloads. A no-op on devices where no
 // block has offloaded; the device's peak-memory statistics restart at a measured step's start.
 void begin_offload_step(const c10::Device& device);
+// What `device`'s plan chose, in one line (empty before a plan exists, and on the CPU): how many blocks keep their
+// activations, and the measured peak and budget it was chosen from. For a run's log.
+std::string offload_plan_summary(const c10::Device& device);
 
 // One block of a measured step: the bytes of its input (what offloading copies out and back) and of the
 // activations it keeps when it does not offload (its input and output, counted high).
