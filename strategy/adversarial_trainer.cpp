@@ -356,12 +356,11 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   losses->generator.resize(reals.size());
   const int64_t step = steps_++;
   const PrecisionScope precision(options_.precision);
-  // The first steps (the eager warm-up with cuDNN's autotuning, the capture, the first replay) may keep one replica
-  // far longer than replica 0; later ones are a hang after the averaging timeout.
-  const int64_t startup_steps = graphs_ ? options_.graph_warmup_steps + 2 : 1;
-  const auto straggler_limit = step < startup_steps ? std::max<std::chrono::milliseconds>(options_.averaging.timeout,
-                                                                                           std::chrono::minutes(1))
-                                                    : options_.averaging.timeout;
+  // A startup step may keep one replica far longer than replica 0; later ones are a hang after the averaging timeout.
+  const auto straggler_limit =
+      step < options_.startup_steps()
+          ? std::max<std::chrono::milliseconds>(options_.averaging.timeout, std::chrono::minutes(1))
+          : options_.averaging.timeout;
   try {
     workers_->run(
         [this, losses, placed, shares, step](int64_t i) {

@@ -273,11 +273,7 @@ int train_dcgan(DCGANTrainConfig config) {
   // Every rank stops together: on a failure, death or hang anywhere, and on an interrupt after one agreed step.
   hs::RunGuardOptions guard_options;
   guard_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.timeout * 1000));
-  // Eager warm-up steps, the capture and the first replay (trainer_options' graph_warmup_steps), or the first step.
-  {
-    const hs::AdversarialOptions planned = trainer_options(config, step);
-    guard_options.startup_steps = planned.cuda_graphs ? planned.graph_warmup_steps + 2 : 1;
-  }
+  guard_options.startup_steps = trainer_options(config, step).startup_steps();
   hs::RunGuard guard(placement.launch, guard_options);
   std::unique_ptr<hs::AdversarialTrainer> trainer;
   try {

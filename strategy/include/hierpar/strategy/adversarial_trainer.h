@@ -93,6 +93,9 @@ struct AdversarialOptions {
   // Needs CUDA devices; synchronized BatchNorm over several replicas falls back to eager steps.
   bool cuda_graphs = false;
   int64_t graph_warmup_steps = 3;
+  // The steps that may run far longer than later ones (cuDNN's autotuning in the eager warm-up, the capture, the
+  // first replay; without graphs the first step): the trainer's and a RunGuard's hang bounds are looser there.
+  int64_t startup_steps() const { return cuda_graphs ? graph_warmup_steps + 2 : 1; }
   // How the step computes (precision.h): fp32, tf32 (TF32 convolutions and matmuls on CUDA) or bf16 autocast of the
   // forward passes and losses, and whether 4-d parameters and the real batches are channels_last (the activations
   // follow). Applied around every step as a PrecisionScope (ATen's TF32 switches are process-wide: set for the step,
