@@ -88,7 +88,9 @@ namespace {
 
 // Ranks 0 and 1 as two processes (one GPU per replica on CUDA) end with the parameters of the in-process replicas
 // of the same placement: `replicas` in all, replicas / 2 in each process; bit for bit unless `exact` is false (host
-// averaging then adds each process's replicas first, (a + b) + (c + d), where one process adds ((a + b) + c) + d).
+// averaging then adds each process's replicas first, (a + b) + (c + d), where one process adds ((a + b) + c) + d):
+// a rounding difference in the summed gradients, which Adam's normalised update carries into the parameters as in
+// the split-batch comparisons (kSplitBatchTolerance; seen: 2.5e-6 after 3 steps, seed 2420481842).
 void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device, const char* reduce, bool sync_bn,
                                                          int64_t replicas = 2, bool exact = true) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
@@ -124,8 +126,8 @@ void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device,
       } else {
         ASSERT_EQ(saved.size(), in_process[replica].size()) << which;
         for (size_t t = 0; t < saved.size(); ++t) {
-          hierpar::testing::expect_close(saved[t], in_process[replica][t], {1e-5, 1e-6}, which + ": tensor " +
-                                                                                             std::to_string(t));
+          hierpar::testing::expect_close(saved[t], in_process[replica][t], kSplitBatchTolerance,
+                                         which + ": tensor " + std::to_string(t));
         }
       }
     }
