@@ -26,8 +26,10 @@
 // Rows needing more GPUs than present are skipped, and the output says so.
 // Under torchrun (`torchrun --nproc-per-node P hierpar-bench strategy`) the captured multi-replica rows run with their
 // replicas spread over the P processes (one process per replica where the row has P replicas: PyTorch DDP's layout),
-// the label says "P processes", rank 0 prints and writes <gpu>-strategy-Pprocs.json, and the rows that one process
-// runs alone (single, task, the eager and sync BN rows) are left out: compare with the in-process run's record.
+// task and hierarchical rows on P GPUs with G and D of each replica in two processes (a split placement; rank 0 runs
+// G and times the step it waits for), the label says "P processes", rank 0 prints and writes
+// <gpu>-strategy-Pprocs.json, and the rows that one process runs alone (single, the eager and sync BN rows) are left
+// out: compare with the in-process run's record.
 #include "bench.h"
 
 #include "hierpar/models/dcgan.h"
@@ -261,11 +263,14 @@ void strategy_suite(Report& report, const Options& options) {
         continue;
       }
       if (launched) {
-        const int64_t per_replica = std::string(row.strategy) == "hierarchical" ? 2 : 1;
+        const std::string scheme = row.strategy;
+        const int64_t per_replica = scheme == "hierarchical" ? 2 : 1;
+        // task and hierarchical with a process per GPU: G and D of a replica in two processes (a split placement).
+        const bool split = (scheme == "task" || scheme == "hierarchical") && row.gpus == options.world_size;
         std::string why;
-        if (std::string(row.reduce) == "none" || row.sync_bn || !row.graphs) {
+        if ((std::string(row.reduce) == "none" && !split) || row.sync_bn || !row.graphs) {
           why = "one process runs it (see the in-process record)";
-        } else if (row.gpus % options.world_size != 0 || (row.gpus / options.world_size) % per_replica != 0) {
+        } else if (!split && (row.gpus % options.world_size != 0 || (row.gpus / options.world_size) % per_replica != 0)) {
           why = "its " + std::to_string(row.gpus) + " GPUs do not split into whole replicas over " +
                 std::to_string(options.world_size) + " processes";
         }
@@ -320,10 +325,10 @@ void strategy_suite(Report& report, const Options& options) {
         }
         const int steps = static_cast<int>(std::clamp<int64_t>((8192 + c.batch - 1) / c.batch, 5, 30));
         const Timing t = time_steps(trainer, reals, /*warmup=*/5, steps, runs);
-        // The losses must be finite: a broken step timed fast is no result.
-        auto [d_loss, g_loss] = trainer.step_shares(reals).mean();
-        TORCH_CHECK(std::isfinite(d_loss) && std::isfinite(g_loss), "non-finite losses after timing: D ", d_loss,
-                    ", G ", g_loss);
+        // The losses of every step must be finite: a broken step timed fast is no result.
+        const torch::Tensor losses = trainer.take_losses();
+        TORCH_CHECK(losses.size(0) > 0 && losses.isfinite().all().item<bool>(), "non-finite losses in the timed steps: ",
+                    losses.isfinite().logical_not().sum().item<int64_t>(), " of ", losses.numel());
         const double images_per_s = c.batch / (t.median_us * 1e-6);
         const double epoch_s = kEpochImages / images_per_s;
         // The GPUs' idle time in two steady-state steps (and their trace), from the trainer's timeline.

@@ -1,6 +1,7 @@
 // AdversarialTrainer's step as pieces, the DCGAN recipe per replica (adversarial_trainer.h): each piece runs now on its
 // device (eager) or goes into that device's open CUDA graph segment (capture), and what runs between segments
 // (copies across devices, averaging outside the graphs) into the replay program.
+#include "part_link.h"
 #include "trainer_replica.h"
 
 #include "hierpar/nn/batch_norm.h"
@@ -50,6 +51,30 @@ class AutocastCacheOff {
   bool active_, was_;
 };
 
+// A split placement's fakes as D's process allocates them: [dtype, channels_last, dims, sizes after the batch's...],
+// padded to kFakeLayoutLength.
+constexpr int64_t kFakeLayoutLength = 12;
+
+std::vector<int64_t> fake_layout(const torch::Tensor& fake) {
+  TORCH_CHECK(fake.dim() >= 1 && fake.dim() <= kFakeLayoutLength - 3, "G's output must have 1 to ",
+              kFakeLayoutLength - 3, " dimensions to travel to D's process, got ", fake.sizes());
+  TORCH_CHECK(fake.is_non_overlapping_and_dense(), "G's output must be dense to travel to D's process");
+  std::vector<int64_t> layout{static_cast<int64_t>(fake.scalar_type()),
+                              fake.dim() == 4 && fake.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+                                  !fake.is_contiguous(),
+                              fake.dim()};
+  layout.insert(layout.end(), fake.sizes().begin() + 1, fake.sizes().end());
+  layout.resize(kFakeLayoutLength, 0);
+  return layout;
+}
+
+torch::Tensor empty_fakes(const std::vector<int64_t>& layout, int64_t batch, const c10::Device& device) {
+  std::vector<int64_t> sizes{batch};
+  sizes.insert(sizes.end(), layout.begin() + 3, layout.begin() + 3 + (layout[2] - 1));
+  return torch::empty(sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(layout[0])).device(device),
+                      layout[1] != 0 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+}
+
 }  // namespace
 
 void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_share, const torch::Tensor& noise_share,
@@ -59,11 +84,15 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   const c10::Device& g_device = devices.generator;
   const c10::Device& d_device = devices.discriminator;
   const bool two_devices = g_device != d_device;
+  // A split placement's process runs one network's pieces; the fakes and their gradient cross the link instead.
+  const bool runs_g = devices.part != ReplicaPart::discriminator, runs_d = devices.part != ReplicaPart::generator;
+  const bool split = devices.part != ReplicaPart::whole;
   const AdversarialLoss& loss = options_.loss;
   auto autocast = [&](const c10::Device& device) { return AutocastScope(device.type(), options_.precision.autocast_dtype()); };
 
-  // The step as pieces. on(device, name, work): work of one device, run now (eager) or captured into the open
-  // segment of that device's CapturedStep, a new segment starting where the step moves to the other device.
+  // The step as pieces. on(network, name, work): work of one network on its device, run now (eager) or captured into
+  // the open segment of that device's CapturedStep, a new segment starting where the step moves to the other device;
+  // nothing where this process runs the other network only.
   // between(device, name, work): what runs between segments (copies across devices, averaging), run now or appended
   // to the replay program. `device` is whose stream the piece runs on, for the timeline.
   CapturedStep* open = nullptr;
@@ -76,13 +105,16 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     segment.reset();
     open = nullptr;
   };
-  auto on = [&](const c10::Device& device, const char* name, const std::function<void()>& work) {
+  auto on = [&](Network network, const char* name, const std::function<void()>& work) {
+    const bool generator = network == Network::generator;
+    if (!(generator ? runs_g : runs_d)) return;  // the other process's piece
+    const c10::Device& device = generator ? g_device : d_device;
     if (phase == Phase::eager) {
       c10::OptionalDeviceGuard device_guard(device);
       timed(local, device, name, /*compute=*/true, work);
       return;
     }
-    CapturedStep* graph = two_devices && device == g_device ? r.generator_graph.get() : r.graph.get();
+    CapturedStep* graph = two_devices && generator ? r.generator_graph.get() : r.graph.get();
     if (open != graph) {
       close_open();
       graph->open_segment();
@@ -104,15 +136,15 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   // Averaging captured in the graphs (NCCL's bucketed all-reduces) is one more piece of the network's segment;
   // otherwise it runs between segments.
   auto average = [&](Network network) {
-    if (!averager_) return;
     const bool d = network == Network::discriminator;
+    if (!averager_ || !(d ? runs_d : runs_g)) return;
     const c10::Device& device = d ? d_device : g_device;
     const char* name = d ? "average D" : "average G";
     auto work = [this, local, network, d, &r] {
       averager_->average(local, network, gradients_of(d ? r.discriminator_parameters : r.generator_parameters));
     };
     if (phase == Phase::capture && graph_averaging_ == GraphAveraging::whole) {
-      on(device, name, work);
+      on(network, name, work);
     } else {
       between(device, name, work);
     }
@@ -125,7 +157,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   std::optional<AutocastCacheOff> autocast_cache_off;
 
   // G's forward: the fakes, kept with their autograd graph until G's backward (the end of this step).
-  on(g_device, "G forward", [&] {
+  on(Network::generator, "G forward", [&] {
     if (!two_devices) {
       main_stream = current_stream(d_device);
       fake_stream = fake_pass_stream(local);
@@ -151,7 +183,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     return torch::autograd::grad({logits.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0]
         .to(torch::kFloat);
   };
-  on(d_device, "D real", [&] {
+  on(Network::discriminator, "D real", [&] {
     torch::Tensor real = real_share.to(d_device, /*non_blocking=*/true);
     if (options_.precision.channels_last && real.dim() == 4) real = real.contiguous(at::MemoryFormat::ChannelsLast);
     real_on_d = real;
@@ -178,8 +210,33 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     d_objective_real.backward();
   });
 
-  // The fakes to D's device (ATen's copy orders both devices' streams with events); on one device, the same memory.
-  if (two_devices) {
+  // The fakes to D's device (ATen's copy orders both devices' streams with events); on one device, the same memory;
+  // to D's process over the link.
+  if (split) {
+    between(g_device, runs_g ? "send fakes" : "receive fakes", [this, &r, runs_g, batch = real_share.size(0), g_device] {
+      if (runs_g) {
+        const torch::Tensor fake = r.fake.detach();
+        const std::vector<int64_t> layout = fake_layout(fake);
+        if (r.fake_layout.empty()) {  // the first step: D's process learns what it will receive
+          r.fake_layout = layout;
+          link_->send(torch::tensor(layout, torch::TensorOptions().device(g_device)), "the fakes' layout");
+        }
+        TORCH_CHECK(layout == r.fake_layout, "replica ", placement_.replicas[0].replica, ": G's output changed its "
+                    "shape, dtype or memory format since the first step (", fake.sizes(), " ", fake.scalar_type(),
+                    "); D's process allocated the first step's");
+        link_->send(fake, "the fakes");
+        return;
+      }
+      if (r.fake_layout.empty()) {
+        torch::Tensor layout = torch::empty({kFakeLayoutLength}, torch::TensorOptions().dtype(torch::kLong).device(g_device));
+        link_->receive(layout, "the fakes' layout");
+        layout = layout.cpu();
+        r.fake_layout.assign(layout.data_ptr<int64_t>(), layout.data_ptr<int64_t>() + kFakeLayoutLength);
+      }
+      if (!r.fake_on_d.defined() || r.fake_on_d.size(0) != batch) r.fake_on_d = empty_fakes(r.fake_layout, batch, g_device);
+      link_->receive(r.fake_on_d, "the fakes");
+    });
+  } else if (two_devices) {
     between(g_device, "copy fakes", [&r, d_device] {
       if (!r.fake_on_d.defined()) r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
       r.fake_on_d.copy_(r.fake.detach(), /*non_blocking=*/true);
@@ -187,8 +244,8 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   }
 
   // D's pass over the fakes; its gradients add to the real pass's.
-  on(d_device, "D fakes", [&] {
-    if (!two_devices) {
+  on(Network::discriminator, "D fakes", [&] {
+    if (!two_devices && !split) {
       r.fake_on_d = r.fake.detach();
     } else if (!r.fake_on_d.defined()) {  // captured without a warm-up step: the buffer comes from D's graph pool
       r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
@@ -231,7 +288,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   average(Network::discriminator);
 
   // D's update, then G's loss through the updated D (D's weights frozen), back to the fakes on D's device only.
-  on(d_device, "D update + G loss", [&] {
+  on(Network::discriminator, "D update + G loss", [&] {
     r.discriminator_optimizer->step();
     // Under autocast, the casts of D's weights cached by the forwards above are stale after the update; the cache
     // is per thread, so each replica's thread clears its own.
@@ -260,8 +317,17 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     r.loss_row.add_(1);
   });
 
-  // The gradient w.r.t. the fakes to G's device.
-  if (two_devices) {
+  // The gradient w.r.t. the fakes to G's device, or G's process.
+  if (split) {
+    between(d_device, runs_d ? "send gradient" : "receive gradient", [this, &r, runs_d] {
+      if (runs_d) {
+        link_->send(r.fake_on_d.grad().contiguous(r.fake_on_d.suggest_memory_format()), "the fakes' gradient");
+        return;
+      }
+      if (!r.fake_grad.defined() || r.fake_grad.sizes() != r.fake.sizes()) r.fake_grad = torch::empty_like(r.fake);
+      link_->receive(r.fake_grad, "the fakes' gradient");
+    });
+  } else if (two_devices) {
     between(d_device, "copy gradient", [&r, g_device] {
       if (!r.fake_grad.defined()) r.fake_grad = torch::empty_like(r.fake_on_d.grad(), r.fake.options().device(g_device));
       r.fake_grad.copy_(r.fake_on_d.grad(), /*non_blocking=*/true);
@@ -269,8 +335,8 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   }
 
   // G's backward from that gradient, its averaging and update.
-  on(g_device, "G backward", [&] {
-    if (!two_devices) {
+  on(Network::generator, "G backward", [&] {
+    if (!two_devices && !split) {
       r.fake_grad = r.fake_on_d.grad();
     } else if (!r.fake_grad.defined()) {
       r.fake_grad = torch::empty_like(r.fake);
@@ -281,7 +347,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     if (averager_) averager_->backward_done(local, Network::generator);
   });
   average(Network::generator);
-  on(g_device, "G update", [&] {
+  on(Network::generator, "G update", [&] {
     r.generator_optimizer->step();
     if (!r.generator_ema.empty()) {
       torch::NoGradGuard no_grad;

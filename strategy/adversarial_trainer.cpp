@@ -1,5 +1,6 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 
+#include "part_link.h"
 #include "trainer_replica.h"
 #include "replica_workers.h"
 #include "hierpar/strategy/fused_adam.h"
@@ -22,12 +23,16 @@
 #include <mutex>
 #include <thread>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 namespace hierpar::strategy {
 
 std::pair<double, double> StepLosses::mean() const {
   TORCH_CHECK(!discriminator.empty() && discriminator.size() == generator.size(), "StepLosses: no losses to read");
   double d = 0.0, g = 0.0;
   for (size_t i = 0; i < discriminator.size(); ++i) {
+    TORCH_CHECK(discriminator[i].defined(), "StepLosses: no losses in G's process of a split placement (D's process "
+                "computes them); AdversarialTrainer::take_losses() brings them over");
     d += discriminator[i].item<double>();
     g += generator[i].item<double>();
   }
@@ -83,14 +88,24 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
               "(options.sync_batch_norm)");
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
               options_.graph_warmup_steps);
+  // A split placement's process keeps the network it runs; the other one's module is left as it came.
+  const ReplicaPart part = placement_.replicas[0].part;
+  const bool runs_g = part != ReplicaPart::discriminator, runs_d = part != ReplicaPart::generator;
+  TORCH_CHECK(!(placement_.split() && options_.cuda_graphs && options_.graph_warmup_steps < 1), "AdversarialTrainer: "
+              "a split placement needs options.graph_warmup_steps >= 1 (the first step tells D's process the fakes' "
+              "layout), got ", options_.graph_warmup_steps);
   for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
     const ReplicaDevices& devices = placement_.replicas[i];
     auto replica = std::make_unique<Replica>();
     if (i == 0) {
-      generator.ptr()->to(devices.generator);
-      discriminator.ptr()->to(devices.discriminator);
-      replica->generator = std::move(generator);
-      replica->discriminator = std::move(discriminator);
+      if (runs_g) {
+        generator.ptr()->to(devices.generator);
+        replica->generator = std::move(generator);
+      }
+      if (runs_d) {
+        discriminator.ptr()->to(devices.discriminator);
+        replica->discriminator = std::move(discriminator);
+      }
     } else {
       // clone() re-runs each module's reset(), which draws a fresh initialisation from the CPU generator before
       // replica 0's values are copied in. Restoring the generator keeps the random numbers drawn later (the
@@ -106,14 +121,14 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       std::lock_guard<std::mutex> lock(cpu_generator.mutex());
       cpu_generator.set_state(cpu_generator_state);
     }
-    if (options_.precision.channels_last) {
-      convert_to_channels_last(*replica->generator.ptr());
-      convert_to_channels_last(*replica->discriminator.ptr());
+    for (torch::nn::AnyModule* module : {&replica->generator, &replica->discriminator}) {
+      if (module->is_empty()) continue;
+      if (options_.precision.channels_last) convert_to_channels_last(*module->ptr());
+      TORCH_CHECK(!module->ptr()->parameters().empty(), "AdversarialTrainer: the generator and the discriminator must "
+                  "have parameters");
     }
-    replica->generator_parameters = replica->generator.ptr()->parameters();
-    replica->discriminator_parameters = replica->discriminator.ptr()->parameters();
-    TORCH_CHECK(!replica->generator_parameters.empty() && !replica->discriminator_parameters.empty(),
-                "AdversarialTrainer: the generator and the discriminator must have parameters");
+    if (runs_g) replica->generator_parameters = replica->generator.ptr()->parameters();
+    if (runs_d) replica->discriminator_parameters = replica->discriminator.ptr()->parameters();
     for (const torch::Tensor& p : replica->generator_parameters) {
       if (options_.generator_ema_decay > 0) replica->generator_ema.push_back(p.detach().clone());
     }
@@ -124,8 +139,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
       }
       return std::make_unique<torch::optim::Adam>(parameters, adam_options(settings));
     };
-    replica->generator_optimizer = make_optimizer(replica->generator_parameters, options_.generator_adam);
-    replica->discriminator_optimizer = make_optimizer(replica->discriminator_parameters, options_.discriminator_adam);
+    if (runs_g) replica->generator_optimizer = make_optimizer(replica->generator_parameters, options_.generator_adam);
+    if (runs_d) {
+      replica->discriminator_optimizer = make_optimizer(replica->discriminator_parameters, options_.discriminator_adam);
+    }
+    // The losses are computed on D's device; G's process of a split placement receives them there (drain_losses).
     const auto on_d = torch::TensorOptions().device(devices.discriminator);
     replica->loss_log = torch::zeros({options_.loss_log_steps, 3}, on_d.dtype(torch::kFloat));
     replica->loss_row = torch::zeros({1}, on_d.dtype(torch::kLong));
@@ -165,6 +183,13 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   // buckets, summed on the averager's own threads during the backward, must not run beside them.
   AveragingOptions averaging = options_.averaging;
   if (options_.sync_batch_norm && placement_.reduce == Reduce::host) averaging.bucket_cap_bytes = 0;
+  if (placement_.split()) {
+    // The link to the other part, then the averager of the processes that run the same part (each network's groups
+    // have their own prefix in the store, so G's and D's processes never meet there).
+    if (!averaging.store) averaging.store = connect_launch_store(placement_.launch, averaging.timeout);
+    averaging.networks = {runs_g ? Network::generator : Network::discriminator};
+    link_ = std::make_unique<detail::PartLink>(placement_, averaging.store, averaging.timeout);
+  }
   averager_ = make_averager(placement_, averaging);
   if (graphs_ && averager_) graph_averaging_ = averager_->graph_averaging();
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
@@ -173,7 +198,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   if (options_.overlap_passes && !(averager_ && !graphs_) && options_.gradient_penalty == 0) {
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       const ReplicaDevices& devices = placement_.replicas[i];
-      if (devices.generator != devices.discriminator || !devices.generator.is_cuda()) continue;
+      if (devices.generator != devices.discriminator || !devices.generator.is_cuda() || placement_.split()) continue;
       c10::impl::VirtualGuardImpl guard_impl(devices.generator.type());
       for (int k = 0; k < 2; ++k) {
         replicas_[i]->pass_streams.push_back(guard_impl.getStreamFromGlobalPool(devices.generator));
@@ -195,12 +220,12 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       Replica& r = *replicas_[i];
       if (!graphs_ || graph_averaging_ != GraphAveraging::between) {
-        averager_->attach(i, Network::generator, r.generator_parameters);
-        averager_->attach(i, Network::discriminator, r.discriminator_parameters);
+        if (runs_g) averager_->attach(i, Network::generator, r.generator_parameters);
+        if (runs_d) averager_->attach(i, Network::discriminator, r.discriminator_parameters);
       }
       if (options_.sync_batch_norm) {
-        r.generator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::generator);
-        r.discriminator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::discriminator);
+        if (runs_g) r.generator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::generator);
+        if (runs_d) r.discriminator_bn_sync = std::make_unique<ReplicaBatchNormSync>(*averager_, i, Network::discriminator);
       }
     }
   }
@@ -248,11 +273,13 @@ void AdversarialTrainer::abort(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
   }
   if (averager_) averager_->abort(reason);
+  if (link_) link_->abort(reason);
   if (workers_) workers_->interrupt(reason);
 }
 
 int64_t AdversarialTrainer::progress() const {
-  return averager_ ? averager_->progress() + replayed_averages_.load(std::memory_order_relaxed) : 0;
+  return (averager_ ? averager_->progress() + replayed_averages_.load(std::memory_order_relaxed) : 0) +
+         (link_ ? link_->progress() : 0);
 }
 
 void AdversarialTrainer::refuse_if_failed() const {
@@ -261,12 +288,28 @@ void AdversarialTrainer::refuse_if_failed() const {
               "(its replicas may differ; build a new trainer, e.g. from the last checkpoint). The failure: ", failure_);
 }
 
-torch::nn::AnyModule& AdversarialTrainer::generator(int64_t local) { return replicas_.at(local)->generator; }
-torch::nn::AnyModule& AdversarialTrainer::discriminator(int64_t local) { return replicas_.at(local)->discriminator; }
+void AdversarialTrainer::require_network(Network network) const {
+  const ReplicaPart part = placement_.replicas[0].part;
+  TORCH_CHECK(part == ReplicaPart::whole || (network == Network::generator) == (part == ReplicaPart::generator),
+              "AdversarialTrainer: this process (rank ", placement_.launch.rank, ") runs only the ", to_string(part),
+              " of replica ", placement_.replicas[0].replica, "; its ", to_string(network), " is in rank ",
+              placement_.peer_rank());
+}
+
+torch::nn::AnyModule& AdversarialTrainer::generator(int64_t local) {
+  require_network(Network::generator);
+  return replicas_.at(local)->generator;
+}
+torch::nn::AnyModule& AdversarialTrainer::discriminator(int64_t local) {
+  require_network(Network::discriminator);
+  return replicas_.at(local)->discriminator;
+}
 torch::optim::Adam& AdversarialTrainer::generator_optimizer(int64_t local) {
+  require_network(Network::generator);
   return *replicas_.at(local)->generator_optimizer;
 }
 torch::optim::Adam& AdversarialTrainer::discriminator_optimizer(int64_t local) {
+  require_network(Network::discriminator);
   return *replicas_.at(local)->discriminator_optimizer;
 }
 
@@ -281,9 +324,10 @@ void AdversarialTrainer::broadcast_from_replica0() {
       [this](int64_t i) {
         torch::NoGradGuard no_grad;
         const Replica& r = *replicas_[i];
-        for (const auto& [network, module] : {std::pair{Network::generator, r.generator.ptr()},
-                                              std::pair{Network::discriminator, r.discriminator.ptr()}}) {
-          for (auto& [dtype, tensors] : state_by_dtype(*module)) averager_->broadcast_from_first(i, network, tensors);
+        for (const auto& [network, module] : {std::pair{Network::generator, &r.generator},
+                                              std::pair{Network::discriminator, &r.discriminator}}) {
+          if (module->is_empty()) continue;  // the other process's network (a split placement)
+          for (auto& [dtype, tensors] : state_by_dtype(*module->ptr())) averager_->broadcast_from_first(i, network, tensors);
         }
       },
       averager_.get(), placement_);
@@ -403,6 +447,14 @@ std::optional<c10::Stream> AdversarialTrainer::fake_pass_stream(int64_t local) c
 
 void AdversarialTrainer::drain_losses() {
   if (pending_losses_ == 0) return;
+  if (link_) {  // computed in D's process: G's receives them
+    const torch::Tensor rows = replicas_[0]->loss_log.narrow(0, 0, pending_losses_);
+    if (placement_.replicas[0].part == ReplicaPart::discriminator) {
+      link_->send(rows, "the losses");
+    } else {
+      link_->receive(rows, "the losses");
+    }
+  }
   std::vector<torch::Tensor> per_replica;
   for (const auto& r : replicas_) {
     per_replica.push_back(r->loss_log.narrow(0, 0, pending_losses_).to(torch::kCPU));
@@ -521,7 +573,8 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
   // The only work outside the graphs: the batch (and given noise) into the buffers the graphs read.
   const bool in_place = real_share.data_ptr() == r.static_real.data_ptr() &&
                         real_share.strides() == r.static_real.strides() && real_share.device() == r.static_real.device();
-  if (!in_place) r.static_real.copy_(real_share, /*non_blocking=*/true);
+  // (G's process of a split placement reads only the batch's size.)
+  if (!in_place && devices.part != ReplicaPart::generator) r.static_real.copy_(real_share, /*non_blocking=*/true);
   if (r.noise_given) {
     TORCH_CHECK(noise_share.sizes() == r.static_noise.sizes(), "step: under CUDA graphs the noise must keep the "
                 "first step's shape ", r.static_noise.sizes(), ", got ", noise_share.sizes());
@@ -540,6 +593,7 @@ void AdversarialTrainer::graph_step_replica(int64_t local, const torch::Tensor& 
   }
   // A learning rate set since the last step (a schedule) into the device tensors the captured updates read.
   for (torch::optim::Adam* optimizer : {r.generator_optimizer.get(), r.discriminator_optimizer.get()}) {
+    if (optimizer == nullptr) continue;  // the other process's network (a split placement)
     auto* fused = dynamic_cast<FusedAdam*>(optimizer);
     TORCH_INTERNAL_ASSERT(fused != nullptr, "cuda_graphs runs FusedAdam optimisers");
     fused->sync_learning_rate();

@@ -345,6 +345,9 @@ void detach_hooks(std::array<std::vector<std::unique_ptr<BucketReducer>>, 2>& re
 
 std::unique_ptr<GradientAverager> make_averager(const Placement& placement, const AveragingOptions& options) {
   placement.validate();
+  TORCH_CHECK(!options.networks.empty() && options.networks.size() <= 2 &&
+                  (options.networks.size() == 1 || options.networks[0] != options.networks[1]),
+              "AveragingOptions: networks must name the generator, the discriminator or both, once each");
   if (placement.global_replicas() == 1) return nullptr;
   if (placement.reduce == Reduce::host) return detail::make_host_averager(placement, options);
   return detail::make_collective_averager(placement, options);

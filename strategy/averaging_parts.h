@@ -38,12 +38,18 @@
 
 namespace hierpar::strategy::detail {
 
-constexpr std::array<Network, 2> kNetworks{Network::generator, Network::discriminator};
-
 std::string where(const Placement& placement, int64_t local, Network network);
 c10::Device device_of(const Placement& placement, int64_t local, Network network);
 // Whether every local replica has both networks on CUDA devices.
 bool all_on_cuda(const Placement& placement);
+// This process's index among the processes whose replicas average together, and their count: under a split
+// placement those that run the same part (ranks 2r, or ranks 2r + 1), otherwise every process.
+inline int64_t averaging_rank(const Placement& placement) {
+  return placement.split() ? placement.launch.rank / 2 : placement.launch.rank;
+}
+inline int64_t averaging_processes(const Placement& placement) {
+  return placement.split() ? placement.launch.world_size / 2 : placement.launch.world_size;
+}
 // All of one network's tensors of one replica, one after another in one flat buffer (reused across calls).
 at::Tensor flatten_into(at::Tensor& flat, const std::vector<at::Tensor>& tensors);
 // A buffer that grows and never shrinks (pinned host memory is costly to allocate); the first `numel`

@@ -28,7 +28,7 @@ class CollectiveAverager final : public GradientAverager {
     for (auto& reducers : reducers_) reducers.resize(placement.local_replicas());
 #ifdef HIERPAR_C10D_NCCL
     for (int64_t i = 0; i < placement.local_replicas(); ++i) {
-      for (Network network : kNetworks) {
+      for (Network network : options.networks) {
         if (device_of(placement, i, network).is_cuda()) initialise_nccl_once();
       }
     }
@@ -44,7 +44,7 @@ class CollectiveAverager final : public GradientAverager {
     // blocking get, so a replica waiting there for rank 0's NCCL id would keep replica 0 of the same process from
     // setting it.
     const c10::intrusive_ptr<c10d::Store> store = local == 0 ? store_ : store_->clone();
-    for (Network network : kNetworks) {
+    for (Network network : options_.networks) {
       const int n = static_cast<int>(network);
       const c10::Device device = device_of(placement_, local, network);
       aborted_.check(where(placement_, local, network) + " connect");
@@ -79,14 +79,15 @@ class CollectiveAverager final : public GradientAverager {
     const std::string who = where(placement_, local, Network::generator) + " connect";
     std::array<at::Tensor, 2> probes;
     std::array<c10::intrusive_ptr<c10d::Work>, 2> works;
-    for (Network network : kNetworks) {
+    for (Network network : options_.networks) {
       const int n = static_cast<int>(network);
       probes[n] = at::zeros({1}, at::TensorOptions().device(device_of(placement_, local, network)));
       std::vector<at::Tensor> buffers{probes[n]};
       std::lock_guard<std::mutex> lock(issuing);
       works[n] = groups_[n][local]->allreduce(buffers);
     }
-    for (int n = 0; n < 2; ++n) {
+    for (Network network : options_.networks) {
+      const int n = static_cast<int>(network);
       wait_for(works[n], who, "the groups' first all-reduce", options_.timeout, aborted_);
       // NCCL's wait may only order the stream after the all-reduce: reading the result waits for it on the host.
       (void)probes[n].item<float>();
@@ -176,7 +177,7 @@ class CollectiveAverager final : public GradientAverager {
     std::vector<c10::intrusive_ptr<c10d::Backend>> nccl;
     std::lock_guard<std::mutex> lock(groups_mutex_);
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
-      for (Network network : kNetworks) {
+      for (Network network : options_.networks) {
         const auto& group = groups_[static_cast<int>(network)][i];
         if (group && device_of(placement_, i, network).is_cuda()) nccl.push_back(group);
       }

@@ -48,12 +48,12 @@ class HostAverager final : public GradientAverager {
 
   void connect(int64_t local) override {
     // Across processes the host sums meet through Gloo; in one process the threads share memory.
-    if (local == 0 && placement_.launch.multi_process()) {
+    if (local == 0 && averaging_processes(placement_) > 1) {
       store_ = options_.store ? options_.store : connect_launch_store(placement_.launch, options_.timeout);
-      for (Network network : kNetworks) {
+      for (Network network : options_.networks) {
         host_groups_[static_cast<int>(network)] =
             make_backend(c10::make_intrusive<c10d::PrefixStore>(std::string("host-") + to_string(network), store_),
-                         placement_.launch.rank, placement_.launch.world_size, c10::DeviceType::CPU, placement_.launch,
+                         averaging_rank(placement_), averaging_processes(placement_), c10::DeviceType::CPU, placement_.launch,
                          options_.timeout);
       }
     }
@@ -142,7 +142,7 @@ class HostAverager final : public GradientAverager {
       broadcast_.copy_(flat);
     }
     barrier.arrive_and_wait(local, who);
-    if (placement_.launch.multi_process()) {
+    if (averaging_processes(placement_) > 1) {
       if (local == 0) {
         std::vector<at::Tensor> buffers{broadcast_};
         c10d::BroadcastOptions options;
@@ -359,7 +359,7 @@ class HostAverager final : public GradientAverager {
     at::Tensor sum = sum_buffer.narrow(0, 0, numel);
     if (length > 0) sum_slice(sum, hosts, parties, begin, length);
     barrier.arrive_and_wait(local, who);
-    if (placement_.launch.multi_process()) {
+    if (averaging_processes(placement_) > 1) {
       if (local == 0) {
         std::vector<at::Tensor> tensors{sum};
         wait_for(host_groups_[static_cast<int>(network)]->allreduce(tensors), who,

@@ -53,6 +53,12 @@ const char* to_string(Scheme scheme) { return name_of(scheme_names, scheme); }
 
 const char* to_string(Reduce reduce) { return name_of(reduce_names, reduce); }
 
+const char* to_string(ReplicaPart part) {
+  constexpr EnumNames<ReplicaPart, 3> names{
+      {{ReplicaPart::whole, "whole"}, {ReplicaPart::generator, "generator"}, {ReplicaPart::discriminator, "discriminator"}}};
+  return name_of(names, part);
+}
+
 Launch Launch::from_env() {
   Launch launch;
   launch.rank = env_int("RANK", 0);
@@ -83,14 +89,18 @@ Placement Placement::make(Scheme scheme, int64_t devices, Reduce reduce, c10::De
     TORCH_CHECK(devices == needed, "--strategy ", strategy::to_string(scheme), " uses exactly ", needed, " device",
                 needed == 1 ? "" : "s", " (G and D on one each)", ", got --gpus ", devices,
                 "; use data or hierarchical for more");
-    TORCH_CHECK(processes == 1, "--strategy ", strategy::to_string(scheme), " runs one replica in one process, but WORLD_SIZE=",
-                processes, "; launch one process or use data/hierarchical");
+    TORCH_CHECK(scheme == Scheme::task || processes == 1, "--strategy single runs one replica in one process, but "
+                "WORLD_SIZE=", processes, "; launch one process or use data/hierarchical");
+    TORCH_CHECK(processes <= 2, "--strategy task runs in one process (G and D on one device each) or two (one device "
+                "each), but WORLD_SIZE=", processes, "; use hierarchical for more");
   }
   if (scheme == Scheme::hierarchical) {
     TORCH_CHECK(devices % 2 == 0, "--strategy hierarchical needs an even --gpus (a G device and a D device per "
                 "replica), got ", devices);
   }
-  const int64_t per_replica = devices_per_replica(scheme);
+  // task and hierarchical with one device per process: each process runs one network of a replica.
+  const bool split = devices_per_replica(scheme) == 2 && devices == processes && processes > 1;
+  const int64_t per_replica = split ? 1 : devices_per_replica(scheme);
   TORCH_CHECK(devices % (processes * per_replica) == 0, "--gpus ", devices, " does not split over WORLD_SIZE=",
               processes, " processes with ", per_replica, " device", per_replica == 1 ? "" : "s",
               " per replica: each process must hold whole replicas");
@@ -116,7 +126,11 @@ Placement Placement::make(Scheme scheme, int64_t devices, Reduce reduce, c10::De
   placement.scheme = scheme;
   placement.reduce = reduce;
   placement.launch = launch;
-  const int64_t local = per_process / per_replica;
+  if (split) {
+    const ReplicaPart part = launch.rank % 2 == 0 ? ReplicaPart::generator : ReplicaPart::discriminator;
+    placement.replicas.push_back({launch.rank / 2, device(0), device(0), part});
+  }
+  const int64_t local = split ? 0 : per_process / per_replica;
   for (int64_t i = 0; i < local; ++i) {
     const int64_t g = i * per_replica;
     placement.replicas.push_back({launch.rank * local + i, device(g), device(g + per_replica - 1)});
@@ -137,8 +151,24 @@ void Placement::validate() const {
   if (scheme == Scheme::single || scheme == Scheme::task) {
     TORCH_CHECK(global_replicas() == 1, "--strategy ", strategy::to_string(scheme), " has one replica, got ", global_replicas());
   }
+  if (split()) {
+    TORCH_CHECK(scheme == Scheme::task || scheme == Scheme::hierarchical, "--strategy ", strategy::to_string(scheme),
+                " runs both networks of a replica in one process; only task and hierarchical split them");
+    TORCH_CHECK(replicas.size() == 1 && launch.world_size % 2 == 0, "a split placement runs one network of one "
+                "replica per process over an even number of processes, got ", replicas.size(), " replicas in rank ",
+                launch.rank, " of ", launch.world_size);
+    const ReplicaDevices& r = replicas[0];
+    const ReplicaPart expected = launch.rank % 2 == 0 ? ReplicaPart::generator : ReplicaPart::discriminator;
+    TORCH_CHECK(r.part == expected && r.replica == launch.rank / 2 && r.generator == r.discriminator,
+                "rank ", launch.rank, " of a split placement runs the ", strategy::to_string(expected), " of replica ",
+                launch.rank / 2, " on one device, got the ", strategy::to_string(r.part), " of replica ", r.replica, " on ",
+                r.generator, " and ", r.discriminator);
+    return;
+  }
   for (size_t i = 0; i < replicas.size(); ++i) {
     const ReplicaDevices& r = replicas[i];
+    TORCH_CHECK(r.part == ReplicaPart::whole, "replica ", r.replica, ": parts of replicas only in a split placement "
+                "(one replica per process)");
     TORCH_CHECK(r.replica == launch.rank * local_replicas() + static_cast<int64_t>(i), "replica ", i,
                 " of rank ", launch.rank, " must have global index ", launch.rank * local_replicas() + i,
                 ", got ", r.replica);
@@ -167,8 +197,15 @@ std::string Placement::to_string() const {
   std::ostringstream out;
   out << hierpar::strategy::to_string(scheme) << ": ";
   for (size_t i = 0; i < replicas.size(); ++i) {
-    out << (i == 0 ? "" : " | ") << "replica " << replicas[i].replica << ": G " << replicas[i].generator << ", D "
-        << replicas[i].discriminator;
+    const ReplicaDevices& r = replicas[i];
+    out << (i == 0 ? "" : " | ") << "replica " << r.replica << ": ";
+    if (r.part == ReplicaPart::generator) {
+      out << "G " << r.generator << " (D on rank " << peer_rank() << ")";
+    } else if (r.part == ReplicaPart::discriminator) {
+      out << "D " << r.discriminator << " (G on rank " << peer_rank() << ")";
+    } else {
+      out << "G " << r.generator << ", D " << r.discriminator;
+    }
   }
   out << "; reduce=" << hierpar::strategy::to_string(reduce);
   if (launch.multi_process()) out << ", rank " << launch.rank << " of " << launch.world_size << " processes";

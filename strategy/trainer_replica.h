@@ -60,6 +60,8 @@ struct AdversarialTrainer::Replica {
   // backward), the fakes on D's device (a leaf: G's loss backpropagates to it), and that gradient on G's device.
   // On two devices the last two are persistent buffers that the copies between segments fill.
   torch::Tensor fake, fake_on_d, fake_grad;
+  // A split placement: the fakes' layout, sent by G's process on the first step (adversarial_step.cpp).
+  std::vector<int64_t> fake_layout;
   bool noise_given = false;
   // Synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
   std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;

@@ -35,6 +35,36 @@ TEST(StrategyPlacement, PrintsEachScheme) {
   EXPECT_EQ(ranked.global_replicas(), 2);
 }
 
+// One device per process: ranks 2r and 2r + 1 run replica r's G and D.
+TEST(StrategyPlacement, OneDevicePerProcessSplitsEachReplica) {
+  const auto cpu = c10::DeviceType::CPU;
+  hs::Launch launch;
+  launch.world_size = 2;
+  const auto g = hs::Placement::make(hs::Scheme::task, 2, hs::Reduce::collective, cpu, launch);
+  EXPECT_TRUE(g.split());
+  EXPECT_EQ(g.replicas[0].part, hs::ReplicaPart::generator);
+  EXPECT_EQ(g.global_replicas(), 1);
+  EXPECT_EQ(g.to_string(), "task: replica 0: G cpu (D on rank 1); reduce=nccl, rank 0 of 2 processes");
+  launch.world_size = 4;
+  launch.rank = launch.local_rank = 3;
+  const auto d = hs::Placement::make(hs::Scheme::hierarchical, 4, hs::Reduce::host, cpu, launch);
+  EXPECT_EQ(d.replicas[0].part, hs::ReplicaPart::discriminator);
+  EXPECT_EQ(d.replicas[0].replica, 1);
+  EXPECT_EQ(d.global_replicas(), 2);
+  EXPECT_EQ(d.peer_rank(), 2);
+  EXPECT_EQ(d.to_string(), "hierarchical: replica 1: D cpu (G on rank 2); reduce=host, rank 3 of 4 processes");
+  // Two devices per process keep whole replicas.
+  launch.world_size = 2;
+  launch.rank = launch.local_rank = 1;
+  EXPECT_FALSE(hs::Placement::make(hs::Scheme::hierarchical, 4, hs::Reduce::host, cpu, launch).split());
+  hs::Placement wrong = d;
+  wrong.replicas[0].part = hs::ReplicaPart::generator;
+  HIERPAR_EXPECT_THROW_MSG(wrong.validate(), "rank 3 of a split placement runs the discriminator of replica 1");
+  wrong = d;
+  wrong.scheme = hs::Scheme::data;
+  HIERPAR_EXPECT_THROW_MSG(wrong.validate(), "only task and hierarchical split them");
+}
+
 TEST(StrategyPlacement, RejectsImpossibleRequests) {
   const auto cpu = c10::DeviceType::CPU;
   HIERPAR_EXPECT_THROW_MSG(hs::Placement::from_flags("pipeline", 2, "host", cpu, {}), "--strategy must be one of");
@@ -50,8 +80,12 @@ TEST(StrategyPlacement, RejectsImpossibleRequests) {
   launch.world_size = 2;
   HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::data, 3, hs::Reduce::host, cpu, launch),
                            "does not split over WORLD_SIZE=2");
-  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::task, 2, hs::Reduce::host, cpu, launch),
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::single, 1, hs::Reduce::host, cpu, launch),
                            "runs one replica in one process");
+  launch.world_size = 4;
+  HIERPAR_EXPECT_THROW_MSG(hs::Placement::make(hs::Scheme::task, 2, hs::Reduce::host, cpu, launch),
+                           "use hierarchical for more");
+  launch.world_size = 2;
   hs::Placement shared_gpu;
   shared_gpu.scheme = hs::Scheme::data;
   shared_gpu.replicas = {{0, c10::Device("cuda:0"), c10::Device("cuda:0")}, {1, c10::Device("cuda:0"), c10::Device("cuda:0")}};

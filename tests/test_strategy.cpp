@@ -145,8 +145,12 @@ TEST(StrategyTrainer, BucketedEqualsFlatEqualsSingle) {
           // same float either way round.
           expect_states_equal(with_buckets[0], with_flat[0], what + ": bucketed vs flat");
         } else {
-          // Gloo's ring cuts a buffer into chunks by its size, so the summation order of 4 values may differ.
-          expect_states_close(with_buckets[0], with_flat[0], kSplitBatchTolerance, what + ": bucketed vs flat");
+          // Gloo's ring cuts a buffer into chunks by its size, so the summation order of 4 values may differ. Through
+          // BatchNorm over 2 samples per replica the weight gradients before it nearly cancel, and Adam's normalised
+          // update turns their rounding into up to O(lr) moves (seen: 79 of 768 elements, at most 1.9e-4, seed
+          // 549372042); the exact comparisons above and bucketed vs single keep the averaging itself checked.
+          expect_states_close(with_buckets[0], with_flat[0], bn ? Tolerance{1e-5, 5e-4} : kSplitBatchTolerance,
+                              what + ": bucketed vs flat");
         }
         expect_states_close(default_caps[0], with_flat[0], kSplitBatchTolerance, what + ": default caps vs flat");
         for (size_t r = 1; r < with_buckets.size(); ++r) {

@@ -1,6 +1,7 @@
-// The strategy over processes: ranks 0 and 1 as two processes of this test binary (StrategyWorker.TrainAndSave), one
-// or two replicas each, against the same placement's in-process replicas, and a rank that fails. CPU (Gloo) runs
-// everywhere; the CUDA version skips with a reason when GPUs are missing.
+// The strategy over processes: ranks as processes of this test binary (StrategyWorker.TrainAndSave), one or two
+// replicas each, or one network of a replica each (split task and hierarchical placements), against the same
+// placement's in-process replicas, and a rank that fails. CPU (Gloo) runs everywhere; the CUDA versions skip with a
+// reason when GPUs are missing.
 #include "strategy_testing.h"
 
 #include "child_processes.h"
@@ -23,13 +24,13 @@ using hierpar::testing::read_text;
 using hierpar::testing::remove_dir;
 using hierpar::testing::temp_dir;
 
-// Runs ranks 0 and 1 of StrategyWorker.TrainAndSave with `extra` in their environment; waits at most `limit`.
-std::vector<Child> run_two_ranks(const std::map<std::string, std::string>& extra, const std::string& dir,
-                                 std::chrono::seconds limit) {
+// Runs ranks 0 .. ranks - 1 of StrategyWorker.TrainAndSave with `extra` in their environment; waits at most `limit`.
+std::vector<Child> run_ranks(int ranks, const std::map<std::string, std::string>& extra, const std::string& dir,
+                             std::chrono::seconds limit) {
   const int port = hierpar::testing::free_port();
   std::vector<Child> children;
-  for (int rank = 0; rank < 2; ++rank) {
-    auto env = hierpar::testing::launch_environment(rank, 2, port);
+  for (int rank = 0; rank < ranks; ++rank) {
+    auto env = hierpar::testing::launch_environment(rank, ranks, port);
     env.insert(extra.begin(), extra.end());
     children.push_back(hierpar::testing::spawn({hierpar::testing::self_executable(), "--gtest_filter=StrategyWorker.TrainAndSave"},
                                                env, dir + "/rank" + std::to_string(rank) + ".log"));
@@ -39,12 +40,24 @@ std::vector<Child> run_two_ranks(const std::map<std::string, std::string>& extra
 }
 
 constexpr int64_t kTwoRankBatch = 6;
+
+// The parameters of the network this process runs of a split placement's replica.
+std::vector<torch::Tensor> part_state_of(hs::AdversarialTrainer& trainer) {
+  const bool g = trainer.placement().replicas[0].part == hs::ReplicaPart::generator;
+  std::vector<torch::Tensor> state;
+  for (const auto& p : (g ? trainer.generator() : trainer.discriminator()).ptr()->parameters()) {
+    state.push_back(p.detach().cpu().clone());
+  }
+  return state;
+}
 constexpr int kWorkerStoppedByPeer = 3;  // a worker's exit code when its step failed (after reporting why)
 
 }  // namespace
 
-// The worker half of StrategyTwoProcesses.*: one rank of a data placement over WORLD_SIZE processes, with
-// HIERPAR_STRATEGY_REPLICAS replicas in all (2: one per process); saves each local replica's parameters.
+// The worker half of StrategyTwoProcesses.* and StrategySplitProcesses.*: one rank of a data placement over WORLD_SIZE
+// processes, with HIERPAR_STRATEGY_REPLICAS replicas in all (2: one per process), or with HIERPAR_STRATEGY_SCHEME task
+// or hierarchical one network of a replica per process; saves each local replica's parameters (of the networks it
+// runs) and the losses take_losses() gave.
 TEST(StrategyWorker, TrainAndSave) {
   const char* out = std::getenv("HIERPAR_STRATEGY_WORKER_OUT");
   if (out == nullptr) GTEST_SKIP() << "the worker half of StrategyTwoProcesses.*: runs only in the processes they start";
@@ -54,29 +67,38 @@ TEST(StrategyWorker, TrainAndSave) {
   const std::string reduce = std::getenv("HIERPAR_STRATEGY_REDUCE");
   const char* fail_rank = std::getenv("HIERPAR_STRATEGY_FAIL_RANK");
   const char* replicas_env = std::getenv("HIERPAR_STRATEGY_REPLICAS");
-  const int64_t replicas = replicas_env != nullptr ? std::stoll(replicas_env) : 2;
-  const int64_t batch = kTwoRankBatch * replicas / 2;
-  const auto data = make_data(batch, data_seed);
-  const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per replica (NCCL)
+  const char* scheme_env = std::getenv("HIERPAR_STRATEGY_SCHEME");
+  const hs::Scheme scheme = hs::parse_scheme(scheme_env != nullptr ? scheme_env : "data");
+  const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per replica or part (NCCL)
   if (cuda) deterministic_cudnn();
-  const auto placement = hs::Placement::make(hs::Scheme::data, replicas, hs::parse_reduce(reduce),
+  const int64_t devices = scheme == hs::Scheme::data ? (replicas_env != nullptr ? std::stoll(replicas_env) : 2)
+                                                     : launch.world_size;  // split: one device per process
+  const auto placement = hs::Placement::make(scheme, devices, hs::parse_reduce(reduce),
                                              cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU, launch);
-  const int64_t share = batch / launch.world_size;
+  const int64_t batch = kTwoRankBatch / 2 * placement.global_replicas();
+  const auto data = make_data(batch, data_seed);
+  // This process's rows: its replicas' shares (a part reads its replica's).
+  const int64_t rows = batch / placement.global_replicas() * placement.local_replicas();
+  const int64_t first_row = placement.replicas[0].replica * (batch / placement.global_replicas());
   try {
-    torch::manual_seed(init_seed + 1000 * launch.rank);  // different on each rank: the broadcast must fix it
+    // Different on each rank (the broadcast must fix it), but one seed for both parts of a replica, so that G's
+    // process and D's draw the initial parameters of an in-process replica.
+    torch::manual_seed(init_seed + 1000 * (placement.split() ? launch.rank / 2 : launch.rank));
     auto g = tiny_generator(true);  // G first, then D, as train() draws them
     auto d = tiny_discriminator(true);
     auto options = test_options(std::chrono::seconds(3));
     options.sync_batch_norm = std::getenv("HIERPAR_STRATEGY_SYNC_BN") != nullptr;
     hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
     for (int64_t k = 0; k < kSteps; ++k) {
-      auto real = data.real[k].narrow(0, launch.rank * share, share);
+      auto real = data.real[k].narrow(0, first_row, rows);
       if (fail_rank != nullptr && std::stoll(fail_rank) == launch.rank) real = real.narrow(1, 0, 2);  // a bad batch
-      trainer.step(real, data.noise[k].narrow(0, launch.rank * share, share));
+      trainer.step(real, data.noise[k].narrow(0, first_row, rows));
     }
     for (int64_t i = 0; i < placement.local_replicas(); ++i) {
-      torch::save(state_of(trainer, i), c10::str(out, "/rank", launch.rank, "-", i, ".pt"));
+      torch::save(placement.split() ? part_state_of(trainer) : state_of(trainer, i),
+                  c10::str(out, "/rank", launch.rank, "-", i, ".pt"));
     }
+    torch::save(trainer.take_losses(), c10::str(out, "/losses", launch.rank, ".pt"));
   } catch (const c10::Error& e) {
     std::ofstream(std::string(out) + "/error" + std::to_string(launch.rank) + ".txt") << e.what_without_backtrace();
     std::fflush(nullptr);
@@ -106,7 +128,7 @@ void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device,
                                          {"HIERPAR_STRATEGY_REPLICAS", std::to_string(replicas)}};
   if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
   if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
-  const auto children = run_two_ranks(env, dir, std::chrono::seconds(120));
+  const auto children = run_ranks(2, env, dir, std::chrono::seconds(120));
   auto options = test_options();
   options.sync_batch_norm = sync_bn;
   if (device == c10::DeviceType::CUDA) deterministic_cudnn();
@@ -133,6 +155,24 @@ void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device,
     }
   }
   remove_dir(dir);
+}
+
+// Ranks 0 and 1 of `scheme` (data: a replica each; task: G and D), rank 1 given a bad batch, with a 3 s timeout:
+// both must exit as stopped (rank 1 by its error, rank 0 by its peer's). Returns the seconds both took.
+double run_with_failing_rank_1(const std::string& dir, const char* scheme) {
+  const auto start = Clock::now();
+  const auto children = run_ranks(2, {{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                      {"HIERPAR_STRATEGY_DATA_SEED", "1"},
+                                      {"HIERPAR_STRATEGY_INIT_SEED", "2"},
+                                      {"HIERPAR_STRATEGY_REDUCE", "nccl"},
+                                      {"HIERPAR_STRATEGY_SCHEME", scheme},
+                                      {"HIERPAR_STRATEGY_FAIL_RANK", "1"}},
+                                  dir, std::chrono::seconds(60));
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(exit_code(children[rank]), kWorkerStoppedByPeer) << scheme << " rank " << rank << "; its log:\n"
+                                                               << read_text(children[rank].log);
+  }
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 }  // namespace
@@ -169,18 +209,7 @@ TEST(StrategyTwoProcessesCuda, AgreeBitForBitWithInProcessReplicas) {
 TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
   HIERPAR_REQUIRE_GLOO();
   const std::string dir = temp_dir("fault");
-  const auto start = Clock::now();
-  const auto children = run_two_ranks({{"HIERPAR_STRATEGY_WORKER_OUT", dir},
-                                       {"HIERPAR_STRATEGY_DATA_SEED", "1"},
-                                       {"HIERPAR_STRATEGY_INIT_SEED", "2"},
-                                       {"HIERPAR_STRATEGY_REDUCE", "nccl"},
-                                       {"HIERPAR_STRATEGY_FAIL_RANK", "1"}},
-                                      dir, std::chrono::seconds(60));
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  for (int rank = 0; rank < 2; ++rank) {
-    EXPECT_EQ(exit_code(children[rank]), kWorkerStoppedByPeer) << "rank " << rank << "; its log:\n"
-                                                               << read_text(children[rank].log);
-  }
+  const double seconds = run_with_failing_rank_1(dir, "data");
   const std::string thrown = read_text(dir + "/error1.txt");
   const std::string stopped = read_text(dir + "/error0.txt");
   EXPECT_NE(thrown.find("replica 1"), std::string::npos) << thrown;
@@ -188,4 +217,105 @@ TEST(StrategyTwoProcesses, ThrowingRankStopsTheOtherWithinTheTimeout) {
   EXPECT_NE(stopped.find("a peer replica may have failed or died"), std::string::npos) << stopped;
   EXPECT_LT(seconds, 45.0) << "two processes (start-up included) took " << seconds << " s with a 3 s timeout";
   remove_dir(dir);
+}
+
+namespace {
+
+// A split placement's processes (`processes`: 2 for task, 4 for hierarchical's two replicas; one device each) end
+// with the parameters and losses of the in-process placement, bit for bit: G's processes with its replicas' G, D's
+// with their D, and every process with the losses (G's receive them from D's).
+void expect_split_processes_agree_with_in_process(c10::DeviceType device, const char* scheme, const char* reduce,
+                                                  int processes) {
+  const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
+  const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
+  const int64_t replicas = processes / 2;
+  const auto data = make_data(kTwoRankBatch / 2 * replicas, data_seed);
+  const std::string what = c10::str(scheme, " over ", processes, " processes, ", reduce, " on ",
+                                    c10::DeviceTypeName(device, true));
+  const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce));
+  std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
+                                         {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
+                                         {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
+                                         {"HIERPAR_STRATEGY_REDUCE", reduce},
+                                         {"HIERPAR_STRATEGY_SCHEME", scheme}};
+  if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
+  const auto children = run_ranks(processes, env, dir, std::chrono::seconds(120));
+
+  // The same placement in one process: every replica's G and D, and the losses (means over the replicas).
+  if (device == c10::DeviceType::CUDA) deterministic_cudnn();
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(true);
+  auto d = tiny_discriminator(true);
+  const size_t g_parameters = g->parameters().size();
+  hs::AdversarialTrainer in_process(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
+                                    hs::Placement::from_flags(scheme, 2 * replicas, reduce, device, {}), test_options());
+  for (int64_t k = 0; k < kSteps; ++k) in_process.step(data.real[k], data.noise[k]);
+  const torch::Tensor losses = in_process.take_losses();
+
+  std::vector<torch::Tensor> replica_losses;
+  for (int rank = 0; rank < processes; ++rank) {
+    ASSERT_EQ(exit_code(children[rank]), 0) << what << ": rank " << rank << " failed; its log:\n"
+                                            << read_text(children[rank].log);
+    const int64_t replica = rank / 2;
+    std::vector<torch::Tensor> saved;
+    torch::load(saved, c10::str(dir, "/rank", rank, "-0.pt"));
+    const std::vector<torch::Tensor> all = state_of(in_process, replica);
+    const std::vector<torch::Tensor> expected = rank % 2 == 0
+                                                    ? std::vector<torch::Tensor>(all.begin(), all.begin() + g_parameters)
+                                                    : std::vector<torch::Tensor>(all.begin() + g_parameters, all.end());
+    expect_states_equal(saved, expected, c10::str(what, ": rank ", rank, " (replica ", replica, "'s ",
+                                                  rank % 2 == 0 ? "G" : "D", ")"));
+    torch::Tensor taken;
+    torch::load(taken, c10::str(dir, "/losses", rank, ".pt"));
+    ASSERT_EQ(taken.sizes(), (std::vector<int64_t>{kSteps, 3})) << what << ": rank " << rank << "'s losses";
+    if (rank % 2 == 1) {
+      torch::Tensor from_g;
+      torch::load(from_g, c10::str(dir, "/losses", rank - 1, ".pt"));
+      EXPECT_TRUE(torch::equal(from_g, taken)) << what << ": G's process of replica " << replica
+                                               << " took other losses than D's:\n" << from_g << "\n" << taken;
+      replica_losses.push_back(taken);
+    }
+  }
+  EXPECT_TRUE(torch::equal(torch::stack(replica_losses).mean(0), losses))
+      << what << ": the processes' losses differ from one process's";
+  remove_dir(dir);
+}
+
+}  // namespace
+
+// G in one process, D in another: the fakes and their gradient cross between the processes (Gloo on the CPU).
+TEST(StrategySplitProcesses, TaskOverTwoProcessesEqualsOneProcess) {
+  HIERPAR_REQUIRE_GLOO();
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2);
+}
+
+// Seed 000's four-device layout with a process per device: each network averages over the processes that run it.
+TEST(StrategySplitProcesses, HierarchicalOverFourProcessesEqualsOneProcess) {
+  HIERPAR_REQUIRE_GLOO();
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "hierarchical", "nccl", 4);
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "hierarchical", "host", 4);
+}
+
+// D's process fails on a bad batch: G's, waiting for the fakes' gradient, stops within the timeout and names its peer.
+TEST(StrategySplitProcesses, FailingPartStopsTheOtherWithinTheTimeout) {
+  HIERPAR_REQUIRE_GLOO();
+  const std::string dir = temp_dir("split_fault");
+  const double seconds = run_with_failing_rank_1(dir, "task");
+  const std::string stopped = read_text(dir + "/error0.txt");
+  EXPECT_NE(stopped.find("replica 0's generator (rank 0, its discriminator on rank 1)"), std::string::npos) << stopped;
+  EXPECT_NE(stopped.find("a peer replica may"), std::string::npos) << stopped;
+  EXPECT_FALSE(read_text(dir + "/error1.txt").empty());
+  EXPECT_LT(seconds, 45.0) << "two processes (start-up included) took " << seconds << " s with a 3 s timeout";
+  remove_dir(dir);
+}
+
+// One GPU per process, NCCL between them.
+TEST(StrategySplitProcessesCuda, TaskAndHierarchicalEqualOneProcess) {
+  HIERPAR_REQUIRE_GPUS(2);
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CUDA, "task", "nccl", 2);
+  if (torch::cuda::device_count() >= 4) {
+    expect_split_processes_agree_with_in_process(c10::DeviceType::CUDA, "hierarchical", "nccl", 4);
+  } else {
+    std::cout << "hierarchical over 4 processes skipped: " << torch::cuda::device_count() << " GPUs\n";
+  }
 }

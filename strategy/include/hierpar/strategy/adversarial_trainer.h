@@ -26,6 +26,13 @@
 // AveragingOptions::capture_host_copies, from bucket copies captured in the backward's graph (graph_averaging()).
 // Synchronized BatchNorm is not captured (graph_fallback() says so).
 //
+// One process per device (a split placement, placement.h's ReplicaPart: torchrun --nproc-per-node 2 for task): G's
+// process runs G's pieces and D's process D's; the fakes go to D's process and their gradient back over a two-rank
+// process group (NCCL broadcasts on CUDA, Gloo on the CPU) where the in-process step copies between devices, and
+// each network averages over the processes that run it. The losses are D's process's: take_losses() brings them to
+// G's, step()'s StepLosses there are empty, and generator()/discriminator() and their optimisers exist only in the
+// process that runs that network. Every process calls step() and take_losses() at the same steps.
+//
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
 // D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
 // (autograd runs a node's backward on its forward's stream). The
@@ -65,6 +72,9 @@
 #include <vector>
 
 namespace hierpar::strategy {
+namespace detail {
+class PartLink;
+}
 
 struct AdamSettings {
   double lr = 2e-4;
@@ -257,12 +267,14 @@ class AdversarialTrainer {
   std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
   void drain_losses();
   void release_graphs();
+  void require_network(Network network) const;  // throws unless this process runs `network` of its replicas
   void refuse_if_failed() const;
 
   Placement placement_;
   AdversarialOptions options_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<GradientAverager> averager_;
+  std::unique_ptr<detail::PartLink> link_;  // a split placement: to the process that runs the replica's other network
   std::unique_ptr<Workers> workers_;
   mutable std::mutex failure_mutex_;
   std::string failure_;   // why an earlier step failed: every later one is refused

@@ -149,6 +149,9 @@ struct AveragingOptions {
   // replay's copy of it has landed, while the GPU goes on with the backward. false: one flat buffer per network,
   // copied, summed and copied back between the replayed segments. Off until measured on GPUs (docs/strategy.md).
   bool capture_host_copies = false;
+  // The networks this process averages: both, or the one it runs of a split placement's replica (ReplicaPart), whose
+  // averager then has groups for that network only.
+  std::vector<Network> networks{Network::generator, Network::discriminator};
 };
 
 // The averager for `placement.reduce`; nullptr when there is one replica in all (nothing to average).

@@ -45,10 +45,17 @@ struct Launch {
   bool multi_process() const { return world_size > 1; }
 };
 
+// Which of a replica's networks a process runs. whole: both (each on its device). generator / discriminator: one,
+// when a task or hierarchical placement runs one process per device (torchrun --nproc-per-node = --gpus): ranks 2r
+// and 2r + 1 run replica r's G and D, and the fakes and their gradient travel between the two processes.
+enum class ReplicaPart { whole, generator, discriminator };
+const char* to_string(ReplicaPart part);
+
 struct ReplicaDevices {
-  int64_t replica;  // global replica index: rank * replicas per process + local index
+  int64_t replica;  // global replica index: rank * replicas per process + local index (rank / 2 for a part)
   c10::Device generator;
-  c10::Device discriminator;
+  c10::Device discriminator;  // for a part: both name this process's one device
+  ReplicaPart part = ReplicaPart::whole;
 };
 
 struct Placement {
@@ -58,12 +65,17 @@ struct Placement {
   Launch launch;
 
   int64_t local_replicas() const { return static_cast<int64_t>(replicas.size()); }
-  int64_t global_replicas() const { return local_replicas() * launch.world_size; }
+  int64_t global_replicas() const { return split() ? launch.world_size / 2 : local_replicas() * launch.world_size; }
+  // Whether each process runs one network of one replica (ReplicaPart), and the rank that runs the other.
+  bool split() const { return !replicas.empty() && replicas[0].part != ReplicaPart::whole; }
+  int64_t peer_rank() const { return launch.rank ^ 1; }
 
   // The placement for `devices` devices of `device_type` in all (over every process of `launch`):
   // CUDA devices are numbered from 0 within each process (LOCAL_RANK picks this process's share, unless
   // CUDA_VISIBLE_DEVICES leaves the process exactly its share, as SLURM's --gpus-per-task does: then it takes
   // them all); CPU "devices" are all the CPU, which lets tests run every scheme without a GPU.
+  // task and hierarchical with one device per process (devices == WORLD_SIZE, an even count) split each replica over
+  // two processes (ReplicaPart).
   // Throws with a message naming the flag for an impossible request: unknown names, too few
   // visible GPUs, an odd count for hierarchical, a device count that does not fit the processes.
   static Placement make(Scheme scheme, int64_t devices, Reduce reduce,
@@ -78,7 +90,8 @@ struct Placement {
 };
 
 // e.g. "hierarchical: replica 0: G cuda:0, D cuda:1 | replica 1: G cuda:2, D cuda:3; reduce=nccl"
-// (", rank 1 of 2 processes" is added under a multi-process launch).
+// (", rank 1 of 2 processes" is added under a multi-process launch); a part: "task: replica 0: D cuda:0 (G on
+// rank 0); reduce=nccl, rank 1 of 2 processes".
 std::ostream& operator<<(std::ostream& out, const Placement& placement);
 
 }  // namespace hierpar::strategy
