@@ -21,6 +21,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -331,6 +332,43 @@ void AdversarialTrainer::broadcast_from_replica0() {
         }
       },
       averager_.get(), placement_);
+}
+
+void AdversarialTrainer::copy_discriminator_to_generator_process(torch::nn::Module* discriminator,
+                                                                 torch::optim::Optimizer* optimizer) {
+  if (!link_) return;
+  refuse_if_failed();
+  // One serialised archive (module and optimiser) in two transfers: its size, then its bytes.
+  const c10::Device device = placement_.replicas[0].discriminator;  // this process's one device
+  torch::Tensor size = torch::empty({1}, torch::TensorOptions().dtype(torch::kLong).device(device));
+  if (placement_.replicas[0].part == ReplicaPart::discriminator) {
+    torch::serialize::OutputArchive module_archive, optimizer_archive, archive;
+    replicas_[0]->discriminator.ptr()->save(module_archive);
+    replicas_[0]->discriminator_optimizer->save(optimizer_archive);
+    archive.write("module", module_archive);
+    archive.write("optimizer", optimizer_archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    const std::string text = bytes.str();
+    size.fill_(static_cast<int64_t>(text.size()));
+    link_->send(size, "the discriminator's size");
+    const torch::Tensor payload =
+        torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8).clone();
+    link_->send(payload.to(device), "the discriminator");
+    return;
+  }
+  TORCH_CHECK(discriminator != nullptr && optimizer != nullptr, "copy_discriminator_to_generator_process: G's "
+              "process needs a discriminator and an optimizer to load into");
+  link_->receive(size, "the discriminator's size");
+  torch::Tensor payload = torch::empty({size.item<int64_t>()}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+  link_->receive(payload, "the discriminator");
+  payload = payload.cpu().contiguous();
+  torch::serialize::InputArchive archive, module_archive, optimizer_archive;
+  archive.load_from(reinterpret_cast<const char*>(payload.data_ptr()), static_cast<size_t>(payload.numel()), torch::kCPU);
+  archive.read("module", module_archive);
+  archive.read("optimizer", optimizer_archive);
+  discriminator->load(module_archive);
+  optimizer->load(optimizer_archive);
 }
 
 StepLosses AdversarialTrainer::step(const torch::Tensor& real, const torch::Tensor& noise) {

@@ -2,7 +2,8 @@
 // and replicas as threads of one process, each with one fault injected (--inject-fault: a replica that throws,
 // hangs, is killed or gets SIGTERM at the start of a step). Every process must exit within seconds, with one line
 // naming the first failed rank and the cause, and the checkpoint must resume. CPU and Gloo here; the same on two
-// GPUs with NCCL (one per process) where there are two.
+// GPUs with NCCL (one per process) where there are two. And a split placement's checkpoint (G and D in two
+// processes).
 #ifdef HIERPAR_DCGAN_PROGRAM
 
 #include "testing.h"
@@ -90,6 +91,21 @@ void expect_same_generator(const std::string& a, const std::string& b, const std
   const auto x = generator_of(a), y = generator_of(b);
   ASSERT_EQ(x.size(), y.size());
   for (size_t i = 0; i < x.size(); ++i) hierpar::testing::expect_close(x[i], y[i], what + ": tensor " + std::to_string(i));
+}
+
+// The discriminator a checkpoint holds, on the CPU (its architecture from the checkpoint's configuration).
+std::vector<torch::Tensor> discriminator_of(const std::string& checkpoint) {
+  const auto config = hierpar::examples::read_checkpoint_state(checkpoint).config;
+  hierpar::models::DCGANOptions options;
+  options.nz = std::stoll(config.at("nz"));
+  options.image_size = std::stoll(config.at("image_size"));
+  options.channels = std::stoll(config.at("channels"));
+  options.width = std::stod(config.at("width"));
+  hierpar::models::Discriminator d(options);
+  hierpar::examples::load_checkpoint(checkpoint, {}, {{"discriminator", d.get()}}, {}, torch::kCPU, /*restore_rng=*/false);
+  std::vector<torch::Tensor> out;
+  for (const auto& p : d->parameters()) out.push_back(p.detach().clone());
+  return out;
 }
 
 int64_t checkpoint_step(const std::string& out) {
@@ -204,6 +220,33 @@ TEST(DcganFaults, InProcessReplicaFaultsEndTheRun) {
   auto interrupted = run_ranks(1, training("cpu", dir + "/int") + two + " --inject-fault sigint@3", dir);
   EXPECT_EQ(exit_code(interrupted[0]), 130) << logs(interrupted);
   EXPECT_EQ(checkpoint_step(dir + "/int"), 3) << "one process stops after the step the signal came in";
+  hierpar::testing::remove_tree(dir);
+}
+
+// G and D of one replica in two processes (task with a process per device): rank 0's checkpoint holds both networks
+// (D's copied from rank 1 before each save), and a run stopped and resumed so ends with the weights of one process's
+// straight run.
+TEST(DcganSplitProcesses, TaskCheckpointsBothNetworksAndResumes) {
+  HIERPAR_REQUIRE_GLOO();
+  const std::string dir = hierpar::testing::temp_dir("dcgan_split");
+  const std::string task = " --strategy task --gpus 2 --reduce nccl";
+  const std::string run = training("cpu", dir + "/run") + task;
+  const auto first = run_ranks(2, run + " --max-steps 3", dir);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(exit_code(first[r]), 0) << logs(first);
+  EXPECT_NE(read_text(first[0].log).find("strategy: task: replica 0: G cpu (D on rank 1)"), std::string::npos)
+      << logs(first);
+  EXPECT_EQ(checkpoint_step(dir + "/run"), 3);
+  const auto resumed = run_ranks(2, run + " --max-steps 5 --resume", dir);
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(exit_code(resumed[r]), 0) << logs(resumed);
+  const auto straight = run_ranks(1, training("cpu", dir + "/straight") + task + " --max-steps 5", dir);
+  ASSERT_EQ(exit_code(straight[0]), 0) << logs(straight);
+  const std::string a = dir + "/run/checkpoint.pt", b = dir + "/straight/checkpoint.pt";
+  expect_same_generator(a, b, "G: task over 2 processes, stopped and resumed, vs 1 process straight");
+  const auto x = discriminator_of(a), y = discriminator_of(b);
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    hierpar::testing::expect_close(x[i], y[i], "D: task over 2 processes vs 1 process: tensor " + std::to_string(i));
+  }
   hierpar::testing::remove_tree(dir);
 }
 

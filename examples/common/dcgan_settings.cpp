@@ -107,12 +107,6 @@ hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config) {
   } catch (const c10::Error& e) {
     throw FlagError(e.what_without_backtrace());  // each names the flag (--gpus, --strategy) it is about
   }
-  // Its checkpoints, samples and quality metric need both networks of replica 0 in rank 0.
-  if (placement.split())
-    throw FlagError("--strategy " + config.strategy + " --gpus " + std::to_string(gpus) + " over " +
-                    std::to_string(launch.world_size) + " processes would put G and D in separate processes, which "
-                    "hierpar-dcgan does not run (hierpar-bench strategy and the C++ AdversarialTrainer do): launch " +
-                    std::to_string(launch.world_size / 2) + " processes (--nproc-per-node), each with a G and a D GPU");
   if (indexed) placement.replicas[0] = {0, device, device};  // --device cuda:N with single
   return placement;
 }

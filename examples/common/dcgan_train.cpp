@@ -217,8 +217,10 @@ int train_dcgan(DCGANTrainConfig config) {
   const hs::Placement placement = dcgan_placement(config);
   const StepSettings step = step_settings(config, placement.replicas[0].discriminator.type());
   const InjectedFault fault = parse_fault(config.inject_fault, placement.global_replicas());
-  const int64_t rank = placement.launch.rank, world = placement.launch.world_size;
-  const bool writer = rank == 0;  // only rank 0 prints and writes files
+  const bool writer = placement.launch.rank == 0;  // only rank 0 prints and writes files
+  // A split placement's process runs one network of its replica (rank 0: G).
+  const bool runs_g = placement.replicas[0].part != hs::ReplicaPart::discriminator;
+  const bool runs_d = placement.replicas[0].part != hs::ReplicaPart::generator;
   if (config.batch_size % placement.global_replicas() != 0)
     throw FlagError("--batch-size " + std::to_string(config.batch_size) + " does not split evenly over the " +
                 std::to_string(placement.global_replicas()) + " replicas of " + placement.to_string());
@@ -293,7 +295,10 @@ int train_dcgan(DCGANTrainConfig config) {
     models::Generator generator(config.model);
     models::Discriminator discriminator(config.model);
 
-    const int64_t share = config.batch_size / world;
+    // This process's rows of each global batch: its replicas' shares (both processes of a split replica read its rows).
+    const int64_t replica_share = config.batch_size / placement.global_replicas();
+    const int64_t rows = replica_share * placement.local_replicas();
+    const int64_t first_row = placement.replicas[0].replica * replica_share;
     auto fixed_noise = torch::randn({config.samples, config.model.nz},
                                     at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1))
                            .to(noise_device);
@@ -328,12 +333,11 @@ int train_dcgan(DCGANTrainConfig config) {
                 [t = trainer.get()] { return t->progress(); });
     if (resume) {
       for (int64_t i = 0; i < placement.local_replicas(); ++i) {
-        load_checkpoint(checkpoint, state.config, {},
-                        {{"generator", &trainer->generator_optimizer(i)},
-                         {"discriminator", &trainer->discriminator_optimizer(i)}},
-                        noise_device, /*restore_rng=*/i == 0);
-        move_adam_state_to_parameters(trainer->generator_optimizer(i));
-        move_adam_state_to_parameters(trainer->discriminator_optimizer(i));
+        NamedOptimizers run;  // a split placement's process has one network's
+        if (runs_g) run.emplace_back("generator", &trainer->generator_optimizer(i));
+        if (runs_d) run.emplace_back("discriminator", &trainer->discriminator_optimizer(i));
+        load_checkpoint(checkpoint, state.config, {}, run, noise_device, /*restore_rng=*/i == 0);
+        for (auto& [name, optimizer] : run) move_adam_state_to_parameters(*dynamic_cast<torch::optim::Adam*>(optimizer));
       }
       // Every G device draws the global batch's noise from its own generator (AdversarialTrainer): all take
       // the restored state of replica 0's.
@@ -347,7 +351,7 @@ int train_dcgan(DCGANTrainConfig config) {
     }
     // --ema: a generator whose parameters are the trainer's moving average (the same tensors).
     std::optional<models::Generator> ema;
-    if (config.ema > 0) {
+    if (config.ema > 0 && runs_g) {
       ema = ema_generator(config.model, *generator, trainer->generator_ema());
       if (resume) {
         load_checkpoint(checkpoint, state.config, {{"generator_ema", ema->get()}}, {}, noise_device,
@@ -357,8 +361,19 @@ int train_dcgan(DCGANTrainConfig config) {
     // What a checkpoint saves: replica 0 (every replica holds the same networks after each step).
     NamedModules modules{{"generator", generator.get()}, {"discriminator", discriminator.get()}};
     if (ema) modules.emplace_back("generator_ema", ema->get());
-    const NamedOptimizers optimizers{{"generator", &trainer->generator_optimizer(0)},
-                                     {"discriminator", &trainer->discriminator_optimizer(0)}};
+    // G's processes of a split placement keep a copy of their replica's D and its optimiser, filled from D's process
+    // before each checkpoint (the module given to the trainer, which left it here).
+    std::unique_ptr<torch::optim::Adam> discriminator_copy_optimizer;
+    if (placement.split() && runs_g) {
+      discriminator_copy_optimizer = std::make_unique<torch::optim::Adam>(discriminator->parameters(),
+                                                                          torch::optim::AdamOptions(config.lr));
+    }
+    NamedOptimizers optimizers;
+    if (writer) {
+      optimizers = {{"generator", &trainer->generator_optimizer(0)},
+                    {"discriminator", placement.split() ? discriminator_copy_optimizer.get()
+                                                        : &trainer->discriminator_optimizer(0)}};
+    }
 
     say("model: DCGAN " + config.model.shape_key() + ", layers " + to_string(config.model.layers) +
         (config.model.memory == hierpar::nn::ActivationMemory::recompute ? ", activations recomputed in the backward"
@@ -389,6 +404,7 @@ int train_dcgan(DCGANTrainConfig config) {
     };
     auto save = [&] {
       flush_losses();
+      trainer->copy_discriminator_to_generator_process(discriminator.get(), discriminator_copy_optimizer.get());
       if (!writer) return;
       if (ema) recompute_batch_norm_statistics(**ema, config.model.nz);
       save_checkpoint(checkpoint, state, modules, optimizers, noise_device,  // the noise's RNG state
@@ -421,7 +437,7 @@ int train_dcgan(DCGANTrainConfig config) {
         // Every rank draws the same global batch and keeps its rows; the trainer does the same with the noise
         // (the same seed everywhere), inside the step.
         guard.begin_step(state.global_step + 1);
-        trainer->step(batch.narrow(0, rank * share, share));
+        trainer->step(batch.narrow(0, first_row, rows));
         ++unread;
         ++state.epoch_step;
         ++state.global_step;

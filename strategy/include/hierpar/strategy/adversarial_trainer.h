@@ -224,6 +224,12 @@ class AdversarialTrainer {
   // buffers of both networks. Call after loading a checkpoint into local replica 0 of rank 0.
   void broadcast_from_replica0();
 
+  // A split placement: D's process of each replica sends its discriminator's parameters, buffers and optimiser state
+  // to G's process, which loads them into `discriminator` and `optimizer` (the same architecture and parameters, on
+  // any device): what rank 0, G's process, needs to checkpoint both networks. Both processes of every replica call it
+  // at the same point of the run; D's ignores the arguments (null allowed). Without a split placement: nothing.
+  void copy_discriminator_to_generator_process(torch::nn::Module* discriminator, torch::optim::Optimizer* optimizer);
+
   // From any thread (a RunGuard's watchdog): the run failed elsewhere. The averager is aborted (waits for
   // peers end, NCCL communicators are aborted), a step in progress ends with a PeerFailure naming `reason`
   // within seconds, and the trainer refuses every later step. Never blocks.
