@@ -6,8 +6,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/string_view.h>
+#include <torch/library.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 
 namespace hierpar::detail::bn {
 
@@ -58,5 +61,39 @@ Geometry check_backward(const at::Tensor& grad_output, const at::Tensor& output,
                         const std::optional<at::Tensor>& input, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
                         const at::Tensor& save_invstd, double eps, Act act, double slope);
+
+// A backend's kernels of both ops: the activation parsed and every argument checked as above, then the backend's
+// kernel (Forward or Backward) with the geometry first and the parsed activation for the name.
+template <auto Forward>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_entry(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps, c10::string_view activation, double slope,
+    const std::optional<at::Tensor>& num_batches_tracked) {
+  const Act act = parse_activation(activation, "hierpar::batch_norm_act");
+  const Geometry g = check_forward(input, weight, bias, running_mean, running_var, training, momentum, eps, act,
+                                   slope, num_batches_tracked);
+  return Forward(g, input, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
+                 num_batches_tracked);
+}
+
+template <auto Backward>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_entry(
+    const at::Tensor& grad_output, const at::Tensor& output, const std::optional<at::Tensor>& input,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
+    std::array<bool, 3> output_mask) {
+  const Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
+  const Geometry g = check_backward(grad_output, output, input, weight, bias, save_mean, save_invstd, eps, act, slope);
+  return Backward(g, grad_output, output, input, weight, bias, save_mean, save_invstd, training, eps, act, slope,
+                  output_mask);
+}
+
+// Registers both ops' kernels of the backend whose kernels are Forward and Backward.
+template <auto Forward, auto Backward>
+void register_batch_norm_act(torch::Library& m) {
+  m.impl("batch_norm_act", &forward_entry<Forward>);
+  m.impl("batch_norm_act_backward", &backward_entry<Backward>);
+}
 
 }  // namespace hierpar::detail::bn

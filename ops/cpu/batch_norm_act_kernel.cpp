@@ -111,13 +111,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_aten(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
-    const at::Tensor& input_, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope,
+    Geometry g, const at::Tensor& input_, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps, Act act, double slope,
     const std::optional<at::Tensor>& num_batches_tracked) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
-                             num_batches_tracked);
   if (on_aten(input_))
     return forward_aten(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
                         num_batches_tracked);
@@ -197,12 +194,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
-    const at::Tensor& grad_output_, const at::Tensor& output_, const std::optional<at::Tensor>& input_,
+    Geometry g, const at::Tensor& grad_output_, const at::Tensor& output_, const std::optional<at::Tensor>& input_,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
-    const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
-    std::array<bool, 3> output_mask) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
-  Geometry g = check_backward(grad_output_, output_, input_, weight, bias, save_mean, save_invstd, eps, act, slope);
+    const at::Tensor& save_invstd, bool training, double eps, Act act, double slope, std::array<bool, 3> output_mask) {
   if (backward_on_aten(output_, input_, weight, training))
     return backward_aten(grad_output_, output_, input_, weight, bias, save_mean, save_invstd, eps, act, slope,
                          output_mask);
@@ -298,6 +292,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
 }  // namespace hierpar::detail::bn
 
 TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
-  m.impl("batch_norm_act", &hierpar::detail::bn::forward_cpu);
-  m.impl("batch_norm_act_backward", &hierpar::detail::bn::backward_cpu);
+  hierpar::detail::bn::register_batch_norm_act<&hierpar::detail::bn::forward_cpu, &hierpar::detail::bn::backward_cpu>(m);
 }

@@ -10,26 +10,20 @@
 namespace hierpar::detail::bn {
 namespace {
 
+// The outputs follow from the input and the geometry; forward_entry has checked the other arguments.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(
-    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope,
-    const std::optional<at::Tensor>& num_batches_tracked) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
-                             num_batches_tracked);
+    Geometry g, const at::Tensor& input, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, double, double, Act, double,
+    const std::optional<at::Tensor>&) {
   auto stats = input.options().dtype(stats_dtype(input.scalar_type()));
   return {at::empty(input.sizes(), input.options().memory_format(layout_of(input))), at::empty({g.c}, stats),
           at::empty({g.c}, stats)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
-    const at::Tensor& grad_output, const at::Tensor& output, const std::optional<at::Tensor>& input,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
-    const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
-    std::array<bool, 3> output_mask) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
-  Geometry g = check_backward(grad_output, output, input, weight, bias, save_mean, save_invstd, eps, act, slope);
+    Geometry g, const at::Tensor&, const at::Tensor& output, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor&,
+    const at::Tensor&, bool, double, Act, double, std::array<bool, 3> output_mask) {
   const auto dtypes = param_grad_dtypes(output.scalar_type(), weight, bias);
   at::Tensor grad_input, grad_weight, grad_bias;
   if (output_mask[0]) grad_input = at::empty(output.sizes(), output.options().memory_format(layout_of(output)));
@@ -42,6 +36,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
 }  // namespace hierpar::detail::bn
 
 TORCH_LIBRARY_IMPL(hierpar, Meta, m) {
-  m.impl("batch_norm_act", &hierpar::detail::bn::forward_meta);
-  m.impl("batch_norm_act_backward", &hierpar::detail::bn::backward_meta);
+  hierpar::detail::bn::register_batch_norm_act<&hierpar::detail::bn::forward_meta, &hierpar::detail::bn::backward_meta>(m);
 }

@@ -1,6 +1,6 @@
-// The CUDA operators hierpar::batch_norm_act and hierpar::batch_norm_act_backward (batch_norm_act.cuh): the
-// checks, the parameters in the accumulation type, then the launch (forward.cu, backward.cu) for the dtype, the
-// layout (channels_last or NCHW) and the vector width the tensors allow.
+// The CUDA operators hierpar::batch_norm_act and hierpar::batch_norm_act_backward (batch_norm_act.cuh): after the
+// checks (register_batch_norm_act's entries), the parameters in the accumulation type, then the launch (forward.cu,
+// backward.cu) for the dtype, the layout (channels_last or NCHW) and the vector width the tensors allow.
 #include "cuda/batch_norm_act/batch_norm_act.cuh"
 
 namespace hierpar::detail::bn {
@@ -35,13 +35,10 @@ bool use_vectors(const Geometry& g, bool channels_last, std::initializer_list<co
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
-    const at::Tensor& input_, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
-    double momentum, double eps, c10::string_view activation, double slope,
+    Geometry g, const at::Tensor& input_, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps, Act act, double slope,
     const std::optional<at::Tensor>& num_batches_tracked) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act");
-  Geometry g = check_forward(input_, weight, bias, running_mean, running_var, training, momentum, eps, act, slope,
-                             num_batches_tracked);
   c10::cuda::CUDAGuard guard(input_.device());
   check_device_code(input_.get_device());
   auto layout = layout_of(input_);
@@ -96,12 +93,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
-    const at::Tensor& grad_output_, const at::Tensor& output_, const std::optional<at::Tensor>& input_,
+    Geometry g, const at::Tensor& grad_output_, const at::Tensor& output_, const std::optional<at::Tensor>& input_,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, const at::Tensor& save_mean,
-    const at::Tensor& save_invstd, bool training, double eps, c10::string_view activation, double slope,
-    std::array<bool, 3> output_mask) {
-  Act act = parse_activation(activation, "hierpar::batch_norm_act_backward");
-  Geometry g = check_backward(grad_output_, output_, input_, weight, bias, save_mean, save_invstd, eps, act, slope);
+    const at::Tensor& save_invstd, bool training, double eps, Act act, double slope, std::array<bool, 3> output_mask) {
   c10::cuda::CUDAGuard guard(output_.device());
   check_device_code(output_.get_device());
   auto layout = layout_of(output_);
@@ -173,6 +167,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 }  // namespace hierpar::detail::bn
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
-  m.impl("batch_norm_act", &hierpar::detail::bn::forward_cuda);
-  m.impl("batch_norm_act_backward", &hierpar::detail::bn::backward_cuda);
+  hierpar::detail::bn::register_batch_norm_act<&hierpar::detail::bn::forward_cuda, &hierpar::detail::bn::backward_cuda>(m);
 }
