@@ -9,10 +9,9 @@
 
 namespace hierpar::detail {
 
-at::Tensor conv2d_on(const ConvTranspose2dBackend& backend, const at::Tensor& input, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
-                     at::IntArrayRef dilation, int64_t groups, std::optional<double> leaky_relu_slope) {
-  const auto dual = check_conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+at::Tensor conv2d_on(const ConvTranspose2dBackend& backend, const ConvTranspose2dGeometry& dual,
+                     const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     std::optional<double> leaky_relu_slope) {
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   at::Tensor out = new_output({dual.batch, dual.in_channels, dual.in_h, dual.in_w}, input.options(),
@@ -30,12 +29,11 @@ at::Tensor conv2d_on(const ConvTranspose2dBackend& backend, const at::Tensor& in
   return unbatched ? out.squeeze(0) : out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_on(
-    const ConvTranspose2dBackend& backend, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-    int64_t groups, std::array<bool, 3> output_mask) {
-  const auto dual = check_conv2d(input, weight, std::nullopt, stride, padding, dilation, groups);
-  check_conv2d_grad_output(grad_output, input, dual);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_on(const ConvTranspose2dBackend& backend,
+                                                                  const ConvTranspose2dGeometry& dual,
+                                                                  const at::Tensor& grad_output,
+                                                                  const at::Tensor& input, const at::Tensor& weight,
+                                                                  std::array<bool, 3> output_mask) {
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;

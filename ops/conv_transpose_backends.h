@@ -5,6 +5,7 @@
 #pragma once
 
 #include "conv_transpose_shape.h"
+#include "kernel_registration.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -61,5 +62,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const C
                                                                         bool transposed, const at::Tensor& grad_output,
                                                                         const at::Tensor& input, const at::Tensor& weight,
                                                                         std::array<bool, 3> output_mask);
+
+// A backend's kernels of hierpar::conv_transpose2d and its backward (CPU, CUDA, Meta): the checks of
+// conv_transpose_shape.h, then the backend's kernel (Forward or Backward) with the geometry and the tensors.
+template <auto Forward>
+at::Tensor conv_transpose2d_entry(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                  at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                                  at::IntArrayRef dilation) {
+  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+  return Forward(g, input, weight, bias);
+}
+
+template <auto Backward>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_entry(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    std::array<bool, 3> output_mask) {
+  const auto g =
+      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
+  return Backward(g, grad_output, input, weight, output_mask);
+}
+
+// Registers both ops' kernels of the backend whose kernels are Forward and Backward.
+template <auto Forward, auto Backward>
+void register_conv_transpose2d(torch::Library& m) {
+  register_kernels<&conv_transpose2d_entry<Forward>, &conv_transpose2d_backward_entry<Backward>>(
+      m, "conv_transpose2d", "conv_transpose2d_backward");
+}
 
 }  // namespace hierpar::detail

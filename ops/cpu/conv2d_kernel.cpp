@@ -40,11 +40,11 @@ bool has_padding_only_outputs(at::IntArrayRef input_hw, at::IntArrayRef kernel_h
 constexpr ConvTranspose2dBackend kCpu{&run_conv_transpose2d_forward_cpu, &run_conv_transpose2d_backward_cpu,
                                       &one_after_the_other};
 
-at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                      std::optional<double> leaky_relu_slope) {
+at::Tensor conv2d_cpu(const ConvTranspose2dGeometry& dual, const at::Tensor& input, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, std::optional<double> leaky_relu_slope) {
   if (cpu_conv_on_aten(input)) {
-    check_conv2d(input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+    const std::array<int64_t, 2> stride{dual.stride_h, dual.stride_w}, padding{dual.pad_h, dual.pad_w},
+        dilation{dual.dilation_h, dual.dilation_w};
     const bool unbatched = input.dim() == 3;
     const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
     // ATen's float32 CPU convolution (oneDNN's brgemm kernel, torch 2.11) crashed with SIGSEGV on calls with a bias
@@ -53,32 +53,28 @@ at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const s
     const bool bias_after = bias.has_value() && bias->defined() &&
                             has_padding_only_outputs(input4.sizes().slice(2), weight.sizes().slice(2), stride,
                                                      padding, dilation);
-    at::Tensor out = at::conv2d(input4, weight, bias_after ? std::nullopt : bias, stride, padding, dilation, groups);
+    at::Tensor out =
+        at::conv2d(input4, weight, bias_after ? std::nullopt : bias, stride, padding, dilation, dual.groups);
     if (bias_after) out.add_(bias->view({1, -1, 1, 1}));
     if (leaky_relu_slope) at::leaky_relu_(out, *leaky_relu_slope);
     out = with_layout_strides(out, conv2d_output_layout(input4, weight));
     return unbatched ? out.squeeze(0) : out;
   }
-  return conv2d_on(kCpu, input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+  return conv2d_on(kCpu, dual, input, weight, bias, leaky_relu_slope);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cpu(const at::Tensor& grad_output,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cpu(const ConvTranspose2dGeometry& dual,
+                                                                   const at::Tensor& grad_output,
                                                                    const at::Tensor& input, const at::Tensor& weight,
-                                                                   at::IntArrayRef stride, at::IntArrayRef padding,
-                                                                   at::IntArrayRef dilation, int64_t groups,
                                                                    std::array<bool, 3> output_mask) {
-  if (cpu_conv_on_aten(input)) {
-    const auto dual = check_conv2d(input, weight, std::nullopt, stride, padding, dilation, groups);
-    check_conv2d_grad_output(grad_output, input, dual);
+  if (cpu_conv_on_aten(input))
     return aten_convolution_backward(dual, /*transposed=*/false, grad_output, input, weight, output_mask);
-  }
-  return conv2d_backward_on(kCpu, grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  return conv2d_backward_on(kCpu, dual, grad_output, input, weight, output_mask);
 }
 
 }  // namespace
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
-  m.impl("conv2d", TORCH_FN(hierpar::detail::conv2d_cpu));
-  m.impl("conv2d_backward", TORCH_FN(hierpar::detail::conv2d_backward_cpu));
+  hierpar::detail::register_conv2d<&hierpar::detail::conv2d_cpu, &hierpar::detail::conv2d_backward_cpu>(m);
 }

@@ -114,6 +114,16 @@ void run_conv_transpose2d_backward_cpu(const ConvTranspose2dGeometry& g, const a
   }
 }
 
+namespace {
+
+// The transposed convolution's output_padding: what its output size has beyond the plain formula's.
+std::array<int64_t, 2> output_padding_of(const ConvTranspose2dGeometry& g) {
+  return {g.out_h - ((g.in_h - 1) * g.stride_h - 2 * g.pad_h + g.dilation_h * (g.kernel_h - 1) + 1),
+          g.out_w - ((g.in_w - 1) * g.stride_w - 2 * g.pad_w + g.dilation_w * (g.kernel_w - 1) + 1)};
+}
+
+}  // namespace
+
 bool cpu_conv_on_aten(const at::Tensor& input) {
   return switch_on(Switch::cpu_aten) && (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble);
 }
@@ -125,11 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const C
   const bool unbatched = input.dim() == 3;
   const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
   const at::Tensor grad_output4 = unbatched ? grad_output.unsqueeze(0) : grad_output;
-  // The transposed convolution's output_padding is what its output size has beyond the plain formula's.
-  const std::array<int64_t, 2> output_padding =
-      transposed ? std::array<int64_t, 2>{g.out_h - ((g.in_h - 1) * g.stride_h - 2 * g.pad_h + g.dilation_h * (g.kernel_h - 1) + 1),
-                                          g.out_w - ((g.in_w - 1) * g.stride_w - 2 * g.pad_w + g.dilation_w * (g.kernel_w - 1) + 1)}
-                 : std::array<int64_t, 2>{0, 0};
+  const std::array<int64_t, 2> output_padding = transposed ? output_padding_of(g) : std::array<int64_t, 2>{0, 0};
   // conv2d's output channels are its dual's input channels.
   const std::array<int64_t, 1> bias_sizes{transposed ? g.out_channels : g.in_channels};
   auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
@@ -146,17 +152,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_convolution_backward(const C
 
 namespace {
 
-at::Tensor conv_transpose2d_cpu(const at::Tensor& input, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
-                                at::IntArrayRef dilation) {
-  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+at::Tensor conv_transpose2d_cpu(const ConvTranspose2dGeometry& g, const at::Tensor& input, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d (CPU kernel): input must be on the CPU");
   if (cpu_conv_on_aten(input)) {
     const bool unbatched = input.dim() == 3;
     const at::Tensor input4 = unbatched ? input.unsqueeze(0) : input;
     const at::Tensor out = with_layout_strides(
-        at::conv_transpose2d(input4, weight, bias, stride, padding, output_padding, groups, dilation),
+        at::conv_transpose2d(input4, weight, bias, {g.stride_h, g.stride_w}, {g.pad_h, g.pad_w}, output_padding_of(g),
+                             g.groups, {g.dilation_h, g.dilation_w}),
         conv_transpose2d_output_layout(input4, weight));
     return unbatched ? out.squeeze(0) : out;
   }
@@ -169,11 +173,8 @@ void sum_grad_bias_cpu(const at::Tensor& grad_output4, at::Tensor& grad_bias) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    const ConvTranspose2dGeometry& g, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     std::array<bool, 3> output_mask) {
-  const auto g =
-      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.device().is_cpu(), "hierpar::conv_transpose2d_backward (CPU kernel): input must be on the CPU");
   if (cpu_conv_on_aten(input)) return aten_convolution_backward(g, /*transposed=*/true, grad_output, input, weight, output_mask);
   return conv_transpose2d_backward_on(&run_conv_transpose2d_backward_cpu, &sum_grad_bias_cpu, g, grad_output, input,
@@ -184,6 +185,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cpu(
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
-  m.impl("conv_transpose2d", TORCH_FN(hierpar::detail::conv_transpose2d_cpu));
-  m.impl("conv_transpose2d_backward", TORCH_FN(hierpar::detail::conv_transpose2d_backward_cpu));
+  hierpar::detail::register_conv_transpose2d<&hierpar::detail::conv_transpose2d_cpu,
+                                             &hierpar::detail::conv_transpose2d_backward_cpu>(m);
 }

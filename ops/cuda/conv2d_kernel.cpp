@@ -20,24 +20,21 @@ void on_two_streams(c10::Device device, c10::function_ref<void()> first, c10::fu
 constexpr ConvTranspose2dBackend kCuda{&run_conv_transpose2d_forward_cuda, &run_conv_transpose2d_backward_cuda,
                                        &on_two_streams};
 
-at::Tensor conv2d_cuda(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-                       std::optional<double> leaky_relu_slope) {
-  return conv2d_on(kCuda, input, weight, bias, stride, padding, dilation, groups, leaky_relu_slope);
+at::Tensor conv2d_cuda(const ConvTranspose2dGeometry& dual, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, std::optional<double> leaky_relu_slope) {
+  return conv2d_on(kCuda, dual, input, weight, bias, leaky_relu_slope);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cuda(const at::Tensor& grad_output,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_backward_cuda(const ConvTranspose2dGeometry& dual,
+                                                                    const at::Tensor& grad_output,
                                                                     const at::Tensor& input, const at::Tensor& weight,
-                                                                    at::IntArrayRef stride, at::IntArrayRef padding,
-                                                                    at::IntArrayRef dilation, int64_t groups,
                                                                     std::array<bool, 3> output_mask) {
-  return conv2d_backward_on(kCuda, grad_output, input, weight, stride, padding, dilation, groups, output_mask);
+  return conv2d_backward_on(kCuda, dual, grad_output, input, weight, output_mask);
 }
 
 }  // namespace
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
-  m.impl("conv2d", TORCH_FN(hierpar::detail::conv2d_cuda));
-  m.impl("conv2d_backward", TORCH_FN(hierpar::detail::conv2d_backward_cuda));
+  hierpar::detail::register_conv2d<&hierpar::detail::conv2d_cuda, &hierpar::detail::conv2d_backward_cuda>(m);
 }

@@ -407,11 +407,8 @@ void run_conv_transpose2d_backward_cuda(const ConvTranspose2dGeometry& g, const 
 
 namespace {
 
-at::Tensor conv_transpose2d_cuda(const at::Tensor& input, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
-                                 at::IntArrayRef dilation) {
-  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+at::Tensor conv_transpose2d_cuda(const ConvTranspose2dGeometry& g, const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.is_cuda(), "conv_transpose2d (CUDA kernel): input must be a CUDA tensor");
   c10::cuda::CUDAGuard device_guard(input.device());
   return conv_transpose2d_forward_on(&run_conv_transpose2d_forward_cuda, g, input, weight, bias);
@@ -422,11 +419,8 @@ void sum_grad_bias_cuda(const at::Tensor& grad_output4, at::Tensor& grad_bias) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    const ConvTranspose2dGeometry& g, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     std::array<bool, 3> output_mask) {
-  const auto g =
-      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   TORCH_CHECK(input.is_cuda(), "conv_transpose2d_backward (CUDA kernel): input must be a CUDA tensor");
   c10::cuda::CUDAGuard device_guard(input.device());
   return conv_transpose2d_backward_on(&run_conv_transpose2d_backward_cuda, &sum_grad_bias_cuda, g, grad_output, input,
@@ -437,6 +431,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_cuda(
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
-  m.impl("conv_transpose2d", TORCH_FN(hierpar::detail::conv_transpose2d_cuda));
-  m.impl("conv_transpose2d_backward", TORCH_FN(hierpar::detail::conv_transpose2d_backward_cuda));
+  hierpar::detail::register_conv_transpose2d<&hierpar::detail::conv_transpose2d_cuda,
+                                             &hierpar::detail::conv_transpose2d_backward_cuda>(m);
 }

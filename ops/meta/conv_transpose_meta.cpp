@@ -1,7 +1,7 @@
 // Meta kernels of hierpar::conv_transpose2d and its backward: the same checks and output shapes/layouts as
 // the CPU and CUDA kernels, no data.
 #include "common.h"
-#include "conv_transpose_shape.h"
+#include "conv_transpose_backends.h"
 #include "meta/conv_gradients.h"
 
 #include <ATen/ops/empty.h>
@@ -10,11 +10,8 @@
 namespace hierpar::detail {
 namespace {
 
-at::Tensor conv_transpose2d_meta(const at::Tensor& input, const at::Tensor& weight,
-                                 const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                 at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
-                                 at::IntArrayRef dilation) {
-  const auto g = check_conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation);
+at::Tensor conv_transpose2d_meta(const ConvTranspose2dGeometry& g, const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>&) {
   const bool unbatched = input.dim() == 3;
   const auto layout = conv_transpose2d_output_layout(unbatched ? input.unsqueeze(0) : input, weight);
   at::Tensor out = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options().memory_format(layout));
@@ -22,11 +19,8 @@ at::Tensor conv_transpose2d_meta(const at::Tensor& input, const at::Tensor& weig
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_meta(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups, at::IntArrayRef dilation,
+    const ConvTranspose2dGeometry& g, const at::Tensor&, const at::Tensor& input, const at::Tensor& weight,
     std::array<bool, 3> output_mask) {
-  const auto g =
-      check_conv_transpose2d_backward(grad_output, input, weight, stride, padding, output_padding, groups, dilation);
   return empty_conv_gradients(input, weight, g.out_channels, output_mask);
 }
 
@@ -34,6 +28,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv_transpose2d_backward_meta(
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, Meta, m) {
-  m.impl("conv_transpose2d", TORCH_FN(hierpar::detail::conv_transpose2d_meta));
-  m.impl("conv_transpose2d_backward", TORCH_FN(hierpar::detail::conv_transpose2d_backward_meta));
+  hierpar::detail::register_conv_transpose2d<&hierpar::detail::conv_transpose2d_meta,
+                                             &hierpar::detail::conv_transpose2d_backward_meta>(m);
 }
