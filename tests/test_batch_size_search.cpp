@@ -60,13 +60,18 @@ TEST(BatchSizeSearch, MaxMemoryFindsTheLargestBatchThatFits) {
   }
 }
 
-TEST(BatchSizeSearch, MaxMemoryStopsAtTheLimit) {
+// The search of `options` on the default costs with a memory bound that no search reaches.
+hs::BatchSearchResult search_without_memory_bound(const hs::BatchSearchOptions& options) {
   CostModel model;
   model.memory_bound = 1 << 20;
+  return hs::search_batch_size(model.probe(), options);
+}
+
+TEST(BatchSizeSearch, MaxMemoryStopsAtTheLimit) {
   hs::BatchSearchOptions options;
   options.objective = hs::BatchObjective::max_memory;
   options.limit = 1000;
-  const auto result = hs::search_batch_size(model.probe(), options);
+  const auto result = search_without_memory_bound(options);
   EXPECT_EQ(result.chosen, 1000);
   EXPECT_NE(result.reason.find("limit"), std::string::npos) << result.reason;
 }
@@ -108,12 +113,10 @@ TEST(BatchSizeSearch, EpochTimeGrowsByTheSeedsSchedule) {
 }
 
 TEST(BatchSizeSearch, GpuUsageStopsAtTheFirstBatchAtTheTarget) {
-  CostModel model;
-  model.memory_bound = 1 << 20;
   hs::BatchSearchOptions options;
   options.objective = hs::BatchObjective::gpu_usage;
   options.usage_target = 95;
-  const auto result = hs::search_batch_size(model.probe(), options);
+  const auto result = search_without_memory_bound(options);
   ASSERT_GE(result.trials.size(), 2u);
   EXPECT_EQ(result.chosen, result.trials.back().batch);
   EXPECT_GE(*result.trials.back().gpu_usage, 95.0);
