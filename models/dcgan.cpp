@@ -49,6 +49,17 @@ torch::Tensor block(const Layer& conv, const Layer* norm, int64_t index, const t
   return y;
 }
 
+// How both networks' reset() starts: the options checked, no layers yet and a fresh offload chain with the options'
+// budget (a clone, a replica, chains its own blocks).
+void start_reset(const DCGANOptions& options, std::vector<Layer>& convs, std::vector<Layer>& norms,
+                 std::shared_ptr<nn::OffloadChain>& offload) {
+  options.validate();
+  offload = std::make_shared<nn::OffloadChain>();
+  offload->budget = options.offload_budget;
+  convs.clear();
+  norms.clear();
+}
+
 }  // namespace
 
 void DCGANOptions::validate() const {
@@ -97,11 +108,7 @@ void dcgan_init(torch::nn::Module& model) {
 GeneratorImpl::GeneratorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
 
 void GeneratorImpl::reset() {
-  options.validate();
-  offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
-  offload_->budget = options.offload_budget;
-  deconvs_.clear();
-  norms_.clear();
+  start_reset(options, deconvs_, norms_, offload_);
   const auto hidden = options.hidden_channels();
   int64_t in = options.nz;
   for (size_t i = 0; i <= hidden.size(); ++i) {
@@ -140,11 +147,7 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
 DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
 
 void DiscriminatorImpl::reset() {
-  options.validate();
-  offload_ = std::make_shared<nn::OffloadChain>();  // a clone (replica) chains its own blocks
-  offload_->budget = options.offload_budget;
-  convs_.clear();
-  norms_.clear();
+  start_reset(options, convs_, norms_, offload_);
   auto hidden = options.hidden_channels();
   std::reverse(hidden.begin(), hidden.end());  // image side first
   int64_t in = options.channels;
