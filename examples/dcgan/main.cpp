@@ -266,6 +266,14 @@ int data_speed(int argc, char** argv) {
   return 0;
 }
 
+constexpr const char* kWeightsHelp = "live (G as trained) or ema (its moving average, from a run with --ema)";
+
+// The flags that place a loaded generator, in evaluate and generate: its layer set and its device.
+Flags& add_generator_placement(Flags& flags, std::string* layers, std::string* device) {
+  return flags.add("layers", layers, "stock or hierpar")
+      .add("device", device, "cpu, cuda or cuda:N (default: cuda when available)");
+}
+
 int evaluate(int argc, char** argv) {
   std::string checkpoint = "runs/dcgan/checkpoint.pt", layers = "hierpar", device, weights = "live";
   std::string fashion_mnist_dir = default_fashion_mnist_dir(), classifier_path = default_classifier_cache();
@@ -273,12 +281,11 @@ int evaluate(int argc, char** argv) {
   Flags flags("hierpar-dcgan evaluate");
   flags.add("checkpoint", &checkpoint, "checkpoint written by train (a Fashion-MNIST generator)")
       .add("samples", &count, "generated images scored against the 10000 test images", 2)
-      .add("seed", &seed, "noise seed", 0)
-      .add("layers", &layers, "stock or hierpar")
-      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)")
+      .add("seed", &seed, "noise seed", 0);
+  add_generator_placement(flags, &layers, &device)
       .add("fashion-mnist-dir", &fashion_mnist_dir, "where the Fashion-MNIST .gz files are")
       .add("classifier", &classifier_path, "the feature network's cache (trained there once when missing)")
-      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
+      .add("weights", &weights, kWeightsHelp);
   if (!flags.parse(argc, argv, 2)) return 0;
   auto classifier = fashion_mnist_classifier(fashion_mnist_dir, classifier_path, std::cerr);
   auto generator = load_generator(checkpoint, parse_layers(layers), parse_device(device), weights);
@@ -301,10 +308,8 @@ int generate(int argc, char** argv) {
   flags.add("checkpoint", &checkpoint, "checkpoint written by train")
       .add("count", &count, "number of images", 1)
       .add("seed", &seed, "noise seed", 0)
-      .add("output", &output, "PNG file to write")
-      .add("layers", &layers, "stock or hierpar")
-      .add("device", &device, "cpu, cuda or cuda:N (default: cuda when available)")
-      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
+      .add("output", &output, "PNG file to write");
+  add_generator_placement(flags, &layers, &device).add("weights", &weights, kWeightsHelp);
   if (!flags.parse(argc, argv, 2)) return 0;
   const auto dev = parse_device(device);
   auto generator = load_generator(checkpoint, parse_layers(layers), dev, weights);
@@ -345,7 +350,7 @@ int export_generator(int argc, char** argv) {
   flags.add("checkpoint", &checkpoint, "checkpoint written by train")
       .add("output", &output, "TorchScript file to write")
       .add("layers", &layers, "stock (aten ops) or hierpar (torch.ops.hierpar where hierpar layers are built)")
-      .add("weights", &weights, "live (G as trained) or ema (its moving average, from a run with --ema)");
+      .add("weights", &weights, kWeightsHelp);
   if (!flags.parse(argc, argv, 2)) return 0;
   auto generator = load_generator(checkpoint, parse_layers(layers), torch::kCPU, weights);
   auto module = hierpar::examples::export_generator(*generator);
