@@ -53,6 +53,7 @@ MaxPool2dGeometry max_pool2d_geometry(const char* op, const char* input_name, at
   }
   std::tie(g.pad_h, g.pad_w) = pair_arg(op, "padding", padding);
   std::tie(g.dilation_h, g.dilation_w) = pair_arg(op, "dilation", dilation);
+  g.ceil_mode = ceil_mode;
 
   TORCH_CHECK(g.kernel_h > 0 && g.kernel_w > 0, op, ": kernel_size must be positive, got ", kernel_size);
   TORCH_CHECK(g.stride_h > 0 && g.stride_w > 0, op, ": stride must be positive, got ", stride);

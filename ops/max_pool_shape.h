@@ -3,6 +3,8 @@
 // Private to hierpar_ops.
 #pragma once
 
+#include "kernel_registration.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/MemoryFormat.h>
 #include <c10/macros/Macros.h>
@@ -23,6 +25,7 @@ struct MaxPool2dGeometry {
   int64_t batch, channels, in_h, in_w, out_h, out_w;
   int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
   bool batched;  // 4-d (N, C, H, W); a 3-d (C, H, W) input has batch 1 and gives 3-d outputs
+  bool ceil_mode;
 
   std::vector<int64_t> output_sizes() const {
     if (batched) return {batch, channels, out_h, out_w};
@@ -57,6 +60,31 @@ MaxPool2dGeometry max_pool2d_backward_geometry(const at::Tensor& grad_output, co
                                                at::IntArrayRef input_size, at::IntArrayRef kernel_size,
                                                at::IntArrayRef stride, at::IntArrayRef padding,
                                                at::IntArrayRef dilation, bool ceil_mode);
+
+// A backend's kernels of hierpar::max_pool2d and its backward (CPU, CUDA, Meta): the checks above, then the
+// backend's kernel (Forward or Backward) with the geometry and the tensors.
+template <auto Forward>
+std::tuple<at::Tensor, at::Tensor> max_pool2d_entry(const at::Tensor& input, at::IntArrayRef kernel_size,
+                                                    at::IntArrayRef stride, at::IntArrayRef padding,
+                                                    at::IntArrayRef dilation, bool ceil_mode) {
+  return Forward(max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode), input);
+}
+
+template <auto Backward>
+at::Tensor max_pool2d_backward_entry(const at::Tensor& grad_output, const at::Tensor& indices,
+                                     at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                     at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
+  const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
+                                              dilation, ceil_mode);
+  return Backward(g, grad_output, indices, input_size);
+}
+
+// Registers both ops' kernels of the backend whose kernels are Forward and Backward.
+template <auto Forward, auto Backward>
+void register_max_pool2d(torch::Library& m) {
+  register_kernels<&max_pool2d_entry<Forward>, &max_pool2d_backward_entry<Backward>>(m, "max_pool2d",
+                                                                                      "max_pool2d_backward");
+}
 
 // max_pool2d's outputs, uninitialised: the values in the input's dtype and the uint8 window offsets, both of
 // g.output_sizes() in the input's layout.

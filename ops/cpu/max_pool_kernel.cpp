@@ -192,12 +192,10 @@ bool aten_applies(const MaxPool2dGeometry& g) {
   return switch_on(Switch::cpu_aten) && g.dilation_h == 1 && g.dilation_w == 1;
 }
 
-std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, const MaxPool2dGeometry& g,
-                                                   at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                                                   at::IntArrayRef padding, at::IntArrayRef dilation,
-                                                   bool ceil_mode) {
+std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const MaxPool2dGeometry& g, const at::Tensor& input) {
   const auto layout = layout_of(input);
-  auto [output, index] = at::max_pool2d_with_indices(input, kernel_size, stride, padding, dilation, ceil_mode);
+  auto [output, index] = at::max_pool2d_with_indices(input, {g.kernel_h, g.kernel_w}, {g.stride_h, g.stride_w},
+                                                     {g.pad_h, g.pad_w}, {g.dilation_h, g.dilation_w}, g.ceil_mode);
   output = with_layout_strides(output, layout);
   index = index.contiguous(layout);
   at::Tensor taps = new_output(g.output_sizes(), input.options().dtype(at::kByte), layout);
@@ -227,10 +225,8 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const at::Tensor& input, cons
 // The backward on ATen's (zero fill, then one scatter-add per window), float32/float64 only: ATen adds
 // overlapping windows' half-precision gradients in half precision, the reference in float32. Undefined when an
 // offset names no input element (indices that max_pool2d did not make): the reference ignores those.
-at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Tensor& indices,
-                                    at::IntArrayRef input_size, const MaxPool2dGeometry& g,
-                                    at::IntArrayRef kernel_size, at::IntArrayRef stride, at::IntArrayRef padding,
-                                    at::IntArrayRef dilation, bool ceil_mode) {
+at::Tensor max_pool2d_backward_aten(const MaxPool2dGeometry& g, const at::Tensor& grad_output,
+                                    const at::Tensor& indices, at::IntArrayRef input_size) {
   const auto layout = layout_of(indices);
   const at::Tensor taps = indices.contiguous(layout);
   at::Tensor index = at::empty(taps.sizes(), taps.options().dtype(at::kLong).memory_format(layout));
@@ -275,51 +271,39 @@ at::Tensor max_pool2d_backward_aten(const at::Tensor& grad_output, const at::Ten
   // ATen reads only the sizes and layout of its `self` argument (the forward's input).
   const at::Tensor input_like = at::empty(input_size, grad_output.options().memory_format(layout));
   const at::Tensor grad_input = at::max_pool2d_with_indices_backward(
-      grad_output.contiguous(layout), input_like, kernel_size, stride, padding, dilation, ceil_mode, index);
+      grad_output.contiguous(layout), input_like, {g.kernel_h, g.kernel_w}, {g.stride_h, g.stride_w},
+      {g.pad_h, g.pad_w}, {g.dilation_h, g.dilation_w}, g.ceil_mode, index);
   return with_layout_strides(grad_input, layout);
 }
 
-std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const at::Tensor& input, at::IntArrayRef kernel_size,
-                                                  at::IntArrayRef stride, at::IntArrayRef padding,
-                                                  at::IntArrayRef dilation, bool ceil_mode) {
-  const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
-  if (aten_applies(g)) return max_pool2d_aten(input, g, kernel_size, stride, padding, dilation, ceil_mode);
+std::tuple<at::Tensor, at::Tensor> max_pool2d_cpu(const MaxPool2dGeometry& g, const at::Tensor& input) {
+  if (aten_applies(g)) return max_pool2d_aten(g, input);
   const auto f = max_pool2d_forward_operands(g, input);
   if (f.output.numel() == 0) return {f.output, f.indices};
+  const bool channels_last = f.layout == c10::MemoryFormat::ChannelsLast;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.input.scalar_type(), "hierpar::max_pool2d (CPU)", [&] {
-    if (f.layout == c10::MemoryFormat::ChannelsLast) {
-      forward_channels_last(f.input.const_data_ptr<scalar_t>(), f.output.mutable_data_ptr<scalar_t>(),
-                            f.indices.mutable_data_ptr<uint8_t>(), g);
-    } else {
-      forward_nchw(f.input.const_data_ptr<scalar_t>(), f.output.mutable_data_ptr<scalar_t>(),
-                   f.indices.mutable_data_ptr<uint8_t>(), g);
-    }
+    (channels_last ? forward_channels_last<scalar_t> : forward_nchw<scalar_t>)(
+        f.input.const_data_ptr<scalar_t>(), f.output.mutable_data_ptr<scalar_t>(),
+        f.indices.mutable_data_ptr<uint8_t>(), g);
   });
   return {f.output, f.indices};
 }
 
-at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tensor& indices,
-                                   at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                                   at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
-  const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
-                                              dilation, ceil_mode);
+at::Tensor max_pool2d_backward_cpu(const MaxPool2dGeometry& g, const at::Tensor& grad_output,
+                                   const at::Tensor& indices, at::IntArrayRef input_size) {
   const auto dtype = grad_output.scalar_type();
   if (aten_applies(g) && (dtype == at::kFloat || dtype == at::kDouble)) {
-    at::Tensor grad_input = max_pool2d_backward_aten(grad_output, indices, input_size, g, kernel_size, stride, padding,
-                                                     dilation, ceil_mode);
+    at::Tensor grad_input = max_pool2d_backward_aten(g, grad_output, indices, input_size);
     if (grad_input.defined()) return grad_input;
   }
   const auto b = max_pool2d_backward_operands(grad_output, indices, input_size);
   if (b.grad_input.numel() == 0) return b.grad_input;
+  const bool channels_last = b.layout == c10::MemoryFormat::ChannelsLast;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.grad_output.scalar_type(),
                                   "hierpar::max_pool2d_backward (CPU)", [&] {
-    if (b.layout == c10::MemoryFormat::ChannelsLast) {
-      backward_channels_last(b.grad_output.const_data_ptr<scalar_t>(), b.indices.const_data_ptr<uint8_t>(),
-                             b.grad_input.mutable_data_ptr<scalar_t>(), g);
-    } else {
-      backward_nchw(b.grad_output.const_data_ptr<scalar_t>(), b.indices.const_data_ptr<uint8_t>(),
-                    b.grad_input.mutable_data_ptr<scalar_t>(), g);
-    }
+    (channels_last ? backward_channels_last<scalar_t> : backward_nchw<scalar_t>)(
+        b.grad_output.const_data_ptr<scalar_t>(), b.indices.const_data_ptr<uint8_t>(),
+        b.grad_input.mutable_data_ptr<scalar_t>(), g);
   });
   return b.grad_input;
 }
@@ -328,6 +312,5 @@ at::Tensor max_pool2d_backward_cpu(const at::Tensor& grad_output, const at::Tens
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CPU, m) {
-  m.impl("max_pool2d", &hierpar::detail::max_pool2d_cpu);
-  m.impl("max_pool2d_backward", &hierpar::detail::max_pool2d_backward_cpu);
+  hierpar::detail::register_max_pool2d<&hierpar::detail::max_pool2d_cpu, &hierpar::detail::max_pool2d_backward_cpu>(m);
 }

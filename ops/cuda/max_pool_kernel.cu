@@ -346,10 +346,7 @@ void launch(FastPath path, const MaxPool2dGeometry& g, c10::MemoryFormat layout,
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::IntArrayRef kernel_size,
-                                                   at::IntArrayRef stride, at::IntArrayRef padding,
-                                                   at::IntArrayRef dilation, bool ceil_mode) {
-  const auto g = max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode);
+std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const MaxPool2dGeometry& g, const at::Tensor& input) {
   const c10::cuda::CUDAGuard guard(input.device());
   check_device_code(input.get_device());
   const auto f = max_pool2d_forward_operands(g, input);
@@ -367,11 +364,8 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const at::Tensor& input, at::
   return {f.output, f.indices};
 }
 
-at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Tensor& indices,
-                                    at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
-  const auto g = max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding,
-                                              dilation, ceil_mode);
+at::Tensor max_pool2d_backward_cuda(const MaxPool2dGeometry& g, const at::Tensor& grad_output,
+                                    const at::Tensor& indices, at::IntArrayRef input_size) {
   const c10::cuda::CUDAGuard guard(grad_output.device());
   check_device_code(grad_output.get_device());
   const auto b = max_pool2d_backward_operands(grad_output, indices, input_size);
@@ -394,6 +388,6 @@ at::Tensor max_pool2d_backward_cuda(const at::Tensor& grad_output, const at::Ten
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, CUDA, m) {
-  m.impl("max_pool2d", &hierpar::detail::max_pool2d_cuda);
-  m.impl("max_pool2d_backward", &hierpar::detail::max_pool2d_backward_cuda);
+  hierpar::detail::register_max_pool2d<&hierpar::detail::max_pool2d_cuda,
+                                       &hierpar::detail::max_pool2d_backward_cuda>(m);
 }

@@ -7,17 +7,8 @@
 namespace hierpar::detail {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> max_pool2d_meta(const at::Tensor& input, at::IntArrayRef kernel_size,
-                                                   at::IntArrayRef stride, at::IntArrayRef padding,
-                                                   at::IntArrayRef dilation, bool ceil_mode) {
-  return new_max_pool2d_outputs(max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode),
-                                input);
-}
-
-at::Tensor max_pool2d_backward_meta(const at::Tensor& grad_output, const at::Tensor& indices,
-                                    at::IntArrayRef input_size, at::IntArrayRef kernel_size, at::IntArrayRef stride,
-                                    at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode) {
-  max_pool2d_backward_geometry(grad_output, indices, input_size, kernel_size, stride, padding, dilation, ceil_mode);
+at::Tensor max_pool2d_backward_meta(const MaxPool2dGeometry&, const at::Tensor& grad_output, const at::Tensor& indices,
+                                    at::IntArrayRef input_size) {
   return new_max_pool2d_grad_input(grad_output, indices, input_size);
 }
 
@@ -25,6 +16,6 @@ at::Tensor max_pool2d_backward_meta(const at::Tensor& grad_output, const at::Ten
 }  // namespace hierpar::detail
 
 TORCH_LIBRARY_IMPL(hierpar, Meta, m) {
-  m.impl("max_pool2d", &hierpar::detail::max_pool2d_meta);
-  m.impl("max_pool2d_backward", &hierpar::detail::max_pool2d_backward_meta);
+  hierpar::detail::register_max_pool2d<&hierpar::detail::new_max_pool2d_outputs,
+                                       &hierpar::detail::max_pool2d_backward_meta>(m);
 }
