@@ -332,6 +332,54 @@ void expect_same_parameters(const Stock& stock, const Ours& ours) {
   }
 }
 
+// Checks both convolution ops' tests make, for `Op`, which gives: Op::random_case() (a Case with bias and
+// describe()), Op::tensors(case, options), Op::results(case, tensors) (hierpar's forward + backward through
+// autograd), Op::forward(case, x, w, b, activation) (hierpar's op at the case's arguments, b undefined for none;
+// `activation`: a fused activation the case has), Op::aten_forward(case, x, w, b) (ATen's equivalent) and
+// Op::backward(case, tensors, output_mask) (the backward op).
+
+// expect_finite_difference_gradients in float64 on 3 random cases with a bias.
+template <class Op>
+void expect_finite_difference_gradients_on_random_cases() {
+  for (int trial = 0; trial < 3; ++trial) {
+    auto c = Op::random_case();
+    c.bias = true;
+    const auto t = Op::tensors(c, torch::kDouble);
+    auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+      return Op::forward(c, x, w, b, /*activation=*/true);
+    };
+    expect_finite_difference_gradients(forward, t, Op::results(c, t), c.describe());
+  }
+}
+
+// expect_output_mask_respected in float64 on a random case, the op without its activation (the backward op's).
+template <class Op>
+void expect_output_mask_respected_on_a_random_case() {
+  const auto c = Op::random_case();
+  const auto t = Op::tensors(c, torch::kDouble);
+  auto backward = [&](std::array<bool, 3> mask) { return Op::backward(c, t, mask); };
+  auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+    return Op::forward(c, x, w, b, /*activation=*/false);
+  };
+  expect_output_mask_respected(backward, forward, t);
+}
+
+// Second derivatives (an R1 or WGAN-GP penalty differentiates a gradient): expect_second_derivatives_match_aten on 4
+// random cases, with their activation and bias, in float64 on `device`.
+template <class Op>
+void expect_second_derivatives_on(torch::Device device) {
+  for (int trial = 0; trial < 4; ++trial) {
+    const auto c = Op::random_case();
+    SCOPED_TRACE(c.describe());
+    const auto t = Op::tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(device));
+    expect_second_derivatives_match_aten(
+        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+          return hierpar ? Op::forward(c, x, w, b, /*activation=*/true) : Op::aten_forward(c, x, w, b);
+        },
+        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
+  }
+}
+
 // Saves `from` and loads the archive into `to`.
 template <class From, class To>
 void copy_state(const From& from, To& to) {
@@ -340,8 +388,27 @@ void copy_state(const From& from, To& to) {
   torch::load(to, archive);
 }
 
-// torch::nn's convolution initialisation: weight and bias drawn from U(-bound, bound), bound = 1/sqrt(fan_in).
-inline void expect_kaiming_uniform_init(const torch::Tensor& weight, const torch::Tensor& bias, double bound) {
+// torch::nn's module `stock` and hierpar's `ours`, of the same options, moved to float64: the same parameters (names
+// and shapes), and either's state loaded into the other gives the same output on `x` (float64); `what` ends the
+// messages.
+template <class Stock, class Ours>
+void expect_state_interchanges(Stock& stock, Ours& ours, const torch::Tensor& x, const std::string& what) {
+  stock->to(torch::kDouble);
+  ours->to(torch::kDouble);
+  expect_same_parameters(stock, ours);
+  copy_state(stock, ours);
+  expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights" + what);
+  ours->reset_parameters();
+  copy_state(ours, stock);
+  expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights" + what);
+}
+
+// torch::nn's convolution initialisation of a weight of `weight_sizes`: weight and bias drawn from U(-bound, bound),
+// bound = 1/sqrt(fan_in) (kaiming_uniform with a = sqrt(5) for the weight).
+inline void expect_kaiming_uniform_init(const torch::Tensor& weight, const torch::Tensor& bias,
+                                        at::IntArrayRef weight_sizes, double fan_in) {
+  EXPECT_EQ(weight.sizes(), weight_sizes);
+  const double bound = 1.0 / std::sqrt(fan_in);
   EXPECT_LE(weight.abs().max().item<double>(), bound);
   EXPECT_GT(weight.abs().max().item<double>(), 0.9 * bound);  // spans the range (1728 draws)
   EXPECT_LE(bias.abs().max().item<double>(), bound);

@@ -198,55 +198,39 @@ TEST(Conv2dCpu, SmallCinK4S2P1MatchesAten) {
   }
 }
 
-TEST(Conv2dCpu, FiniteDifferenceGradcheckInDouble) {
-  for (int trial = 0; trial < 3; ++trial) {
-    Case c = random_case();
-    c.bias = true;
-    const auto t = make_tensors(c, torch::kDouble);
-    auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-      return hierpar::ops::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups, c.slope);
-    };
-    expect_finite_difference_gradients(forward, t, run(c, t, false), c.describe());
+// hierpar::conv2d for the checks conv_testing.h shares with test_conv_transpose.cpp; its activation is the case's
+// fused leaky_relu.
+struct Conv2dOp {
+  static Case random_case() { return ::random_case(); }
+  static Tensors tensors(const Case& c, const torch::TensorOptions& options) { return make_tensors(c, options); }
+  static Results results(const Case& c, const Tensors& t) { return run(c, t, /*aten=*/false); }
+  static torch::Tensor forward(const Case& c, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                               bool activation) {
+    return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups,
+                                activation ? c.slope : std::nullopt);
   }
-}
-
-TEST(Conv2dCpu, OutputMaskComputesOnlyWhatIsAsked) {
-  const Case c = random_case();
-  const auto t = make_tensors(c, torch::kDouble);
-  auto backward = [&](std::array<bool, 3> mask) {
+  static torch::Tensor aten_forward(const Case& c, const torch::Tensor& x, const torch::Tensor& w,
+                                    const torch::Tensor& b) {
+    const torch::Tensor y = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
+    return c.slope ? at::leaky_relu(y, *c.slope) : y;
+  }
+  static Gradients backward(const Case& c, const Tensors& t, std::array<bool, 3> mask) {
     return hierpar::ops::conv2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding, c.dilation, c.groups,
                                          mask);
-  };
-  auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-    return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups);
-  };
-  expect_output_mask_respected(backward, forward, t);
-}
-
-// Second derivatives (an R1 or WGAN-GP penalty differentiates a gradient): the gradient taken with create_graph and
-// then differentiated again equals ATen's, with and without the fused LeakyReLU and bias, on 4 random cases: in
-// float64 on the CPU; on a GPU hierpar's CUDA op (its kernels for the first derivatives, ATen's differentiable
-// backward under create_graph) in float32 against ATen in float64.
-void expect_second_derivatives_on(torch::Device device) {
-  for (int trial = 0; trial < 4; ++trial) {
-    const Case c = random_case();
-    SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(device));
-    hierpar::testing::expect_second_derivatives_match_aten(
-        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-          if (hierpar) return hierpar::ops::conv2d(x, w, opt(b), c.stride, c.padding, c.dilation, c.groups, c.slope);
-          const torch::Tensor y = at::conv2d(x, w, b, c.stride, c.padding, c.dilation, c.groups);
-          return c.slope ? at::leaky_relu(y, *c.slope) : y;
-        },
-        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
   }
-}
+};
 
-TEST(Conv2dAutograd, SecondDerivativesMatchAten) { expect_second_derivatives_on(torch::kCPU); }
+TEST(Conv2dCpu, FiniteDifferenceGradcheckInDouble) { expect_finite_difference_gradients_on_random_cases<Conv2dOp>(); }
+
+TEST(Conv2dCpu, OutputMaskComputesOnlyWhatIsAsked) { expect_output_mask_respected_on_a_random_case<Conv2dOp>(); }
+
+// Second derivatives with and without the fused LeakyReLU and bias; on a GPU hierpar's CUDA op (its kernels for the
+// first derivatives, ATen's differentiable backward under create_graph) in float32 against ATen in float64.
+TEST(Conv2dAutograd, SecondDerivativesMatchAten) { expect_second_derivatives_on<Conv2dOp>(torch::kCPU); }
 
 TEST(Conv2dCuda, SecondDerivativesMatchAten) {
   HIERPAR_REQUIRE_CUDA();
-  expect_second_derivatives_on(torch::kCUDA);
+  expect_second_derivatives_on<Conv2dOp>(torch::kCUDA);
 }
 
 TEST(Conv2dAutograd, TheBackwardOpItselfIsNotDifferentiable) {
@@ -578,18 +562,11 @@ TEST(Conv2dLayer, StateDictAndOutputsInterchangeWithTorchNn) {
     }
     torch::nn::Conv2d stock(o);
     hierpar::nn::Conv2d ours(o);
-    stock->to(torch::kDouble);
-    ours->to(torch::kDouble);
-    hierpar::testing::expect_same_parameters(stock, ours);
-    hierpar::testing::copy_state(stock, ours);
     // At least the largest dilated kernel (7).
     const auto x = random_tensor({2, o.in_channels(), rand_int(7, 11), rand_int(7, 11)}, torch::kDouble);
     std::ostringstream what;
     what << *ours;
-    expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights: " + what.str());
-    ours->reset_parameters();
-    hierpar::testing::copy_state(ours, stock);
-    expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights: " + what.str());
+    hierpar::testing::expect_state_interchanges(stock, ours, x, ": " + what.str());
     // Gradients through the layer equal torch::nn's.
     const auto gx_in = x.detach().requires_grad_();
     ours->forward(gx_in).pow(2).sum().backward();
@@ -622,13 +599,9 @@ TEST(Conv2dLayer, ForwardWithLeakyReluMatchesTorchNn) {
 }
 
 TEST(Conv2dLayer, InitialisationFollowsTorchNn) {
-  auto o = torch::nn::Conv2dOptions(16, 24, 3).groups(2);
-  hierpar::nn::Conv2d layer(o);
-  // fan_in of a weight [out, in/groups, kH, kW] is in/groups * kH * kW; kaiming_uniform with a = sqrt(5) and the
-  // bias both draw from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-  const double bound = 1.0 / std::sqrt(8.0 * 9.0);
-  EXPECT_EQ(layer->weight.sizes(), (std::vector<int64_t>{24, 8, 3, 3}));
-  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, bound);
+  hierpar::nn::Conv2d layer(torch::nn::Conv2dOptions(16, 24, 3).groups(2));
+  // fan_in of a weight [out, in/groups, kH, kW] is in/groups * kH * kW.
+  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, {24, 8, 3, 3}, 8.0 * 9.0);
 }
 
 TEST(Conv2dLayer, PrettyPrintAndOptionChecks) {

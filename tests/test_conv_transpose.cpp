@@ -148,55 +148,40 @@ TEST(ConvTransposeCpu, DcganLayersMatchAten) {
   }
 }
 
-TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
-  for (int trial = 0; trial < 3; ++trial) {
-    Case c = random_case();
-    c.bias = true;
-    const auto t = make_tensors(c, torch::kDouble);
-    auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-      return hierpar::ops::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
-    };
-    expect_finite_difference_gradients(forward, t, run(c, t, false), c.describe());
+// hierpar::conv_transpose2d for the checks conv_testing.h shares with test_conv2d.cpp (it has no activation).
+struct ConvTranspose2dOp {
+  static Case random_case() { return ::random_case(); }
+  static Tensors tensors(const Case& c, const torch::TensorOptions& options) { return make_tensors(c, options); }
+  static Results results(const Case& c, const Tensors& t) { return run(c, t, /*aten=*/false); }
+  static torch::Tensor forward(const Case& c, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                               bool /*activation*/) {
+    return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups, c.dilation);
   }
+  static torch::Tensor aten_forward(const Case& c, const torch::Tensor& x, const torch::Tensor& w,
+                                    const torch::Tensor& b) {
+    return at::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
+  }
+  static Gradients backward(const Case& c, const Tensors& t, std::array<bool, 3> mask) {
+    return backward_only(c, t, mask);
+  }
+};
+
+TEST(ConvTransposeCpu, FiniteDifferenceGradcheckInDouble) {
+  expect_finite_difference_gradients_on_random_cases<ConvTranspose2dOp>();
 }
 
 TEST(ConvTransposeCpu, OutputMaskComputesOnlyWhatIsAsked) {
-  const Case c = random_case();
-  const auto t = make_tensors(c, torch::kDouble);
-  auto backward = [&](std::array<bool, 3> mask) {
-    return hierpar::ops::conv_transpose2d_backward(t.grad_output, t.input, t.weight, c.stride, c.padding,
-                                                   c.output_padding, c.groups, c.dilation, mask);
-  };
-  auto forward = [&](const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-    return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups, c.dilation);
-  };
-  expect_output_mask_respected(backward, forward, t);
+  expect_output_mask_respected_on_a_random_case<ConvTranspose2dOp>();
 }
 
-// Second derivatives (a penalty on a gradient): differentiated again after create_graph, equal to ATen's, on 4
-// random cases: in float64 on the CPU; on a GPU hierpar's CUDA op in float32 against ATen in float64.
-void expect_second_derivatives_on(torch::Device device) {
-  for (int trial = 0; trial < 4; ++trial) {
-    const Case c = random_case();
-    SCOPED_TRACE(c.describe());
-    const auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kDouble).device(device));
-    hierpar::testing::expect_second_derivatives_match_aten(
-        [&](bool hierpar, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-          if (hierpar) {
-            return hierpar::ops::conv_transpose2d(x, w, opt(b), c.stride, c.padding, c.output_padding, c.groups,
-                                                  c.dilation);
-          }
-          return at::conv_transpose2d(x, w, b, c.stride, c.padding, c.output_padding, c.groups, c.dilation);
-        },
-        t.input, t.weight, c.bias ? t.bias : torch::Tensor(), t.grad_output);
-  }
+// Second derivatives; on a GPU hierpar's CUDA op in float32 against ATen in float64.
+TEST(ConvTransposeAutograd, SecondDerivativesMatchAten) {
+  expect_second_derivatives_on<ConvTranspose2dOp>(torch::kCPU);
 }
-
-TEST(ConvTransposeAutograd, SecondDerivativesMatchAten) { expect_second_derivatives_on(torch::kCPU); }
 
 TEST(ConvTransposeCuda, SecondDerivativesMatchAten) {
   HIERPAR_REQUIRE_CUDA();
-  expect_second_derivatives_on(torch::kCUDA);
+  expect_second_derivatives_on<ConvTranspose2dOp>(torch::kCUDA);
 }
 
 TEST(ConvTransposeMeta, ShapesAndLayoutsMatchTheCpuKernel) {
@@ -632,28 +617,15 @@ TEST(ConvTransposeLayer, StateDictInterchangesWithTorchNn) {
     const auto o = random_options();
     torch::nn::ConvTranspose2d stock(o);
     hierpar::nn::ConvTranspose2d ours(o);
-    stock->to(torch::kDouble);
-    ours->to(torch::kDouble);
-    // Same names and shapes.
-    hierpar::testing::expect_same_parameters(stock, ours);
-    // Save the stock module, load it into hierpar's, and back.
-    hierpar::testing::copy_state(stock, ours);
     const auto x = random_tensor({2, o.in_channels(), rand_int(3, 5), rand_int(3, 5)}, torch::kDouble);
-    expect_close(ours->forward(x), stock->forward(x), "layer output, stock weights");
-    ours->reset_parameters();
-    hierpar::testing::copy_state(ours, stock);
-    expect_close(stock->forward(x), ours->forward(x), "stock output, hierpar weights");
+    hierpar::testing::expect_state_interchanges(stock, ours, x, "");
   }
 }
 
 TEST(ConvTransposeLayer, InitialisationFollowsTorchNn) {
-  auto o = torch::nn::ConvTranspose2dOptions(16, 24, 3).groups(2);
-  hierpar::nn::ConvTranspose2d layer(o);
-  // torch's fan_in of a transposed weight [in, out/groups, kH, kW] is out/groups * kH * kW; kaiming_uniform
-  // with a = sqrt(5) and the bias both draw from U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-  const double bound = 1.0 / std::sqrt(12.0 * 9.0);
-  EXPECT_EQ(layer->weight.sizes(), (std::vector<int64_t>{16, 12, 3, 3}));
-  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, bound);
+  hierpar::nn::ConvTranspose2d layer(torch::nn::ConvTranspose2dOptions(16, 24, 3).groups(2));
+  // torch's fan_in of a transposed weight [in, out/groups, kH, kW] is out/groups * kH * kW.
+  hierpar::testing::expect_kaiming_uniform_init(layer->weight, layer->bias, {16, 12, 3, 3}, 12.0 * 9.0);
 }
 
 TEST(ConvTransposeLayer, ForwardWithOutputSizeMatchesTorchNn) {
