@@ -114,28 +114,31 @@ struct Strides4 {
   int64_t s[4];
 };
 
+// The coordinates of element i of a [.., c, b, a] array, innermost first: x in [0, a), y in [0, b), z in [0, c), and
+// the outermost `rest`.
+template <typename index_t>
+__device__ __forceinline__ void unravel3(index_t i, index_t a, index_t b, index_t c, index_t& x, index_t& y,
+                                         index_t& z, index_t& rest) {
+  x = i % a;
+  index_t t = i / a;
+  y = t % b;
+  t /= b;
+  z = t % c;
+  rest = t / c;
+}
+
 template <typename scalar_t, typename index_t, bool channels_last>
 __global__ void col2im_kernel(ConvTranspose2dGeometry g, ColsStrides cs, const scalar_t* __restrict__ cols,
                               const scalar_t* __restrict__ bias, scalar_t* __restrict__ out, index_t total) {
   using acc_t = at::opmath_type<scalar_t>;
   const index_t out_c = index_t(g.out_channels), out_h = index_t(g.out_h), out_w = index_t(g.out_w);
   for (index_t i = index_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += index_t(blockDim.x) * gridDim.x) {
-    index_t n, co, oy, ox, t;
+    index_t n, co, oy, ox;
     // i runs in the output's memory order, so writes are coalesced.
     if constexpr (channels_last) {
-      co = i % out_c;
-      t = i / out_c;
-      ox = t % out_w;
-      t /= out_w;
-      oy = t % out_h;
-      n = t / out_h;
+      unravel3(i, out_c, out_w, out_h, co, ox, oy, n);
     } else {
-      ox = i % out_w;
-      t = i / out_w;
-      oy = t % out_h;
-      t /= out_h;
-      co = t % out_c;
-      n = t / out_c;
+      unravel3(i, out_w, out_h, out_c, ox, oy, co, n);
     }
     acc_t acc = bias ? static_cast<acc_t>(bias[co]) : acc_t(0);
     acc += col2im_gather<acc_t, index_t>(g, cs, cols, n, co, oy, ox);
