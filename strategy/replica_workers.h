@@ -190,6 +190,7 @@ class AdversarialTrainer::Workers {
 
   static std::string describe(const Shared& sh, int64_t i) {
     const ReplicaDevices& r = sh.placement->replicas[i];
+    if (r.part != ReplicaPart::whole) return c10::str("replica ", r.replica, "'s ", to_string(r.part), " (", r.generator, ")");
     return c10::str("replica ", r.replica, " (G ", r.generator, ", D ", r.discriminator, ")");
   }
 

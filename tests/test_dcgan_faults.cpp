@@ -112,11 +112,14 @@ int64_t checkpoint_step(const std::string& out) {
   return hierpar::examples::read_checkpoint_state(out + "/checkpoint.pt").global_step;
 }
 
-// Two ranks (one GPU each on CUDA), data parallel with collective averaging, rank 1 failing by `fault` in step 3.
-void two_ranks_fail_well(const std::string& device, const std::string& fault) {
-  const std::string dir = hierpar::testing::temp_dir("dcgan_" + fault);
-  const std::string two = " --strategy data --gpus 2 --reduce nccl";
-  const std::string replica = device == "cpu" ? "replica 1 (G cpu, D cpu)" : "replica 1 (G cuda:1, D cuda:1)";
+// Two ranks (one GPU each on CUDA), rank 1 failing by `fault` in step 3: data parallel with collective averaging
+// (a replica each), or task (`scheme` "task": G in rank 0, D in rank 1, whose process takes the fault).
+void two_ranks_fail_well(const std::string& device, const std::string& fault, const std::string& scheme = "data") {
+  const std::string dir = hierpar::testing::temp_dir("dcgan_" + scheme + "_" + fault);
+  const std::string two = " --strategy " + scheme + " --gpus 2 --reduce nccl";
+  const std::string where = device == "cpu" ? "cpu" : "cuda:1";
+  const std::string replica = scheme == "data" ? "replica 1 (G " + where + ", D " + where + ")"
+                                               : "replica 0's discriminator (" + where + ")";
   const std::string run = training(device, dir + "/run") + two;
   if (fault == "throw") {  // both ranks stop at once with rank 1's cause
     const auto ranks = run_ranks(2, run + " --inject-fault throw@3", dir);
@@ -187,6 +190,15 @@ TEST(DcganFaults, HungRankStopsEveryRankAfterTheTimeout) {
 TEST(DcganFaults, InterruptedRankStopsEveryRankAfterOneStepAndTheCheckpointResumes) {
   HIERPAR_REQUIRE_GLOO();
   two_ranks_fail_well("cpu", "interrupt");
+}
+// G and D in two processes: D's process failing in each way stops G's as a data rank's would stop its peer.
+TEST(DcganFaults, SplitTaskProcessFaultsStopBothProcesses) {
+  HIERPAR_REQUIRE_GLOO();
+  for (const char* fault : {"throw", "kill", "hang", "interrupt"}) two_ranks_fail_well("cpu", fault, "task");
+}
+TEST(DcganFaultsCuda, SplitTaskProcessFaultsStopBothProcesses) {
+  HIERPAR_REQUIRE_TWO_GPUS();
+  for (const char* fault : {"throw", "kill", "hang", "interrupt"}) two_ranks_fail_well("cuda", fault, "task");
 }
 TEST(DcganFaultsCuda, ThrowingRankStopsEveryRankWithItsCause) {
   HIERPAR_REQUIRE_TWO_GPUS();

@@ -51,7 +51,8 @@ struct DCGANTrainConfig {
   // as hung (the RunGuard's and the averaging's timeout); failures and deaths stop it within seconds anyway.
   double timeout = 60;
   // A testing aid (--inject-fault KIND@STEP[:REPLICA]): global replica REPLICA (default: the last) throws, hangs,
-  // is killed (SIGKILL) or sends its process SIGINT or SIGTERM at the start of global step STEP; KIND is
+  // is killed (SIGKILL) or sends its process SIGINT or SIGTERM at the start of global step STEP (under a split
+  // placement, the process of its D); KIND is
   // throw | hang | kill | sigint | sigterm. It fires only in a run that did not resume, so that a restart
   // (torchrun --max-restarts with --resume auto) shows the recovery.
   std::string inject_fault;

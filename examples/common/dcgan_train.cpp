@@ -326,7 +326,8 @@ int train_dcgan(DCGANTrainConfig config) {
                                                                                           : std::chrono::milliseconds(0));
     options.averaging.store = guard.store();
     options.report_failures = false;  // said once, by the line this function throws
-    if (!resume) options.fault_hook = fault_hook(fault, state.global_step);  // a resumed run (a restart) recovers
+    // A resumed run (a restart) recovers; a split replica's fault is its D process's.
+    if (!resume && runs_d) options.fault_hook = fault_hook(fault, state.global_step);
     trainer = std::make_unique<hs::AdversarialTrainer>(torch::nn::AnyModule(generator),
                                                        torch::nn::AnyModule(discriminator), placement, options);
     guard.watch([t = trainer.get()](const std::string& why) { t->abort(why); },

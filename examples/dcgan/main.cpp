@@ -152,7 +152,8 @@ int train(int argc, char** argv) {
       .add("timeout", &config.timeout, "seconds a step may go without progress while ranks or replicas wait for "
            "each other before the run stops as hung", 0.0)
       .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
-           "or sigterm: that replica (default: the last) fails so at the start of that step (not in a resumed run)")
+           "or sigterm: that replica (default: the last; its D process where G and D have one each) fails so at the "
+           "start of that step (not in a resumed run)")
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1)
       .add("eval-every", &config.eval_every, "steps between scoring samples with the quality metric (Fashion-MNIST; "
            "0: never): <out>/quality.csv and quality.png, docs/quality.md", 0)
