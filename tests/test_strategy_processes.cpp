@@ -225,20 +225,21 @@ namespace {
 // with the parameters and losses of the in-process placement, bit for bit: G's processes with its replicas' G, D's
 // with their D, and every process with the losses (G's receive them from D's).
 void expect_split_processes_agree_with_in_process(c10::DeviceType device, const char* scheme, const char* reduce,
-                                                  int processes) {
+                                                  int processes, bool sync_bn = false) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
   const int64_t replicas = processes / 2;
   const auto data = make_data(kTwoRankBatch / 2 * replicas, data_seed);
-  const std::string what = c10::str(scheme, " over ", processes, " processes, ", reduce, " on ",
-                                    c10::DeviceTypeName(device, true));
-  const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce));
+  const std::string what = c10::str(scheme, " over ", processes, " processes, ", reduce, sync_bn ? " sync BN" : "",
+                                    " on ", c10::DeviceTypeName(device, true));
+  const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce, sync_bn ? "_sync" : ""));
   std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
                                          {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
                                          {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
                                          {"HIERPAR_STRATEGY_REDUCE", reduce},
                                          {"HIERPAR_STRATEGY_SCHEME", scheme}};
   if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
+  if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
   const auto children = run_ranks(processes, env, dir, std::chrono::seconds(120));
 
   // The same placement in one process: every replica's G and D, and the losses (means over the replicas).
@@ -247,8 +248,10 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
   auto g = tiny_generator(true);
   auto d = tiny_discriminator(true);
   const size_t g_parameters = g->parameters().size();
+  auto options = test_options();
+  options.sync_batch_norm = sync_bn;
   hs::AdversarialTrainer in_process(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
-                                    hs::Placement::from_flags(scheme, 2 * replicas, reduce, device, {}), test_options());
+                                    hs::Placement::from_flags(scheme, 2 * replicas, reduce, device, {}), options);
   for (int64_t k = 0; k < kSteps; ++k) in_process.step(data.real[k], data.noise[k]);
   const torch::Tensor losses = in_process.take_losses();
 
@@ -294,6 +297,8 @@ TEST(StrategySplitProcesses, HierarchicalOverFourProcessesEqualsOneProcess) {
   HIERPAR_REQUIRE_GLOO();
   expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "hierarchical", "nccl", 4);
   expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "hierarchical", "host", 4);
+  // Synchronized BatchNorm: each network's statistics summed over the processes that run it.
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "hierarchical", "nccl", 4, /*sync_bn=*/true);
 }
 
 // D's process fails on a bad batch: G's, waiting for the fakes' gradient, stops within the timeout and names its peer.
