@@ -58,11 +58,11 @@ constexpr int64_t kFakeLayoutLength = 12;
 std::vector<int64_t> fake_layout(const torch::Tensor& fake) {
   TORCH_CHECK(fake.dim() >= 1 && fake.dim() <= kFakeLayoutLength - 3, "G's output must have 1 to ",
               kFakeLayoutLength - 3, " dimensions to travel to D's process, got ", fake.sizes());
-  TORCH_CHECK(fake.is_non_overlapping_and_dense(), "G's output must be dense to travel to D's process");
-  std::vector<int64_t> layout{static_cast<int64_t>(fake.scalar_type()),
-                              fake.dim() == 4 && fake.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                                  !fake.is_contiguous(),
-                              fake.dim()};
+  const bool channels_last = fake.dim() == 4 && !fake.is_contiguous() &&
+                             fake.is_contiguous(at::MemoryFormat::ChannelsLast);
+  TORCH_CHECK(fake.is_contiguous() || channels_last, "G's output must be contiguous (or channels_last) to travel to D's "
+              "process as it is, got strides ", fake.strides());
+  std::vector<int64_t> layout{static_cast<int64_t>(fake.scalar_type()), channels_last, fake.dim()};
   layout.insert(layout.end(), fake.sizes().begin() + 1, fake.sizes().end());
   layout.resize(kFakeLayoutLength, 0);
   return layout;

@@ -24,8 +24,6 @@
 #include <sstream>
 #include <thread>
 
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
 namespace hierpar::strategy {
 
 std::pair<double, double> StepLosses::mean() const {

@@ -88,6 +88,7 @@ TEST(StrategyWorker, TrainAndSave) {
     auto d = tiny_discriminator(true);
     auto options = test_options(std::chrono::seconds(3));
     options.sync_batch_norm = std::getenv("HIERPAR_STRATEGY_SYNC_BN") != nullptr;
+    options.precision.channels_last = std::getenv("HIERPAR_STRATEGY_CHANNELS_LAST") != nullptr;
     hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
     for (int64_t k = 0; k < kSteps; ++k) {
       auto real = data.real[k].narrow(0, first_row, rows);
@@ -225,14 +226,15 @@ namespace {
 // with the parameters and losses of the in-process placement, bit for bit: G's processes with its replicas' G, D's
 // with their D, and every process with the losses (G's receive them from D's).
 void expect_split_processes_agree_with_in_process(c10::DeviceType device, const char* scheme, const char* reduce,
-                                                  int processes, bool sync_bn = false) {
+                                                  int processes, bool sync_bn = false, bool channels_last = false) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
   const int64_t replicas = processes / 2;
   const auto data = make_data(kTwoRankBatch / 2 * replicas, data_seed);
   const std::string what = c10::str(scheme, " over ", processes, " processes, ", reduce, sync_bn ? " sync BN" : "",
-                                    " on ", c10::DeviceTypeName(device, true));
-  const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce, sync_bn ? "_sync" : ""));
+                                    channels_last ? " channels_last" : "", " on ", c10::DeviceTypeName(device, true));
+  const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce, sync_bn ? "_sync" : "",
+                                            channels_last ? "_cl" : ""));
   std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
                                          {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
                                          {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
@@ -240,6 +242,7 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
                                          {"HIERPAR_STRATEGY_SCHEME", scheme}};
   if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
   if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
+  if (channels_last) env["HIERPAR_STRATEGY_CHANNELS_LAST"] = "1";
   const auto children = run_ranks(processes, env, dir, std::chrono::seconds(120));
 
   // The same placement in one process: every replica's G and D, and the losses (means over the replicas).
@@ -250,6 +253,7 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
   const size_t g_parameters = g->parameters().size();
   auto options = test_options();
   options.sync_batch_norm = sync_bn;
+  options.precision.channels_last = channels_last;
   hs::AdversarialTrainer in_process(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
                                     hs::Placement::from_flags(scheme, 2 * replicas, reduce, device, {}), options);
   for (int64_t k = 0; k < kSteps; ++k) in_process.step(data.real[k], data.noise[k]);
@@ -290,6 +294,8 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
 TEST(StrategySplitProcesses, TaskOverTwoProcessesEqualsOneProcess) {
   HIERPAR_REQUIRE_GLOO();
   expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2);
+  // channels_last fakes (and their gradient) keep their layout on the way.
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2, false, /*channels_last=*/true);
 }
 
 // Seed 000's four-device layout with a process per device: each network averages over the processes that run it.
