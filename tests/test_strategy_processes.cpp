@@ -41,6 +41,14 @@ std::vector<Child> run_ranks(int ranks, const std::map<std::string, std::string>
 
 constexpr int64_t kTwoRankBatch = 6;
 
+// D's penalties, which differentiate D's gradient with respect to its inputs (the real batch; the fakes D's process
+// received): R1 on every second step and WGAN-GP's.
+void add_penalties(hs::AdversarialOptions& options) {
+  options.r1_gamma = 1.0;
+  options.r1_every = 2;
+  options.gradient_penalty = 0.1;
+}
+
 // The parameters of the network this process runs of a split placement's replica.
 std::vector<torch::Tensor> part_state_of(hs::AdversarialTrainer& trainer) {
   const bool g = trainer.placement().replicas[0].part == hs::ReplicaPart::generator;
@@ -89,6 +97,7 @@ TEST(StrategyWorker, TrainAndSave) {
     auto options = test_options(std::chrono::seconds(3));
     options.sync_batch_norm = std::getenv("HIERPAR_STRATEGY_SYNC_BN") != nullptr;
     options.precision.channels_last = std::getenv("HIERPAR_STRATEGY_CHANNELS_LAST") != nullptr;
+    if (std::getenv("HIERPAR_STRATEGY_PENALTIES") != nullptr) add_penalties(options);
     hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
     for (int64_t k = 0; k < kSteps; ++k) {
       auto real = data.real[k].narrow(0, first_row, rows);
@@ -226,15 +235,17 @@ namespace {
 // with the parameters and losses of the in-process placement, bit for bit: G's processes with its replicas' G, D's
 // with their D, and every process with the losses (G's receive them from D's).
 void expect_split_processes_agree_with_in_process(c10::DeviceType device, const char* scheme, const char* reduce,
-                                                  int processes, bool sync_bn = false, bool channels_last = false) {
+                                                  int processes, bool sync_bn = false, bool channels_last = false,
+                                                  bool penalties = false) {
   const uint64_t data_seed = hierpar::testing::rng()() % 1000000;
   const uint64_t init_seed = hierpar::testing::rng()() % 1000000;
   const int64_t replicas = processes / 2;
   const auto data = make_data(kTwoRankBatch / 2 * replicas, data_seed);
   const std::string what = c10::str(scheme, " over ", processes, " processes, ", reduce, sync_bn ? " sync BN" : "",
-                                    channels_last ? " channels_last" : "", " on ", c10::DeviceTypeName(device, true));
+                                    channels_last ? " channels_last" : "", penalties ? " R1 + GP" : "", " on ",
+                                    c10::DeviceTypeName(device, true));
   const std::string dir = temp_dir(c10::str("split_", scheme, "_", reduce, sync_bn ? "_sync" : "",
-                                            channels_last ? "_cl" : ""));
+                                            channels_last ? "_cl" : "", penalties ? "_penalties" : ""));
   std::map<std::string, std::string> env{{"HIERPAR_STRATEGY_WORKER_OUT", dir},
                                          {"HIERPAR_STRATEGY_DATA_SEED", std::to_string(data_seed)},
                                          {"HIERPAR_STRATEGY_INIT_SEED", std::to_string(init_seed)},
@@ -243,6 +254,7 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
   if (device == c10::DeviceType::CUDA) env["HIERPAR_STRATEGY_CUDA"] = "1";
   if (sync_bn) env["HIERPAR_STRATEGY_SYNC_BN"] = "1";
   if (channels_last) env["HIERPAR_STRATEGY_CHANNELS_LAST"] = "1";
+  if (penalties) env["HIERPAR_STRATEGY_PENALTIES"] = "1";
   const auto children = run_ranks(processes, env, dir, std::chrono::seconds(120));
 
   // The same placement in one process: every replica's G and D, and the losses (means over the replicas).
@@ -254,6 +266,7 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
   auto options = test_options();
   options.sync_batch_norm = sync_bn;
   options.precision.channels_last = channels_last;
+  if (penalties) add_penalties(options);
   hs::AdversarialTrainer in_process(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
                                     hs::Placement::from_flags(scheme, 2 * replicas, reduce, device, {}), options);
   for (int64_t k = 0; k < kSteps; ++k) in_process.step(data.real[k], data.noise[k]);
@@ -296,6 +309,8 @@ TEST(StrategySplitProcesses, TaskOverTwoProcessesEqualsOneProcess) {
   expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2);
   // channels_last fakes (and their gradient) keep their layout on the way.
   expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2, false, /*channels_last=*/true);
+  // D's penalties in D's process, through the fakes it received.
+  expect_split_processes_agree_with_in_process(c10::DeviceType::CPU, "task", "nccl", 2, false, false, /*penalties=*/true);
 }
 
 // Seed 000's four-device layout with a process per device: each network averages over the processes that run it.
