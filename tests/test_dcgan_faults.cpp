@@ -95,13 +95,7 @@ void expect_same_generator(const std::string& a, const std::string& b, const std
 
 // The discriminator a checkpoint holds, on the CPU (its architecture from the checkpoint's configuration).
 std::vector<torch::Tensor> discriminator_of(const std::string& checkpoint) {
-  const auto config = hierpar::examples::read_checkpoint_state(checkpoint).config;
-  hierpar::models::DCGANOptions options;
-  options.nz = std::stoll(config.at("nz"));
-  options.image_size = std::stoll(config.at("image_size"));
-  options.channels = std::stoll(config.at("channels"));
-  options.width = std::stod(config.at("width"));
-  hierpar::models::Discriminator d(options);
+  hierpar::models::Discriminator d(hierpar::examples::checkpoint_model(checkpoint, hierpar::LayerSet::stock));
   hierpar::examples::load_checkpoint(checkpoint, {}, {{"discriminator", d.get()}}, {}, torch::kCPU, /*restore_rng=*/false);
   std::vector<torch::Tensor> out;
   for (const auto& p : d->parameters()) out.push_back(p.detach().clone());

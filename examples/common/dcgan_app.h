@@ -138,6 +138,10 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
 // throws FlagError naming the flag for unknown names and Error for impossible requests.
 hierpar::strategy::Placement dcgan_placement(const DCGANTrainConfig& config);
 
+// The DCGAN shape a checkpoint written by train_dcgan was trained with (nz, image size, channels, width; from its
+// configuration), built with `layers`; Error names a missing key.
+models::DCGANOptions checkpoint_model(const std::string& checkpoint, LayerSet layers);
+
 // The generator stored in a checkpoint written by train_dcgan, built with `layers`, in eval mode: its weights as
 // trained ("live") or their moving average ("ema", from a run with --ema).
 models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,

@@ -34,12 +34,8 @@ struct ExportResolver : torch::jit::Resolver {
 
 }  // namespace
 
-models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,
-                                 const std::string& weights) {
-  if (weights != "live" && weights != "ema") throw FlagError("--weights: expected live or ema, got '" + weights + "'");
+models::DCGANOptions checkpoint_model(const std::string& checkpoint, LayerSet layers) {
   const auto state = read_checkpoint_state(checkpoint);
-  if (weights == "ema" && state.config.count("ema") == 0)
-    throw Error(checkpoint + " has no moving average of G's weights: it was trained without --ema");
   auto field = [&](const char* key) {
     auto it = state.config.find(key);
     if (it == state.config.end()) throw Error(checkpoint + ": the configuration has no " + key);
@@ -51,7 +47,15 @@ models::Generator load_generator(const std::string& checkpoint, LayerSet layers,
   options.channels = std::stoll(field("channels"));
   options.width = std::stod(field("width"));
   options.layers = layers;
-  models::Generator generator(options);
+  return options;
+}
+
+models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,
+                                 const std::string& weights) {
+  if (weights != "live" && weights != "ema") throw FlagError("--weights: expected live or ema, got '" + weights + "'");
+  if (weights == "ema" && read_checkpoint_state(checkpoint).config.count("ema") == 0)
+    throw Error(checkpoint + " has no moving average of G's weights: it was trained without --ema");
+  models::Generator generator(checkpoint_model(checkpoint, layers));
   load_checkpoint(checkpoint, {}, {{weights == "ema" ? "generator_ema" : "generator", generator.get()}}, {}, device,
                   /*restore_rng=*/false);
   generator->to(device);
