@@ -179,9 +179,11 @@ void begin_offload_step(const c10::Device& device) {
   std::lock_guard<std::mutex> lock(plan->mutex);
   if (plan->state == DevicePlan::State::planned && !plan->stale) return;
   if (plan->state == DevicePlan::State::measuring && !plan->stale) {
-    // The allocator's reserved memory, not the allocations: what running out depends on, fragmentation included.
+    // The peak of the allocations, not of the allocator's reserved memory: the cache grows to the whole GPU under
+    // churn and gives back what it holds before an allocation fails, so its peak says nothing about the step's need.
+    // The budget's margin (1 - budget of the GPU) is what fragmentation may take.
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    const int64_t peak = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    const int64_t peak = stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
     const auto total = static_cast<double>(at::cuda::getDeviceProperties(device.index())->totalGlobalMem);
     std::vector<DevicePlan::Key> keys;
     std::vector<OffloadCandidate> candidates;
@@ -201,18 +203,15 @@ void begin_offload_step(const c10::Device& device) {
     auto gb = [](double bytes) { return c10::str(std::round(bytes / 1e8) / 10.0, " GB"); };
     plan->summary = c10::str("offload plan on ", device, ": ", plan->kept.size(), " of ", keys.size(),
                              " blocks keep their activations (", gb(static_cast<double>(kept_bytes)),
-                             "); the measured step reserved at most ", gb(static_cast<double>(peak)), " of a ",
+                             "); the measured step allocated at most ", gb(static_cast<double>(peak)), " of a ",
                              gb(plan->budget * total), " budget");
     return;
   }
-  // No plan yet, or one for other shapes: this step offloads every block and measures. The cache is emptied first:
-  // what earlier steps reserved (cuDNN's autotuning tries workspaces as large as the free memory) is not this step's
-  // need, and the reserved peak would keep it.
+  // No plan yet, or one for other shapes: this step offloads every block and measures its peak allocation.
   plan->seen.clear();
   plan->kept.clear();
   plan->stale = false;
   plan->state = DevicePlan::State::measuring;
-  c10::cuda::CUDACachingAllocator::emptyCache();
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #else
   (void)device;
