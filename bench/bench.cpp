@@ -310,4 +310,14 @@ void write_kernels(std::ostream& os, const Profile& p) {
   os.flags(flags);
 }
 
+void write_chart_file(const std::string& path, const std::function<void(const std::string&)>& draw) {
+#ifdef HIERPAR_BENCH_CHARTS
+  draw(path);
+  std::cout << "wrote " << path << "\n";
+#else
+  (void)draw;
+  std::cout << "no chart (" << path << "): hierpar-bench was built without the examples' PNG writer\n";
+#endif
+}
+
 }  // namespace hierpar::bench

@@ -137,6 +137,10 @@ const std::vector<ConvSetting>& conv_settings();
 // The file HIERPAR_BENCH_PROFILE names, opened for appending (suites add their kernel profiles to it); null when unset.
 std::unique_ptr<std::ofstream> profile_file();
 
+// Calls draw(path), which writes a chart there, and says so; in a build without the examples' PNG writer
+// (HIERPAR_BENCH_CHARTS unset) says why there is no chart instead.
+void write_chart_file(const std::string& path, const std::function<void(const std::string&)>& draw);
+
 using Suite = std::function<void(Report&, const Options&)>;
 // needs_cuda false: the suite also runs on a machine without a GPU (its records then say gpu "none").
 bool register_suite(const std::string& name, Suite suite, bool needs_cuda = true);

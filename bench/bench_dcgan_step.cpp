@@ -355,30 +355,30 @@ void check_target(const std::vector<Row>& rows, const char* what, int64_t batch,
 // ms/step of every dcgan_step row as bars: one group per (batch, precision, layout; CL = channels_last), stock and
 // hierpar, eager and graph.
 void write_chart(const std::vector<Row>& rows, const std::string& path) {
+  write_chart_file(path, [&]([[maybe_unused]] const std::string& file) {
 #ifdef HIERPAR_BENCH_CHARTS
-  using hierpar::examples::BarGroup;
-  using hierpar::examples::PlotSeries;
-  const std::vector<std::pair<std::string, std::string>> kinds{
-      {"stock", "off"}, {"hierpar", "off"}, {"stock", "on"}, {"hierpar", "on"}};
-  const std::vector<PlotSeries> series{{"stock eager", {}, {158, 202, 225}},
-                                       {"hierpar eager", {}, {253, 174, 107}},
-                                       {"stock CUDA graph", {}, {33, 113, 181}},
-                                       {"hierpar CUDA graph", {}, {217, 72, 1}}};
-  std::vector<BarGroup> groups;
-  for (const auto& r : rows) {
-    if (r.bench != "dcgan_step") continue;
-    const std::string label = "b" + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? " NCHW" : " CL");
-    BarGroup& group = hierpar::examples::bar_group(groups, label, kinds.size());
-    for (size_t k = 0; k < kinds.size(); ++k) {
-      if (kinds[k].first == r.impl && kinds[k].second == r.graphs) group.values[k] = r.ms;
+    using hierpar::examples::BarGroup;
+    using hierpar::examples::PlotSeries;
+    const std::vector<std::pair<std::string, std::string>> kinds{
+        {"stock", "off"}, {"hierpar", "off"}, {"stock", "on"}, {"hierpar", "on"}};
+    const std::vector<PlotSeries> series{{"stock eager", {}, {158, 202, 225}},
+                                         {"hierpar eager", {}, {253, 174, 107}},
+                                         {"stock CUDA graph", {}, {33, 113, 181}},
+                                         {"hierpar CUDA graph", {}, {217, 72, 1}}};
+    std::vector<BarGroup> groups;
+    for (const auto& r : rows) {
+      if (r.bench != "dcgan_step") continue;
+      const std::string label =
+          "b" + std::to_string(r.batch) + " " + r.precision + (r.layout == "nchw" ? " NCHW" : " CL");
+      BarGroup& group = hierpar::examples::bar_group(groups, label, kinds.size());
+      for (size_t k = 0; k < kinds.size(); ++k) {
+        if (kinds[k].first == r.impl && kinds[k].second == r.graphs) group.values[k] = r.ms;
+      }
     }
-  }
-  hierpar::examples::write_bar_chart(groups, series, "DCGAN training step, ms/step (lower is better)", path,
-                                     std::max<int>(900, 150 * static_cast<int>(groups.size())), 440);
-  std::cout << "wrote " << path << "\n";
-#else
-  std::cout << "no chart (" << path << "): hierpar-bench was built without the examples' PNG writer\n";
+    hierpar::examples::write_bar_chart(groups, series, "DCGAN training step, ms/step (lower is better)", file,
+                                       std::max<int>(900, 150 * static_cast<int>(groups.size())), 440);
 #endif
+  });
 }
 
 void dcgan_step_suite(Report& report, const Options& options) {

@@ -149,32 +149,32 @@ std::vector<std::pair<std::string, double>> idle_fractions(const std::vector<hs:
 
 // Thousands of images/s per placement (bars), one group per batch and precision: <gpu>-strategy.png.
 void write_chart(const std::vector<Result>& results, const std::string& path) {
+  write_chart_file(path, [&]([[maybe_unused]] const std::string& file) {
 #ifdef HIERPAR_BENCH_CHARTS
-  using hierpar::examples::BarGroup;
-  using hierpar::examples::PlotSeries;
-  std::vector<PlotSeries> series;
-  std::vector<BarGroup> groups;
-  for (const Result& r : results) {
-    auto si = std::find_if(series.begin(), series.end(), [&](const PlotSeries& p) { return p.name == r.placement; });
-    if (si == series.end()) {
-      static const std::vector<std::array<uint8_t, 3>> colours{{120, 120, 120}, {217, 72, 1},   {253, 174, 107},
-                                                               {33, 113, 181},  {107, 174, 214}, {35, 139, 69},
-                                                               {116, 196, 118}, {117, 107, 177}, {188, 189, 220},
-                                                               {203, 24, 29},   {251, 106, 74},
-                                                               {140, 81, 10},   {1, 102, 94},
-                                                               {223, 101, 176}, {102, 102, 0},  {0, 0, 0}};
-      series.push_back({r.placement, {}, colours[series.size() % colours.size()]});
-      for (auto& g : groups) g.values.push_back(NAN);
-      si = series.end() - 1;
+    using hierpar::examples::BarGroup;
+    using hierpar::examples::PlotSeries;
+    std::vector<PlotSeries> series;
+    std::vector<BarGroup> groups;
+    for (const Result& r : results) {
+      auto si = std::find_if(series.begin(), series.end(), [&](const PlotSeries& p) { return p.name == r.placement; });
+      if (si == series.end()) {
+        static const std::vector<std::array<uint8_t, 3>> colours{{120, 120, 120}, {217, 72, 1},   {253, 174, 107},
+                                                                 {33, 113, 181},  {107, 174, 214}, {35, 139, 69},
+                                                                 {116, 196, 118}, {117, 107, 177}, {188, 189, 220},
+                                                                 {203, 24, 29},   {251, 106, 74},
+                                                                 {140, 81, 10},   {1, 102, 94},
+                                                                 {223, 101, 176}, {102, 102, 0},  {0, 0, 0}};
+        series.push_back({r.placement, {}, colours[series.size() % colours.size()]});
+        for (auto& g : groups) g.values.push_back(NAN);
+        si = series.end() - 1;
+      }
+      const auto column = static_cast<size_t>(si - series.begin());
+      hierpar::examples::bar_group(groups, r.group, series.size()).values[column] = r.images_per_s / 1000.0;
     }
-    hierpar::examples::bar_group(groups, r.group, series.size()).values[si - series.begin()] = r.images_per_s / 1000.0;
-  }
-  hierpar::examples::write_bar_chart(groups, series, "DCGAN step, thousands of images/s (higher is better)", path,
-                                     std::max<int>(1000, 260 * static_cast<int>(groups.size())), 480);
-  std::cout << "wrote " << path << "\n";
-#else
-  std::cout << "no chart (" << path << "): hierpar-bench was built without the examples' PNG writer\n";
+    hierpar::examples::write_bar_chart(groups, series, "DCGAN step, thousands of images/s (higher is better)", file,
+                                       std::max<int>(1000, 260 * static_cast<int>(groups.size())), 480);
 #endif
+  });
 }
 
 // Steps [first, first + 2) as a Chrome trace: a process per GPU, a thread per replica on it.

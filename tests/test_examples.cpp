@@ -458,15 +458,6 @@ TEST(Examples, StrategyFlagsParseAndValidate) {
   ::unsetenv("WORLD_SIZE");
   ::unsetenv("RANK");
 
-  expect_train_flag_errors(
-      dir, {{"--strategy model", "--strategy: expected single, task, data or hierarchical, got 'model'", "strategy name"},
-            {"--reduce mpi", "--reduce: expected host or nccl, got 'mpi'", "reduce name"},
-            {"--strategy hierarchical --gpus 3", "needs an even --gpus", "odd hierarchical"},
-            {"--strategy task --gpus 3", "uses exactly 2 devices", "task on 3"},
-            {"--strategy single --gpus 2", "uses exactly 1 device", "single on 2"},
-            {"--gpus -1", "--gpus: expected an integer >= 0, got -1", "negative gpus"},
-            {"--strategy data --gpus 4 --batch-size 18", "--batch-size 18 does not split evenly over the 4 replicas",
-             "uneven split"}});
 }
 
 // Several CPU "devices" are threads standing in for GPUs, for tests: without --device cpu a placement needs GPUs.
@@ -588,10 +579,19 @@ std::vector<torch::Tensor> checkpoint_networks(const std::string& path, const hi
 
 }  // namespace
 
-TEST(Examples, StepFlagsGiveOneLineErrors) {
+// Each bad placement or step flag stops `hierpar-dcgan train` with its one-line error before a checkpoint is written.
+TEST(Examples, BadTrainFlagsGiveOneLineErrors) {
   TempDir dir;
   expect_train_flag_errors(
-      dir, {{"--graphs sometimes", "--graphs: expected on or off, got 'sometimes'", "graphs value"},
+      dir, {{"--strategy model", "--strategy: expected single, task, data or hierarchical, got 'model'", "strategy"},
+            {"--reduce mpi", "--reduce: expected host or nccl, got 'mpi'", "reduce name"},
+            {"--strategy hierarchical --gpus 3", "needs an even --gpus", "odd hierarchical"},
+            {"--strategy task --gpus 3", "uses exactly 2 devices", "task on 3"},
+            {"--strategy single --gpus 2", "uses exactly 1 device", "single on 2"},
+            {"--gpus -1", "--gpus: expected an integer >= 0, got -1", "negative gpus"},
+            {"--strategy data --gpus 4 --batch-size 18", "--batch-size 18 does not split evenly over the 4 replicas",
+             "uneven split"},
+            {"--graphs sometimes", "--graphs: expected on or off, got 'sometimes'", "graphs value"},
             {"--precision fp16", "--precision: expected fp32, tf32 or bf16, got 'fp16'", "precision value"},
             {"--overlap maybe", "--overlap: expected on or off, got 'maybe'", "overlap value"},
             {"--optimizer sgd", "--optimizer: expected adam or fused, got 'sgd'", "optimizer value"},
@@ -599,6 +599,10 @@ TEST(Examples, StepFlagsGiveOneLineErrors) {
             {"--precision bf16", "--precision bf16 needs a CUDA device", "bf16 on CPU"},
             {"--log-every 0", "--log-every: expected an integer >= 1, got 0", "log interval"},
             {"--channels-last=yes", "--channels-last takes no value", "boolean flag"}});
+}
+
+TEST(Examples, PlotFlagsGiveOneLineErrors) {
+  TempDir dir;
   expect_flag_error(run_dcgan("plot --output " + (dir / "p.png"), dir), "--runs: give at least one LABEL=PATH", "no runs");
   expect_flag_error(run_dcgan("plot --runs nolabel --output " + (dir / "p.png"), dir), "--runs: expected LABEL=PATH, got 'nolabel'", "run without label");
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "none.csv") + " --output " + (dir / "p.png"), dir), "none.csv: cannot read the losses", "missing csv");

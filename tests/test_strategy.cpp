@@ -374,17 +374,22 @@ namespace {
 // A fault hook that blocks replica 1 at step `step` until released: a replica that hangs.
 class HangingReplica {
  public:
-  explicit HangingReplica(int64_t step) : step_(step) {}
-  // Two CPU replicas whose replica 1 hangs so, averaging with `reduce` and giving up after `timeout`.
-  std::unique_ptr<hs::AdversarialTrainer> trainer(const char* reduce, std::chrono::milliseconds timeout) {
+  // Two CPU replicas averaging with `reduce` and giving up on a peer after `timeout`; replica 1 hangs in step `step`
+  // until release() (or the destructor, which releases it before destroying the trainer).
+  HangingReplica(const char* reduce, int64_t step, std::chrono::milliseconds timeout) : step_(step) {
     auto options = test_options(timeout);
-    options.fault_hook = [this](int64_t replica, int64_t step) {
-      if (replica != 1 || step != step_) return;
+    options.fault_hook = [this](int64_t replica, int64_t at_step) {
+      if (replica != 1 || at_step != step_) return;
       std::unique_lock<std::mutex> lock(mutex_);
       released_.wait(lock, [&] { return release_; });
     };
-    return two_cpu_replicas(reduce, options);
+    trainer_ = two_cpu_replicas(reduce, options);
   }
+  ~HangingReplica() {
+    release();
+    trainer_.reset();
+  }
+  hs::AdversarialTrainer& trainer() { return *trainer_; }
   void release() {
     std::lock_guard<std::mutex> lock(mutex_);
     release_ = true;
@@ -396,6 +401,7 @@ class HangingReplica {
   std::mutex mutex_;
   std::condition_variable released_;
   bool release_ = false;
+  std::unique_ptr<hs::AdversarialTrainer> trainer_;
 };
 
 }  // namespace
@@ -406,9 +412,8 @@ class HangingReplica {
 TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
   const auto data = make_data(8, hierpar::testing::rng()());
   for (const char* reduce : cpu_reductions()) {
-    HangingReplica hang(1);
-    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(1));
-    hs::AdversarialTrainer& trainer = *trainer_owner;
+    HangingReplica hang(reduce, /*step=*/1, std::chrono::seconds(1));
+    hs::AdversarialTrainer& trainer = hang.trainer();
     trainer.step(data.real[0], data.noise[0]);
     const auto start = Clock::now();
     HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]),
@@ -427,9 +432,8 @@ TEST(StrategyTrainer, HungReplicaIsNamedAfterTheTimeout) {
 TEST(StrategyTrainer, AbortEndsAStepWaitingOnPeersWithTheReason) {
   const auto data = make_data(8, hierpar::testing::rng()());
   for (const char* reduce : cpu_reductions()) {
-    HangingReplica hang(0);
-    auto trainer_owner = hang.trainer(reduce, std::chrono::seconds(60));
-    hs::AdversarialTrainer& trainer = *trainer_owner;
+    HangingReplica hang(reduce, /*step=*/0, std::chrono::seconds(60));
+    hs::AdversarialTrainer& trainer = hang.trainer();
     std::thread aborter([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       trainer.abort("rank 3 failed elsewhere");
