@@ -8,6 +8,7 @@
 #include "averaging_parts.h"
 #include "hierpar/enum_names.h"
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -227,6 +228,21 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
   TORCH_CHECK(false, "collective averaging on CPU needs hierpar built with Gloo (the gloo headers "
               "come from Debian's libgloo-dev): this build has none");
 #endif
+}
+
+void release_backend(c10::intrusive_ptr<c10d::Backend>& group) {
+  if (!group) return;
+  if (group->getBackendName() != "nccl" || group.use_count() > 1) {
+    group.reset();
+    return;
+  }
+  // ProcessGroupNCCL's destructor aborts its communicator (C++ has no destroy_process_group()), and its watchdog
+  // then logs the last collective as failed ("unhandled system error", a stack trace) before the destructor joins
+  // it. Nothing failed: the logs are held back until the group is gone.
+  const int level = FLAGS_caffe2_log_level;
+  FLAGS_caffe2_log_level = std::max(level, 3);
+  group.reset();
+  FLAGS_caffe2_log_level = level;
 }
 
 namespace {

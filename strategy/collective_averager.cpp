@@ -35,7 +35,12 @@ class CollectiveAverager final : public GradientAverager {
 #endif
   }
 
-  ~CollectiveAverager() override { detach_hooks(reducers_); }
+  ~CollectiveAverager() override {
+    detach_hooks(reducers_);
+    for (auto& groups : groups_) {
+      for (auto& group : groups) release_backend(group);
+    }
+  }
 
   void connect(int64_t local) override {
     // Every local replica joins concurrently (Gloo's rendezvous needs all ranks at once); one group

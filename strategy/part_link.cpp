@@ -31,6 +31,8 @@ PartLink::PartLink(const Placement& placement, const c10::intrusive_ptr<c10d::St
   (void)probe.item<float>();
 }
 
+PartLink::~PartLink() { release_backend(group_); }
+
 void PartLink::send(const at::Tensor& tensor, const char* what) { transfer(tensor, rank_, what); }
 
 void PartLink::receive(const at::Tensor& into, const char* what) { transfer(into, 1 - rank_, what); }

@@ -21,6 +21,9 @@ class PartLink {
   // `store`: where both processes meet (every pair under its own prefix of it). Connects at once: the peer must
   // construct its link too.
   PartLink(const Placement& placement, const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout);
+  ~PartLink();
+  PartLink(const PartLink&) = delete;
+  PartLink& operator=(const PartLink&) = delete;
 
   // This part's `tensor` to the peer (`what` names it in errors), or the peer's into `into` (same shape, dtype and
   // memory format; dense). Throws a PeerFailure when the peer failed, died, did not come within the timeout or the
