@@ -208,6 +208,31 @@ bool register_suite(const std::string& name, Suite suite, bool needs_cuda) {
   return true;
 }
 
+namespace {
+std::map<std::string, Redraw>& redraws() {
+  static std::map<std::string, Redraw> all;
+  return all;
+}
+}  // namespace
+
+bool register_redraw(const std::string& suite, Redraw redraw) {
+  redraws()[suite] = std::move(redraw);
+  return true;
+}
+
+bool redraw_chart(const std::string& suite, const std::string& path) {
+  const auto it = redraws().find(suite);
+  if (it == redraws().end()) return false;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot read the record");
+  const nlohmann::json record = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (record.is_discarded() || !record.is_object() || !record.contains("records") || !record["records"].is_array())
+    throw std::runtime_error(path + ": not a hierpar-bench record (a JSON object with a \"records\" list)");
+  const bool json = path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  it->second(record["records"], (json ? path.substr(0, path.size() - 5) : path) + ".png");
+  return true;
+}
+
 bool suite_needs_cuda(const std::string& name) { return cpu_suites().count(name) == 0; }
 
 const std::vector<std::pair<std::string, Suite>>& suites() { return registry(); }

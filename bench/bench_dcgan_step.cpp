@@ -427,6 +427,25 @@ void dcgan_step_suite(Report& report, const Options& options) {
   }
 }
 
+// The chart again from a record (`hierpar-bench dcgan_step --redraw RECORD.json`).
+void redraw_dcgan_step_chart(const nlohmann::json& records, const std::string& png) {
+  std::vector<Row> rows;
+  for (const auto& r : records) {
+    const auto& c = r.at("config");
+    Row row{};
+    row.bench = r.at("bench").get<std::string>();
+    row.impl = r.at("impl").get<std::string>();
+    row.precision = c.at("precision").get<std::string>();
+    row.layout = c.at("layout").get<std::string>();
+    row.graphs = c.at("graphs").get<std::string>();
+    row.batch = c.at("batch").get<int64_t>();
+    row.ms = r.at("median_us").get<double>() / 1000.0;
+    rows.push_back(row);
+  }
+  write_chart(rows, png);
+}
+
 HIERPAR_BENCH_SUITE("dcgan_step", dcgan_step_suite);
+const bool dcgan_step_redraw = register_redraw("dcgan_step", redraw_dcgan_step_chart);
 
 }  // namespace

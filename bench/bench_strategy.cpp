@@ -147,6 +147,19 @@ std::vector<std::pair<std::string, double>> idle_fractions(const std::vector<hs:
   return out;
 }
 
+// A row's series in the chart: placement, reduction and what differs from the default row, e.g. "data 4 nccl flat".
+std::string placement_label(const std::string& strategy, int64_t gpus, const std::string& reduce,
+                            const std::string& buckets, bool graphs, bool sync_bn, bool stock, int64_t processes) {
+  return strategy + " " + std::to_string(gpus) + (reduce == "none" ? "" : " " + reduce) +
+         (buckets == "flat" ? " flat" : "") + (graphs ? "" : " eager") + (sync_bn ? " sync BN" : "") +
+         (stock ? " stock" : "") + (processes > 1 ? " " + std::to_string(processes) + " procs" : "");
+}
+
+// A row's group in the chart: its global batch and precision.
+std::string chart_group(int64_t batch, const std::string& precision) {
+  return "b" + std::to_string(batch) + " " + precision;
+}
+
 // Thousands of images/s per placement (bars), one group per batch and precision: <gpu>-strategy.png.
 void write_chart(const std::vector<Result>& results, const std::string& path) {
   write_chart_file(path, [&]([[maybe_unused]] const std::string& file) {
@@ -370,15 +383,10 @@ void strategy_suite(Report& report, const Options& options) {
         }
         report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
         const std::string shown = label + (trainer.graphs() ? ", graphs" : ", eager");
-        const std::string placement_label = std::string(row.strategy) + " " + std::to_string(row.gpus) +
-                                            (std::string(row.reduce) == "none" ? "" : std::string(" ") + row.reduce) +
-                                            (std::string(row.buckets) == "flat" ? " flat" : "") +
-                                            (row.graphs ? "" : " eager") +
-                                            (row.sync_bn ? " sync BN" : "") +
-                                            (row.layers == hierpar::LayerSet::stock ? " stock" : "") +
-                                            (launched ? " " + std::to_string(options.world_size) + " procs" : "");
-        results.push_back({shown, placement_label, "b" + std::to_string(c.batch) + " " + c.precision.name(), epoch_s,
-                           images_per_s});
+        results.push_back({shown,
+                           placement_label(row.strategy, row.gpus, row.reduce, row.buckets, row.graphs, row.sync_bn,
+                                           row.layers == hierpar::LayerSet::stock, options.world_size),
+                           chart_group(c.batch, c.precision.name()), epoch_s, images_per_s});
         // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
         if (!reports) continue;
         if (!options.out_prefix.empty()) report.write_json(options.out_prefix + ".json");
@@ -403,6 +411,24 @@ void strategy_suite(Report& report, const Options& options) {
   if (!options.out_prefix.empty() && !results.empty()) write_chart(results, options.out_prefix + ".png");
 }
 
+// The chart again from a record (`hierpar-bench strategy --redraw RECORD.json`).
+void redraw_strategy_chart(const nlohmann::json& records, const std::string& png) {
+  std::vector<Result> results;
+  for (const auto& r : records) {
+    const auto& c = r.at("config");
+    const double images_per_s = r.at("images_per_s").get<double>();
+    results.push_back({"",
+                       placement_label(c.at("strategy").get<std::string>(), c.at("gpus").get<int64_t>(),
+                                       c.at("reduce").get<std::string>(), c.at("buckets").get<std::string>(),
+                                       c.at("graphs").get<std::string>() == "on", c.at("sync_bn").get<bool>(),
+                                       r.at("impl").get<std::string>() == "stock", c.value("processes", int64_t{1})),
+                       chart_group(c.at("batch").get<int64_t>(), c.at("precision").get<std::string>()),
+                       kEpochImages / images_per_s, images_per_s});
+  }
+  write_chart(results, png);
+}
+
 }  // namespace
 
 HIERPAR_BENCH_SUITE("strategy", strategy_suite);
+const bool strategy_redraw = hierpar::bench::register_redraw("strategy", redraw_strategy_chart);

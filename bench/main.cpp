@@ -1,6 +1,7 @@
 // hierpar-bench: runs benchmark suites on the GPU, prints a table per suite and writes
 // <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
 //   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]
+//   hierpar-bench SUITE --redraw RECORD.json    (the suite's chart again from its record: RECORD.png; no GPU needed)
 #include "bench.h"
 
 #include "hierpar/strategy/placement.h"
@@ -43,7 +44,9 @@ void print_stack_and_reraise(int signal) {
 }
 
 int usage(const std::string& error) {
-  std::cerr << "hierpar-bench: " << error << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n";
+  std::cerr << "hierpar-bench: " << error
+            << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]"
+               "\n       hierpar-bench SUITE --redraw RECORD.json\n";
   return 2;
 }
 
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
   Options options;
   std::string out_dir = "bench/results";
   std::vector<std::string> wanted;
+  std::string redraw;  // --redraw: a record whose chart to draw again
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--quick") {
@@ -77,6 +81,10 @@ int main(int argc, char** argv) {
     } else if (arg == "--out") {
       if (++i == argc) return usage("--out needs a directory");
       out_dir = argv[i];
+    } else if (arg == "--redraw") {
+      if (++i == argc)
+        return usage("--redraw needs a record the suite wrote, e.g. bench/results/h200x4-strategy-bf16.json");
+      redraw = argv[i];
     } else if (arg == "--list") {
       for (const auto& [name, suite] : suites()) std::cout << name << "\n";
       return 0;
@@ -85,6 +93,18 @@ int main(int argc, char** argv) {
     } else {
       wanted.push_back(arg);
     }
+  }
+  if (!redraw.empty()) {
+    if (wanted.size() != 1) return usage("--redraw: name the one suite that wrote the record, e.g. strategy");
+    if (std::none_of(suites().begin(), suites().end(), [&](const auto& s) { return s.first == wanted[0]; }))
+      return usage("no suite named '" + wanted[0] + "' (--list shows them)");
+    try {
+      if (!redraw_chart(wanted[0], redraw)) return usage("--redraw: suite '" + wanted[0] + "' draws no chart");
+    } catch (const std::exception& e) {
+      std::cerr << "hierpar-bench: --redraw: " << e.what() << "\n";
+      return 1;
+    }
+    return 0;
   }
   if (wanted.empty() || std::find(wanted.begin(), wanted.end(), "all") != wanted.end()) {
     wanted.clear();
