@@ -156,8 +156,47 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   std::optional<c10::Stream> fake_stream, main_stream;
   std::optional<AutocastCacheOff> autocast_cache_off;
 
-  // G's forward: the fakes, kept with their autograd graph until G's backward (the end of this step).
+  // The pipelined schedule's forward on copy `copy` of G, loaded with G's parameters and buffers: the fakes keep
+  // that copy's autograd graph, and G's buffers (BatchNorm's running statistics) advance as after any forward.
+  const bool pipelined = options_.schedule == Schedule::pipelined;
+  auto next_noise = [&] {
+    if (r.drawn_noise.empty()) return draw_noise(local, real_share.size(0));
+    torch::Tensor noise = r.drawn_noise.front().to(g_device);
+    r.drawn_noise.pop_front();
+    return noise;
+  };
+  auto forward_on_copy = [&](int copy, const torch::Tensor& noise) {
+    torch::nn::Module& master = *r.generator.ptr();
+    torch::nn::Module& ahead = *r.generator_ahead[copy].ptr();
+    const auto load = [](const std::vector<torch::Tensor>& from, const std::vector<torch::Tensor>& into) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < from.size(); ++i) into[i].copy_(from[i]);
+    };
+    load(master.parameters(), ahead.parameters());
+    load(master.buffers(), ahead.buffers());
+    torch::Tensor fake;
+    {
+      auto scope = autocast(g_device);
+      fake = r.generator_ahead[copy].forward<torch::Tensor>(noise);
+    }
+    load(ahead.buffers(), master.buffers());
+    return fake;
+  };
+
+  // G's forward: the fakes, kept with their autograd graph until G's backward (the end of this step). Pipelined, the
+  // previous step made them (unless it was the first, or the batch changed).
   on(Network::generator, "G forward", [&] {
+    if (pipelined) {
+      if (r.ahead_fake.defined() && r.ahead_fake.size(0) == real_share.size(0)) {
+        r.fake = std::move(r.ahead_fake);
+        r.fake_copy = r.ahead_copy;
+        return;
+      }
+      r.ahead_fake = torch::Tensor();
+      r.fake_copy = 0;
+      r.fake = forward_on_copy(0, next_noise());
+      return;
+    }
     if (!two_devices) {
       main_stream = current_stream(d_device);
       fake_stream = fake_pass_stream(local);
@@ -240,6 +279,14 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     between(g_device, "copy fakes", [&r, d_device] {
       if (!r.fake_on_d.defined()) r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
       r.fake_on_d.copy_(r.fake.detach(), /*non_blocking=*/true);
+    });
+  }
+
+  // Pipelined: the next step's fakes, on G's weights before this step's update, while D works on this step's.
+  if (pipelined) {
+    on(Network::generator, "G forward ahead", [&] {
+      r.ahead_copy = 1 - r.fake_copy;
+      r.ahead_fake = forward_on_copy(r.ahead_copy, next_noise());
     });
   }
 
@@ -342,7 +389,18 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       r.fake_grad = torch::empty_like(r.fake);
     }
     r.generator_optimizer->zero_grad();
-    torch::autograd::backward({r.fake}, {r.fake_grad});
+    if (pipelined) {
+      // Through the copy that made the fakes; its gradients become G's.
+      const std::vector<torch::Tensor> copy_parameters = r.generator_ahead[r.fake_copy].ptr()->parameters();
+      for (const torch::Tensor& p : copy_parameters) p.mutable_grad() = torch::Tensor();
+      torch::autograd::backward({r.fake}, {r.fake_grad});
+      for (size_t i = 0; i < copy_parameters.size(); ++i) {
+        r.generator_parameters[i].mutable_grad() = copy_parameters[i].grad();
+        copy_parameters[i].mutable_grad() = torch::Tensor();
+      }
+    } else {
+      torch::autograd::backward({r.fake}, {r.fake_grad});
+    }
     if (fake_stream) order(*fake_stream, *main_stream);  // G's backward ran there
     if (averager_) averager_->backward_done(local, Network::generator);
   });

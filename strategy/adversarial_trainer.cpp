@@ -6,6 +6,7 @@
 #include "hierpar/strategy/fused_adam.h"
 #include "hierpar/strategy/sync_batch_norm.h"
 
+#include "hierpar/enum_names.h"
 #include "hierpar/nn/recompute.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -25,6 +26,18 @@
 #include <thread>
 
 namespace hierpar::strategy {
+
+namespace {
+constexpr EnumNames<Schedule, 2> schedule_names{{{Schedule::exact, "exact"}, {Schedule::pipelined, "pipelined"}}};
+}  // namespace
+
+const char* to_string(Schedule schedule) { return name_of(schedule_names, schedule); }
+
+Schedule parse_schedule(const std::string& name) {
+  const std::optional<Schedule> schedule = value_named(schedule_names, name);
+  TORCH_CHECK(schedule.has_value(), "--schedule must be ", listed_names(schedule_names), "; got \"", name, "\"");
+  return *schedule;
+}
 
 std::pair<double, double> StepLosses::mean() const {
   TORCH_CHECK(!discriminator.empty() && discriminator.size() == generator.size(), "StepLosses: no losses to read");
@@ -63,6 +76,23 @@ std::map<int, std::vector<torch::Tensor>> state_by_dtype(const torch::nn::Module
   return groups;
 }
 
+// module.clone(device) without consuming the CPU generator: clone() re-runs each module's reset(), which draws a fresh
+// initialisation before the original's values are copied in. Keeping the generator's state keeps the random numbers
+// drawn later (the noise on a CPU placement) independent of how many copies a placement makes, so data runs match
+// single runs.
+torch::nn::AnyModule clone_keeping_cpu_generator(const torch::nn::AnyModule& module, const c10::Device& device) {
+  at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(cpu_generator.mutex());
+    state = cpu_generator.get_state();
+  }
+  torch::nn::AnyModule copy = module.clone(device);
+  std::lock_guard<std::mutex> lock(cpu_generator.mutex());
+  cpu_generator.set_state(state);
+  return copy;
+}
+
 }  // namespace
 
 AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn::AnyModule discriminator,
@@ -87,6 +117,12 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
               "(options.sync_batch_norm)");
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
               options_.graph_warmup_steps);
+  const bool pipelined = options_.schedule == Schedule::pipelined;
+  TORCH_CHECK(!(pipelined && placement_.split()), "AdversarialTrainer: the pipelined schedule (options.schedule) "
+              "runs a replica's G and D in one process; a placement with a process per device runs the exact one");
+  TORCH_CHECK(!(pipelined && options_.sync_batch_norm), "AdversarialTrainer: the pipelined schedule "
+              "(options.schedule) runs G's forward on copies of G, which synchronized BatchNorm (options.sync_batch_norm) "
+              "does not reach");
   // A split placement's process keeps the network it runs; the other one's module is left as it came.
   const ReplicaPart part = placement_.replicas[0].part;
   const bool runs_g = part != ReplicaPart::discriminator, runs_d = part != ReplicaPart::generator;
@@ -106,25 +142,19 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
         replica->discriminator = std::move(discriminator);
       }
     } else {
-      // clone() re-runs each module's reset(), which draws a fresh initialisation from the CPU generator before
-      // replica 0's values are copied in. Restoring the generator keeps the random numbers drawn later (the
-      // noise on a CPU placement) independent of the replica count, so data runs match single runs.
-      at::Generator cpu_generator = at::detail::getDefaultCPUGenerator();
-      at::Tensor cpu_generator_state;
-      {
-        std::lock_guard<std::mutex> lock(cpu_generator.mutex());
-        cpu_generator_state = cpu_generator.get_state();
-      }
-      replica->generator = replicas_[0]->generator.clone(devices.generator);
-      replica->discriminator = replicas_[0]->discriminator.clone(devices.discriminator);
-      std::lock_guard<std::mutex> lock(cpu_generator.mutex());
-      cpu_generator.set_state(cpu_generator_state);
+      replica->generator = clone_keeping_cpu_generator(replicas_[0]->generator, devices.generator);
+      replica->discriminator = clone_keeping_cpu_generator(replicas_[0]->discriminator, devices.discriminator);
     }
     for (torch::nn::AnyModule* module : {&replica->generator, &replica->discriminator}) {
       if (module->is_empty()) continue;
       if (options_.precision.channels_last) convert_to_channels_last(*module->ptr());
       TORCH_CHECK(!module->ptr()->parameters().empty(), "AdversarialTrainer: the generator and the discriminator must "
                   "have parameters");
+    }
+    if (pipelined) {
+      for (auto& copy : replica->generator_ahead) {
+        copy = clone_keeping_cpu_generator(replica->generator, devices.generator);
+      }
     }
     if (runs_g) replica->generator_parameters = replica->generator.ptr()->parameters();
     if (runs_d) replica->discriminator_parameters = replica->discriminator.ptr()->parameters();
@@ -167,6 +197,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
     } else if (options_.gradient_penalty > 0) {
       graph_fallback_ = "CUDA graphs off: the gradient penalty's double backward is not captured by this trainer; "
                         "steps run eagerly";
+    } else if (pipelined) {
+      graph_fallback_ = "CUDA graphs off: the pipelined schedule keeps each step's next fakes, with their autograd "
+                        "graph, into the following step, which a replayed graph cannot; steps run eagerly";
     } else {
       graphs_ = true;
       for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
@@ -182,6 +215,9 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   // buckets, summed on the averager's own threads during the backward, must not run beside them.
   AveragingOptions averaging = options_.averaging;
   if (options_.sync_batch_norm && placement_.reduce == Reduce::host) averaging.bucket_cap_bytes = 0;
+  // The pipelined schedule's G backward runs through a copy of G, whose gradients reach G's own parameters after it:
+  // no bucket hooks there, so both networks average one flat buffer after their backward.
+  if (pipelined) averaging.bucket_cap_bytes = 0;
   if (placement_.split()) {
     // The link to the other part, then the averager of the processes that run the same part (each network's groups
     // have their own prefix in the store, so G's and D's processes never meet there).
@@ -194,7 +230,7 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   // Eager averaging hooks into the backward (buckets averaged as their gradients become ready), which
   // assumes one stream; so do synchronized BatchNorm's collectives, which only run eagerly.
   // The gradient penalty's pass reads the real batch and the fakes together: one stream.
-  if (options_.overlap_passes && !(averager_ && !graphs_) && options_.gradient_penalty == 0) {
+  if (options_.overlap_passes && !(averager_ && !graphs_) && options_.gradient_penalty == 0 && !pipelined) {
     for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
       const ReplicaDevices& devices = placement_.replicas[i];
       if (devices.generator != devices.discriminator || !devices.generator.is_cuda() || placement_.split()) continue;
@@ -405,7 +441,23 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
   // Replicas that share a generator (CPU) would race for it: their rows of one global draw are made here.
   std::vector<torch::Tensor> shares = noises;
   const bool draw = std::none_of(noises.begin(), noises.end(), [](const torch::Tensor& n) { return n.defined(); });
-  if (draw && shared_noise_generator_) {
+  if (options_.schedule == Schedule::pipelined) {
+    TORCH_CHECK(draw, "AdversarialTrainer: the pipelined schedule draws G's noise itself (the next step's forward runs "
+                "during this one): call step(real) without noise");
+    if (shared_noise_generator_) {
+      // The draws the replicas' steps will make, in order: this step's fakes too when the pipeline is empty (the first
+      // step, or another batch size), then the next step's.
+      const int64_t share = reals[0].size(0);
+      const Replica& first = *replicas_[0];
+      const bool refill = !first.ahead_fake.defined() || first.ahead_fake.size(0) != share;
+      for (int draws = refill ? 2 : 1; draws > 0; --draws) {
+        const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
+        for (size_t i = 0; i < reals.size(); ++i) {
+          replicas_[i]->drawn_noise.push_back(all.narrow(0, placement_.replicas[i].replica * share, share));
+        }
+      }
+    }
+  } else if (draw && shared_noise_generator_) {
     const int64_t share = reals[0].size(0);
     const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
     for (size_t i = 0; i < reals.size(); ++i) {

@@ -12,6 +12,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 
+#include <array>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -62,6 +64,14 @@ struct AdversarialTrainer::Replica {
   torch::Tensor fake, fake_on_d, fake_grad;
   // A split placement: the fakes' layout, sent by G's process on the first step (adversarial_step.cpp).
   std::vector<int64_t> fake_layout;
+  // options.schedule == pipelined: two copies of G that run its forward one step ahead, alternately, each loaded with
+  // G's parameters and buffers just before; `ahead_fake` is the next step's fakes, made by copy `ahead_copy` and kept
+  // with its autograd graph (and `fake`'s copy with its own) until that step's G backward.
+  std::array<torch::nn::AnyModule, 2> generator_ahead;
+  torch::Tensor ahead_fake;
+  int fake_copy = 0, ahead_copy = 0;
+  // Its noise, where replicas share one generator (CPU): the rows of the draws run_step made, in the order used.
+  std::deque<torch::Tensor> drawn_noise;
   bool noise_given = false;
   // Synchronized BatchNorm (options.sync_batch_norm; null otherwise): installed around each forward.
   std::unique_ptr<ReplicaBatchNormSync> generator_bn_sync, discriminator_bn_sync;

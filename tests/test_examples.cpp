@@ -598,7 +598,8 @@ TEST(Examples, BadTrainFlagsGiveOneLineErrors) {
             {"--graphs on", "--graphs on needs a CUDA device (this run is on the CPU)", "graphs on CPU"},
             {"--precision bf16", "--precision bf16 needs a CUDA device", "bf16 on CPU"},
             {"--log-every 0", "--log-every: expected an integer >= 1, got 0", "log interval"},
-            {"--channels-last=yes", "--channels-last takes no value", "boolean flag"}});
+            {"--channels-last=yes", "--channels-last takes no value", "boolean flag"},
+            {"--schedule ahead", "--schedule must be exact or pipelined; got \"ahead\"", "schedule name"}});
 }
 
 TEST(Examples, PlotFlagsGiveOneLineErrors) {
@@ -608,6 +609,28 @@ TEST(Examples, PlotFlagsGiveOneLineErrors) {
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "none.csv") + " --output " + (dir / "p.png"), dir), "none.csv: cannot read the losses", "missing csv");
   std::ofstream(dir / "junk.csv") << "a,b\n1,2\n";
   expect_one_line_error(run_dcgan("plot --runs a=" + (dir / "junk.csv") + " --output " + (dir / "p.png"), dir), "junk.csv: not a hierpar-dcgan losses.csv", "wrong csv");
+}
+
+// --schedule pipelined trains (finite losses, a checkpoint) to other weights than the exact schedule from the same
+// seed: the flag reaches the trainer.
+TEST(Examples, PipelinedScheduleTrainsToOtherWeights) {
+  TempDir dir;
+  auto exact = tiny_training(dir / "exact");
+  exact.max_steps = 4;
+  ASSERT_EQ(train_dcgan(exact), 0);
+  auto pipelined = exact;
+  pipelined.out = dir / "pipelined";
+  pipelined.schedule = "pipelined";
+  ASSERT_EQ(train_dcgan(pipelined), 0);
+  const auto a = checkpoint_networks(dir / "exact/checkpoint.pt", exact.model);
+  const auto b = checkpoint_networks(dir / "pipelined/checkpoint.pt", exact.model);
+  ASSERT_EQ(a.size(), b.size());
+  double largest = 0;
+  for (size_t i = 0; i < a.size(); ++i) largest = std::max(largest, (a[i] - b[i]).abs().max().item<double>());
+  EXPECT_GT(largest, 1e-6);
+  const auto history = read_checkpoint_state(dir / "pipelined/checkpoint.pt").history;
+  ASSERT_EQ(history.size(0), 4);
+  EXPECT_TRUE(history.isfinite().all().item<bool>());
 }
 
 // On the CPU: FusedAdam + channels_last + losses read every 3 steps train, interrupt and resume to the same

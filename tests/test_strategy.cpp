@@ -5,6 +5,9 @@
 // with a reason when GPUs are missing.
 #include "strategy_testing.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -454,6 +457,146 @@ TEST(StrategyTrainer, AbortEndsAStepWaitingOnPeersWithTheReason) {
     EXPECT_GT(trainer.progress(), 0) << reduce << ": replica 0 entered collectives";
     HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[1], data.noise[1]), "rank 3 failed elsewhere");
   }
+}
+
+// ---- the pipelined schedule (CPU) ------------------------------------------------------------------
+
+namespace {
+// Parameters, then floating-point buffers, of G then D.
+std::vector<torch::Tensor> parameters_and_buffers(torch::nn::Module& g, torch::nn::Module& d) {
+  std::vector<torch::Tensor> state;
+  for (torch::nn::Module* module : {&g, &d}) {
+    for (const auto& p : module->parameters()) state.push_back(p.detach().cpu().clone());
+  }
+  for (torch::nn::Module* module : {&g, &d}) {
+    for (const auto& b : module->buffers()) {
+      if (b.is_floating_point()) state.push_back(b.detach().cpu().clone());
+    }
+  }
+  return state;
+}
+
+// kSteps of the trainer with options.schedule = pipelined (noise drawn by the trainer), every local replica's state.
+std::vector<std::vector<torch::Tensor>> train_pipelined(const hs::Placement& placement, bool batch_norm,
+                                                        const Data& data, uint64_t init_seed) {
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(batch_norm);
+  auto d = tiny_discriminator(batch_norm);
+  auto options = test_options();
+  options.schedule = hs::Schedule::pipelined;
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  for (int64_t k = 0; k < kSteps; ++k) trainer.step(data.real[k]);
+  std::vector<std::vector<torch::Tensor>> states;
+  for (int64_t i = 0; i < placement.local_replicas(); ++i) {
+    states.push_back(parameters_and_buffers(*trainer.generator(i).ptr(), *trainer.discriminator(i).ptr()));
+  }
+  return states;
+}
+
+// The pipelined algorithm written out on one device, in the trainer's order of operations: G's forward for step
+// k + 1 on copy (k + 1) % 2 of G, loaded with G's weights before step k's update; step k's D update on the fakes of
+// step k; G's loss through the updated D; G's backward through the copy that made step k's fakes, its gradients
+// applied to G by G's Adam. Each forward's BatchNorm statistics become G's.
+std::vector<torch::Tensor> pipelined_by_hand(bool batch_norm, const Data& data, uint64_t init_seed) {
+  torch::manual_seed(init_seed);
+  auto g = tiny_generator(batch_norm);
+  auto d = tiny_discriminator(batch_norm);
+  // Copies of G that leave the CPU generator as they found it (as the trainer's), so the noise draws line up.
+  auto cpu_generator = at::detail::getDefaultCPUGenerator();
+  const torch::Tensor rng_state = cpu_generator.get_state();
+  std::array<TinyNet, 2> copies{std::dynamic_pointer_cast<TinyNetImpl>(g->clone()),
+                                std::dynamic_pointer_cast<TinyNetImpl>(g->clone())};
+  cpu_generator.set_state(rng_state);
+  const auto options = test_options();
+  auto adam = [](const std::vector<torch::Tensor>& params, const hs::AdamSettings& s) {
+    return torch::optim::Adam(params, torch::optim::AdamOptions(s.lr).betas({s.beta1, s.beta2}).eps(s.eps));
+  };
+  auto g_opt = adam(g->parameters(), options.generator_adam);
+  auto d_opt = adam(d->parameters(), options.discriminator_adam);
+  auto forward_on_copy = [&](int c) {
+    const auto load = [](const std::vector<torch::Tensor>& from, const std::vector<torch::Tensor>& into) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < from.size(); ++i) into[i].copy_(from[i]);
+    };
+    load(g->parameters(), copies[c]->parameters());
+    load(g->buffers(), copies[c]->buffers());
+    const torch::Tensor fake = copies[c]->forward(torch::randn({data.real.size(1), kNoise, 1, 1}));
+    load(copies[c]->buffers(), g->buffers());
+    return fake;
+  };
+  int fake_copy = 0;
+  torch::Tensor fake = forward_on_copy(0);
+  for (int64_t k = 0; k < kSteps; ++k) {
+    if (k > 0) fake_copy = 1 - fake_copy;
+    d_opt.zero_grad();
+    hs::bce_with_logits_loss(d->forward(data.real[k]), hs::LossTerm::real).backward();
+    const torch::Tensor ahead = forward_on_copy(1 - fake_copy);
+    const torch::Tensor fake_on_d = fake.detach();
+    hs::bce_with_logits_loss(d->forward(fake_on_d.detach()), hs::LossTerm::fake).backward();
+    d_opt.step();
+    fake_on_d.requires_grad_(true);
+    for (auto& p : d->parameters()) p.requires_grad_(false);
+    hs::bce_with_logits_loss(d->forward(fake_on_d), hs::LossTerm::generator).backward();
+    for (auto& p : d->parameters()) p.requires_grad_(true);
+    g_opt.zero_grad();
+    const auto copy_parameters = copies[fake_copy]->parameters();
+    for (const auto& p : copy_parameters) p.mutable_grad() = torch::Tensor();
+    torch::autograd::backward({fake}, {fake_on_d.grad()});
+    const auto g_parameters = g->parameters();
+    for (size_t i = 0; i < g_parameters.size(); ++i) g_parameters[i].mutable_grad() = copy_parameters[i].grad();
+    g_opt.step();
+    fake = ahead;
+  }
+  return parameters_and_buffers(*g, *d);
+}
+}  // namespace
+
+// options.schedule = pipelined against its algorithm written out by hand (above), bit for bit on one CPU device, with
+// and without BatchNorm; task (G and D on two devices) equals it too, and data on two replicas within the split-batch
+// tolerance without BatchNorm. It is another algorithm than the recipe: the exact schedule's parameters differ.
+TEST(StrategyTrainer, PipelinedScheduleEqualsItsAlgorithmByHand) {
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const auto on = [](const char* scheme, int64_t devices) {
+    return hs::Placement::from_flags(scheme, devices, "host", c10::DeviceType::CPU, {});
+  };
+  for (bool bn : {false, true}) {
+    const std::string with = bn ? ", BatchNorm" : "";
+    const auto by_hand = pipelined_by_hand(bn, data, init);
+    const auto single = train_pipelined(on("single", 1), bn, data, init);
+    expect_states_equal(single[0], by_hand, "pipelined single vs by hand" + with);
+    const auto task = train_pipelined(on("task", 2), bn, data, init);
+    expect_states_equal(task[0], by_hand, "pipelined task vs by hand" + with);
+    // The comparison can fail: the exact schedule, same data and noise draws, ends elsewhere.
+    torch::manual_seed(init);
+    auto g = tiny_generator(bn);
+    auto d = tiny_discriminator(bn);
+    hs::AdversarialTrainer exact(torch::nn::AnyModule(g), torch::nn::AnyModule(d), on("single", 1), test_options());
+    for (int64_t k = 0; k < kSteps; ++k) exact.step(data.real[k]);
+    const auto exact_state = parameters_and_buffers(*exact.generator(0).ptr(), *exact.discriminator(0).ptr());
+    double largest = 0;
+    for (size_t i = 0; i < by_hand.size(); ++i) {
+      largest = std::max(largest, (exact_state[i] - by_hand[i]).abs().max().item<double>());
+    }
+    EXPECT_GT(largest, 1e-6) << "pipelined and exact schedules should differ" << with;
+  }
+  const auto single = train_pipelined(on("single", 1), false, data, init);
+  const auto replicas = train_pipelined(on("data", 2), false, data, init);
+  expect_states_close(replicas[0], single[0], kSplitBatchTolerance, "pipelined data R=2 vs single");
+  expect_states_equal(replicas[1], replicas[0], "pipelined data: replica 1 vs 0");
+}
+
+// The pipelined schedule draws its own noise: a step given noise is refused with the reason.
+TEST(StrategyTrainer, PipelinedScheduleRefusesGivenNoise) {
+  const auto data = make_data(4, hierpar::testing::rng()());
+  auto options = test_options();
+  options.schedule = hs::Schedule::pipelined;
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(tiny_generator(false)),
+                                 torch::nn::AnyModule(tiny_discriminator(false)),
+                                 hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CPU, {}), options);
+  HIERPAR_EXPECT_THROW_MSG(trainer.step(data.real[0], data.noise[0]), "the pipelined schedule draws G's noise itself");
+  EXPECT_EQ(hs::to_string(hs::parse_schedule("pipelined")), std::string("pipelined"));
+  HIERPAR_EXPECT_THROW_MSG(hs::parse_schedule("ahead"), "--schedule must be exact or pipelined; got \"ahead\"");
 }
 
 // ---- CUDA ------------------------------------------------------------------------------------------

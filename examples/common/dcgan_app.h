@@ -62,6 +62,8 @@ struct DCGANTrainConfig {
   // overlap on | off: G's forward and D's pass over the fakes on a second stream (AdversarialOptions).
   std::string graphs = "auto";
   std::string overlap = "on";
+  // exact (the DCGAN recipe) | pipelined: G one step ahead, on weights one update old (AdversarialOptions::schedule).
+  std::string schedule = "exact";
   std::string precision = "tf32";
   bool channels_last = false;
   std::string optimizer = "auto";
@@ -107,6 +109,7 @@ int train_dcgan(DCGANTrainConfig config);
 // flag for unknown values and for requests the device cannot serve (graphs or bf16 on the CPU).
 struct StepSettings {
   bool graphs = false, fused_adam = false, overlap = true;
+  hierpar::strategy::Schedule schedule = hierpar::strategy::Schedule::exact;
   hierpar::strategy::StepPrecision precision;  // the trainer applies it to its steps, train and tune to the rest
   std::string describe() const;  // e.g. "CUDA graphs on, FusedAdam, bf16 autocast, channels_last"
 };

@@ -129,7 +129,16 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
   if (offload && (config.r1 > 0 || config.loss == "wgan-gp"))
     throw FlagError("--memory offload: the R1 and gradient penalties differentiate through every block's input, which "
                     "offload keeps in host memory; use --memory recompute");
-  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda && !offload);
+  try {
+    s.schedule = hierpar::strategy::parse_schedule(config.schedule);
+  } catch (const c10::Error& e) {
+    throw FlagError(e.what_without_backtrace());
+  }
+  const bool pipelined = s.schedule == hierpar::strategy::Schedule::pipelined;
+  if (config.graphs == "on" && pipelined)
+    throw FlagError("--graphs on: --schedule pipelined runs eagerly (each step's next fakes keep their autograd graph "
+                    "into the following step); use --graphs off");
+  s.graphs = config.graphs == "on" || (config.graphs == "auto" && cuda && !offload && !pipelined);
   if (s.graphs && config.optimizer == "adam")
     throw FlagError("--optimizer adam cannot be captured in a CUDA graph: use --optimizer fused or --graphs off");
   s.fused_adam = config.optimizer == "fused" || (config.optimizer == "auto" && cuda);
@@ -150,6 +159,7 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
   options.fused_adam = step.fused_adam;
   options.cuda_graphs = step.graphs;
   options.overlap_passes = step.overlap;
+  options.schedule = step.schedule;
   options.precision = step.precision;
   options.loss_log_steps = config.log_every;
   options.generator_ema_decay = config.ema;
@@ -165,6 +175,7 @@ std::string StepSettings::describe() const {
   std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
   d += ", " + precision.to_string();
   if (overlap) d += ", two streams";
+  if (schedule == hierpar::strategy::Schedule::pipelined) d += ", pipelined schedule (G one step ahead)";
   return d;
 }
 

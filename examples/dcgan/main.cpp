@@ -2,7 +2,7 @@
 //   hierpar-dcgan train    --data fashion-mnist|synthetic|<folder> [--layers stock|hierpar] [--epochs N] ...
 //                          [--strategy single|task|data|hierarchical --gpus N --reduce host|nccl --sync-bn]
 //                          [--graphs on|off --precision fp32|tf32|bf16 --channels-last --optimizer adam|fused]
-//                          [--overlap on|off --memory none|recompute|offload]
+//                          [--overlap on|off --memory none|recompute|offload --schedule exact|pipelined]
 //   torchrun --no-python --nproc-per-node N hierpar-dcgan train ... (one process per replica or replicas)
 //                          [--resume auto --timeout S --inject-fault KIND@STEP[:REPLICA]]
 //   hierpar-dcgan generate --checkpoint runs/dcgan/checkpoint.pt --count 64 --output samples.png
@@ -88,6 +88,10 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
            "host memory) or files (a folder's images decoded batch by batch as they are needed)")
       .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
       .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
+      .add("schedule", &config.schedule, "exact (default: the DCGAN recipe) or pipelined: G's forward for the next step "
+           "runs during this one, on G's weights before this step's update, so D never waits for G. This changes the "
+           "algorithm (G's gradient is one step stale; docs/strategy.md measures what it costs); eager steps, one "
+           "process per replica")
       .add("precision", &config.precision, "fp32, tf32 (TF32 convolutions/matmuls) or bf16 (autocast, channels_last; CUDA)")
       .add("channels-last", &config.channels_last, "channels_last parameters and batches (bf16 implies it)")
       .add("optimizer", &config.optimizer, "adam (torch::optim::Adam) or fused (FusedAdam; default on CUDA)");

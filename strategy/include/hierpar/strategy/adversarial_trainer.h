@@ -84,6 +84,18 @@ struct AdamSettings {
   double weight_decay = 0.0;
 };
 
+// The order of G's and D's work in a step (docs/strategy.md, "Schedules").
+// exact: the DCGAN recipe; every placement computes the numbers of one device.
+// pipelined: G runs one step ahead. Its forward for step t + 1 runs during step t, on its weights before step t's
+// update (held in one of two copies of G until that step's backward), so D never waits for G's update and on two
+// devices G's forward overlaps D's work. This changes the algorithm: G's gradient at step t is taken at its weights
+// of step t - 1 and applied to those of step t (PipeDream's weight stashing). Eager steps only (graph_fallback() says
+// so under cuda_graphs), in-process placements, noise drawn by the trainer (step(real)), flat averaging after the
+// backward, no synchronized BatchNorm. A checkpoint holds no fakes in flight: a resumed run refills the pipeline.
+enum class Schedule { exact, pipelined };
+const char* to_string(Schedule schedule);
+Schedule parse_schedule(const std::string& name);  // "exact" | "pipelined"
+
 struct AdversarialOptions {
   AdamSettings generator_adam;
   AdamSettings discriminator_adam;
@@ -139,6 +151,7 @@ struct AdversarialOptions {
   // Used where one CUDA device runs both networks and no averager hooks into the backward (eager data
   // parallelism averages buckets as gradients become ready, on the stream that finished them).
   bool overlap_passes = true;
+  Schedule schedule = Schedule::exact;
   // A failing replica's own error is printed on stderr when it happens (TORCH_WARN), before step() rethrows
   // it: a collective library may end the process first. Off for a caller that reports failures itself.
   bool report_failures = true;
