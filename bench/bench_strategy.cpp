@@ -73,8 +73,11 @@ struct Row {
   const char* buckets = "bucketed";
   bool sync_bn = false;  // synchronized BatchNorm across the replicas
   // Captured as CUDA graphs (every row but the eager averaging ones, which show what the eager step's bucketed
-  // averaging does: host buckets summed during the backward against one flat buffer after it, and NCCL's).
+  // averaging does: host buckets summed during the backward against one flat buffer after it, and NCCL's; and the
+  // schedule rows).
   bool graphs = true;
+  // AdversarialOptions::schedule: the pipelined schedule (G one step ahead; eager), against the exact one eager.
+  bool pipelined = false;
 };
 
 
@@ -149,10 +152,12 @@ std::vector<std::pair<std::string, double>> idle_fractions(const std::vector<hs:
 
 // A row's series in the chart: placement, reduction and what differs from the default row, e.g. "data 4 nccl flat".
 std::string placement_label(const std::string& strategy, int64_t gpus, const std::string& reduce,
-                            const std::string& buckets, bool graphs, bool sync_bn, bool stock, int64_t processes) {
+                            const std::string& buckets, bool graphs, bool pipelined, bool sync_bn, bool stock,
+                            int64_t processes) {
   return strategy + " " + std::to_string(gpus) + (reduce == "none" ? "" : " " + reduce) +
-         (buckets == "flat" ? " flat" : "") + (graphs ? "" : " eager") + (sync_bn ? " sync BN" : "") +
-         (stock ? " stock" : "") + (processes > 1 ? " " + std::to_string(processes) + " procs" : "");
+         (buckets == "flat" ? " flat" : "") + (graphs ? "" : " eager") + (pipelined ? " pipelined" : "") +
+         (sync_bn ? " sync BN" : "") + (stock ? " stock" : "") +
+         (processes > 1 ? " " + std::to_string(processes) + " procs" : "");
 }
 
 // A row's group in the chart: its global batch and precision.
@@ -234,6 +239,8 @@ void strategy_suite(Report& report, const Options& options) {
       {"data", 2, "host", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
       {"data", 2, "host", hierpar::LayerSet::hierpar, "flat", false, /*graphs=*/false},
       {"data", 2, "nccl", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
+      {"task", 2, "none", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false},
+      {"task", 2, "none", hierpar::LayerSet::hierpar, "bucketed", false, /*graphs=*/false, /*pipelined=*/true},
   };
   struct Case {
     int64_t batch;
@@ -263,7 +270,7 @@ void strategy_suite(Report& report, const Options& options) {
       const std::string label = std::string(row.strategy) + " " + std::to_string(row.gpus) + " GPU" +
                                 (row.gpus > 1 ? "s" : "") + ", reduce " + row.reduce +
                                 (bucketing ? std::string(" ") + row.buckets : std::string()) +
-                                (row.graphs ? "" : ", eager") +
+                                (row.graphs ? "" : ", eager") + (row.pipelined ? ", pipelined" : "") +
                                 (row.sync_bn ? ", sync BN" : "") + ", " +
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name() +
@@ -281,7 +288,7 @@ void strategy_suite(Report& report, const Options& options) {
         // task and hierarchical with a process per GPU: G and D of a replica in two processes (a split placement).
         const bool split = (scheme == "task" || scheme == "hierarchical") && row.gpus == options.world_size;
         std::string why;
-        if ((std::string(row.reduce) == "none" && !split) || row.sync_bn || !row.graphs) {
+        if ((std::string(row.reduce) == "none" && !split) || row.sync_bn || !row.graphs || row.pipelined) {
           why = "one process runs it (see the in-process record)";
         } else if (!split && (row.gpus % options.world_size != 0 || (row.gpus / options.world_size) % per_replica != 0)) {
           why = "its " + std::to_string(row.gpus) + " GPUs do not split into whole replicas over " +
@@ -325,6 +332,7 @@ void strategy_suite(Report& report, const Options& options) {
             std::string(row.buckets) == "flat" ? 0 : hs::AveragingOptions{}.bucket_cap_bytes;
         trainer_options.averaging.capture_host_copies = std::string(row.buckets) != "flat";
         trainer_options.sync_batch_norm = row.sync_bn;
+        trainer_options.schedule = row.pipelined ? hs::Schedule::pipelined : hs::Schedule::exact;
         // A row's collectives take milliseconds: one that stalls should cost a minute of the run, not the
         // default five (in-process NCCL stalls have been seen at batch 4096; docs/strategy.md).
         trainer_options.averaging.timeout = std::chrono::seconds(60);
@@ -356,7 +364,8 @@ void strategy_suite(Report& report, const Options& options) {
           const std::string scheme = row.strategy;
           if (!options.out_prefix.empty() && (scheme == "task" || scheme == "hierarchical")) {
             write_trace(spans, first, options.out_prefix + "-trace-" + scheme + "-" + row.reduce +
-                                          (std::string(row.buckets) == "flat" ? "-flat" : "") + "-b" +
+                                          (std::string(row.buckets) == "flat" ? "-flat" : "") +
+                                          (row.graphs ? "" : "-eager") + (row.pipelined ? "-pipelined" : "") + "-b" +
                                           std::to_string(c.batch) + "-" + c.precision.name() + ".json");
           }
         }
@@ -370,6 +379,7 @@ void strategy_suite(Report& report, const Options& options) {
             .set("reduce", row.reduce)
             .set("buckets", bucketing ? row.buckets : "none")
             .set("sync_bn", row.sync_bn)
+            .set("schedule", hs::to_string(trainer_options.schedule))
             .set("processes", options.world_size)
             .set("graph_averaging", hs::to_string(trainer.graph_averaging()));
         Config extra;
@@ -384,8 +394,8 @@ void strategy_suite(Report& report, const Options& options) {
         report.add("dcgan_step", row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar", config, t, extra);
         const std::string shown = label + (trainer.graphs() ? ", graphs" : ", eager");
         results.push_back({shown,
-                           placement_label(row.strategy, row.gpus, row.reduce, row.buckets, row.graphs, row.sync_bn,
-                                           row.layers == hierpar::LayerSet::stock, options.world_size),
+                           placement_label(row.strategy, row.gpus, row.reduce, row.buckets, row.graphs, row.pipelined,
+                                           row.sync_bn, row.layers == hierpar::LayerSet::stock, options.world_size),
                            chart_group(c.batch, c.precision.name()), epoch_s, images_per_s});
         // The JSON after every row: a crash or the caller's time limit loses only the rows not yet run.
         if (!reports) continue;
@@ -420,7 +430,9 @@ void redraw_strategy_chart(const nlohmann::json& records, const std::string& png
     results.push_back({"",
                        placement_label(c.at("strategy").get<std::string>(), c.at("gpus").get<int64_t>(),
                                        c.at("reduce").get<std::string>(), c.at("buckets").get<std::string>(),
-                                       c.at("graphs").get<std::string>() == "on", c.at("sync_bn").get<bool>(),
+                                       c.at("graphs").get<std::string>() == "on",
+                                       c.value("schedule", std::string("exact")) == "pipelined",
+                                       c.at("sync_bn").get<bool>(),
                                        r.at("impl").get<std::string>() == "stock", c.value("processes", int64_t{1})),
                        chart_group(c.at("batch").get<int64_t>(), c.at("precision").get<std::string>()),
                        kEpochImages / images_per_s, images_per_s});

@@ -193,6 +193,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
         return;
       }
       r.ahead_fake = torch::Tensor();
+      r.ahead_on_d = torch::Tensor();
       r.fake_copy = 0;
       r.fake = forward_on_copy(0, next_noise());
       return;
@@ -275,18 +276,15 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       if (!r.fake_on_d.defined() || r.fake_on_d.size(0) != batch) r.fake_on_d = empty_fakes(r.fake_layout, batch, g_device);
       link_->receive(r.fake_on_d, "the fakes");
     });
+  } else if (two_devices && pipelined && r.ahead_on_d.defined() && r.ahead_on_d.sizes() == r.fake.sizes()) {
+    // Pipelined: the previous step copied these fakes to D's device as soon as G made them.
+    std::swap(r.fake_on_d, r.ahead_on_d);
   } else if (two_devices) {
     between(g_device, "copy fakes", [&r, d_device] {
-      if (!r.fake_on_d.defined()) r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+      if (!r.fake_on_d.defined() || r.fake_on_d.sizes() != r.fake.sizes()) {
+        r.fake_on_d = torch::empty_like(r.fake, r.fake.options().device(d_device));
+      }
       r.fake_on_d.copy_(r.fake.detach(), /*non_blocking=*/true);
-    });
-  }
-
-  // Pipelined: the next step's fakes, on G's weights before this step's update, while D works on this step's.
-  if (pipelined) {
-    on(Network::generator, "G forward ahead", [&] {
-      r.ahead_copy = 1 - r.fake_copy;
-      r.ahead_fake = forward_on_copy(r.ahead_copy, next_noise());
     });
   }
 
@@ -363,6 +361,25 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     r.loss_log.index_copy_(0, r.loss_row, row);
     r.loss_row.add_(1);
   });
+
+  // Pipelined: the next step's fakes, on G's weights before this step's update. Queued after D's work of this step
+  // (which they do not need), they run on G's device while D's runs; on two devices they go to D's at once, queued
+  // here so that the copy (an ATen copy between devices waits for what both devices have queued) orders neither D's
+  // passes of this step nor those of the next after G's backward.
+  if (pipelined) {
+    on(Network::generator, "G forward ahead", [&] {
+      r.ahead_copy = 1 - r.fake_copy;
+      r.ahead_fake = forward_on_copy(r.ahead_copy, next_noise());
+    });
+    if (two_devices) {
+      between(g_device, "copy fakes ahead", [&r, d_device] {
+        if (!r.ahead_on_d.defined() || r.ahead_on_d.sizes() != r.ahead_fake.sizes()) {
+          r.ahead_on_d = torch::empty_like(r.ahead_fake, r.ahead_fake.options().device(d_device));
+        }
+        r.ahead_on_d.copy_(r.ahead_fake.detach(), /*non_blocking=*/true);
+      });
+    }
+  }
 
   // The gradient w.r.t. the fakes to G's device, or G's process.
   if (split) {

@@ -68,7 +68,7 @@ struct AdversarialTrainer::Replica {
   // G's parameters and buffers just before; `ahead_fake` is the next step's fakes, made by copy `ahead_copy` and kept
   // with its autograd graph (and `fake`'s copy with its own) until that step's G backward.
   std::array<torch::nn::AnyModule, 2> generator_ahead;
-  torch::Tensor ahead_fake;
+  torch::Tensor ahead_fake, ahead_on_d;  // on two devices, `ahead_fake` copied to D's as soon as it is made
   int fake_copy = 0, ahead_copy = 0;
   // Its noise, where replicas share one generator (CPU): the rows of the draws run_step made, in the order used.
   std::deque<torch::Tensor> drawn_noise;

@@ -479,13 +479,14 @@ std::vector<torch::Tensor> parameters_and_buffers(torch::nn::Module& g, torch::n
 // kSteps of the trainer with options.schedule = pipelined (noise drawn by the trainer), every local replica's state.
 std::vector<std::vector<torch::Tensor>> train_pipelined(const hs::Placement& placement, bool batch_norm,
                                                         const Data& data, uint64_t init_seed) {
+  const c10::Device data_device = placement.replicas[0].discriminator;
   torch::manual_seed(init_seed);
   auto g = tiny_generator(batch_norm);
   auto d = tiny_discriminator(batch_norm);
   auto options = test_options();
   options.schedule = hs::Schedule::pipelined;
   hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
-  for (int64_t k = 0; k < kSteps; ++k) trainer.step(data.real[k]);
+  for (int64_t k = 0; k < kSteps; ++k) trainer.step(data.real[k].to(data_device));
   std::vector<std::vector<torch::Tensor>> states;
   for (int64_t i = 0; i < placement.local_replicas(); ++i) {
     states.push_back(parameters_and_buffers(*trainer.generator(i).ptr(), *trainer.discriminator(i).ptr()));
@@ -493,10 +494,10 @@ std::vector<std::vector<torch::Tensor>> train_pipelined(const hs::Placement& pla
   return states;
 }
 
-// The pipelined algorithm written out on one device, in the trainer's order of operations: G's forward for step
-// k + 1 on copy (k + 1) % 2 of G, loaded with G's weights before step k's update; step k's D update on the fakes of
-// step k; G's loss through the updated D; G's backward through the copy that made step k's fakes, its gradients
-// applied to G by G's Adam. Each forward's BatchNorm statistics become G's.
+// The pipelined algorithm written out on one device, in the trainer's order of operations: step k's D update on the
+// fakes of step k; G's loss through the updated D; G's forward for step k + 1 on copy (k + 1) % 2 of G, loaded with
+// G's weights before step k's update; G's backward through the copy that made step k's fakes, its gradients applied
+// to G by G's Adam. Each forward's BatchNorm statistics become G's.
 std::vector<torch::Tensor> pipelined_by_hand(bool batch_norm, const Data& data, uint64_t init_seed) {
   torch::manual_seed(init_seed);
   auto g = tiny_generator(batch_norm);
@@ -530,7 +531,6 @@ std::vector<torch::Tensor> pipelined_by_hand(bool batch_norm, const Data& data, 
     if (k > 0) fake_copy = 1 - fake_copy;
     d_opt.zero_grad();
     hs::bce_with_logits_loss(d->forward(data.real[k]), hs::LossTerm::real).backward();
-    const torch::Tensor ahead = forward_on_copy(1 - fake_copy);
     const torch::Tensor fake_on_d = fake.detach();
     hs::bce_with_logits_loss(d->forward(fake_on_d.detach()), hs::LossTerm::fake).backward();
     d_opt.step();
@@ -538,6 +538,7 @@ std::vector<torch::Tensor> pipelined_by_hand(bool batch_norm, const Data& data, 
     for (auto& p : d->parameters()) p.requires_grad_(false);
     hs::bce_with_logits_loss(d->forward(fake_on_d), hs::LossTerm::generator).backward();
     for (auto& p : d->parameters()) p.requires_grad_(true);
+    const torch::Tensor ahead = forward_on_copy(1 - fake_copy);
     g_opt.zero_grad();
     const auto copy_parameters = copies[fake_copy]->parameters();
     for (const auto& p : copy_parameters) p.mutable_grad() = torch::Tensor();
@@ -606,6 +607,23 @@ TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
   HIERPAR_REQUIRE_GPUS(2);
   deterministic_cudnn();
   expect_task_equals_single(c10::DeviceType::CUDA, 16);
+}
+
+// The pipelined schedule on two GPUs, where the next step's fakes are copied to D's device as G makes them (and the
+// step's own copy is skipped), equals it on one GPU bit for bit, with and without BatchNorm.
+TEST(StrategyTrainerCuda, PipelinedTaskEqualsPipelinedSingle) {
+  HIERPAR_REQUIRE_GPUS(2);
+  deterministic_cudnn();
+  const auto data = make_data(16, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  for (bool bn : {false, true}) {
+    const auto single = train_pipelined(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), bn,
+                                        data, init);
+    const auto task = train_pipelined(hs::Placement::from_flags("task", 2, "host", c10::DeviceType::CUDA, {}), bn,
+                                      data, init);
+    expect_states_equal(task[0], single[0],
+                        std::string("pipelined task vs single on GPUs") + (bn ? ", BatchNorm" : ""));
+  }
 }
 
 TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
