@@ -439,6 +439,17 @@ StepLosses AdversarialTrainer::step_shares(const std::vector<torch::Tensor>& rea
 
 StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals, const std::vector<torch::Tensor>& noises) {
   // Replicas that share a generator (CPU) would race for it: their rows of one global draw are made here.
+  auto rows_of_one_draw = [&] {
+    const int64_t share = reals[0].size(0);
+    const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
+    std::vector<torch::Tensor> rows;
+    for (size_t i = 0; i < reals.size(); ++i) {
+      TORCH_CHECK(reals[i].size(0) == share, "step_shares: replicas drawing their noise need equal shares, got ",
+                  reals[i].size(0), " and ", share);
+      rows.push_back(all.narrow(0, placement_.replicas[i].replica * share, share));
+    }
+    return rows;
+  };
   std::vector<torch::Tensor> shares = noises;
   const bool draw = std::none_of(noises.begin(), noises.end(), [](const torch::Tensor& n) { return n.defined(); });
   if (options_.schedule == Schedule::pipelined) {
@@ -447,24 +458,15 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
     if (shared_noise_generator_) {
       // The draws the replicas' steps will make, in order: this step's fakes too when the pipeline is empty (the first
       // step, or another batch size), then the next step's.
-      const int64_t share = reals[0].size(0);
       const Replica& first = *replicas_[0];
-      const bool refill = !first.ahead_fake.defined() || first.ahead_fake.size(0) != share;
+      const bool refill = !first.ahead_fake.defined() || first.ahead_fake.size(0) != reals[0].size(0);
       for (int draws = refill ? 2 : 1; draws > 0; --draws) {
-        const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
-        for (size_t i = 0; i < reals.size(); ++i) {
-          replicas_[i]->drawn_noise.push_back(all.narrow(0, placement_.replicas[i].replica * share, share));
-        }
+        const std::vector<torch::Tensor> rows = rows_of_one_draw();
+        for (size_t i = 0; i < rows.size(); ++i) replicas_[i]->drawn_noise.push_back(rows[i]);
       }
     }
   } else if (draw && shared_noise_generator_) {
-    const int64_t share = reals[0].size(0);
-    const torch::Tensor all = global_noise(share, placement_.replicas[0].generator);
-    for (size_t i = 0; i < reals.size(); ++i) {
-      TORCH_CHECK(reals[i].size(0) == share, "step_shares: replicas drawing their noise need equal shares, got ",
-                  reals[i].size(0), " and ", share);
-      shares[i] = all.narrow(0, placement_.replicas[i].replica * share, share);
-    }
+    shares = rows_of_one_draw();
   }
   // A replayed step's all-reduces spin on the device until every replica's arrive, and an ATen copy between devices
   // orders both devices' current streams: a replica that copied its share from another replica's device after that

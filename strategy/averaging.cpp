@@ -22,6 +22,7 @@
 
 #include <cstdlib>
 #include <random>
+#include <thread>
 
 #include <unistd.h>
 
@@ -228,6 +229,16 @@ c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::St
   TORCH_CHECK(false, "collective averaging on CPU needs hierpar built with Gloo (the gloo headers "
               "come from Debian's libgloo-dev): this build has none");
 #endif
+}
+
+void abort_nccl_groups(std::vector<c10::intrusive_ptr<c10d::Backend>> groups) {
+  if (groups.empty()) return;
+  // libtorch's NCCL watchdog logs every collective the abort cuts short as an error with a stack trace; the run's
+  // failure already has its one line (RunGuard, the trainer's error), so from here on only fatal logs print.
+  FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
+  std::thread([groups = std::move(groups)] {
+    for (const auto& group : groups) group->abort();
+  }).detach();
 }
 
 void release_backend(c10::intrusive_ptr<c10d::Backend>& group) {

@@ -61,6 +61,9 @@ std::vector<int64_t> global_indices(const Placement& placement);
 c10::intrusive_ptr<c10d::Backend> make_backend(const c10::intrusive_ptr<c10d::Store>& store, int64_t rank, int64_t size,
                                                c10::DeviceType device_type, const Launch& launch,
                                                std::chrono::milliseconds timeout);
+// Aborts NCCL `groups` on a thread of their own (ProcessGroupNCCL::abort() may take up to its timeout), so that device
+// work waiting on a peer ends; libtorch's logs of the collectives it cuts short are held back from then on.
+void abort_nccl_groups(std::vector<c10::intrusive_ptr<c10d::Backend>> groups);
 // Destroys `group` (its last reference) at the end of a run that did not fail, without the error logs that
 // ProcessGroupNCCL's destructor provokes; a group that other owners hold (an abort's thread) is only let go.
 void release_backend(c10::intrusive_ptr<c10d::Backend>& group);

@@ -4,7 +4,6 @@
 // (averaging.h).
 #include "averaging_parts.h"
 
-#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #ifdef HIERPAR_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -187,14 +186,7 @@ class CollectiveAverager final : public GradientAverager {
         if (group && device_of(placement_, i, network).is_cuda()) nccl.push_back(group);
       }
     }
-    if (!nccl.empty()) {
-      // libtorch's NCCL watchdog logs every collective the abort cuts short as an error with a stack trace; the run's
-      // failure already has its one line (RunGuard, the trainer's error), so from here on only fatal logs print.
-      FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
-      std::thread([nccl] {
-        for (const auto& group : nccl) group->abort();
-      }).detach();
-    }
+    abort_nccl_groups(std::move(nccl));
   }
 
  private:

@@ -1,9 +1,6 @@
 #include "part_link.h"
 
-#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-
-#include <thread>
 
 namespace hierpar::strategy::detail {
 
@@ -49,12 +46,7 @@ void PartLink::transfer(const at::Tensor& tensor, int64_t root, const char* what
 
 void PartLink::abort(const std::string& reason) {
   if (!aborted_.set(reason)) return;
-  if (group_ && group_->getBackendName() == "nccl") {
-    // As the collective averager's abort: the run's failure already has its line; ProcessGroupNCCL::abort() may take
-    // up to its timeout, so it runs on a thread of its own.
-    FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 3);
-    std::thread([group = group_] { group->abort(); }).detach();
-  }
+  if (group_ && group_->getBackendName() == "nccl") abort_nccl_groups({group_});
 }
 
 }  // namespace hierpar::strategy::detail

@@ -32,10 +32,8 @@ struct ExportResolver : torch::jit::Resolver {
   c10::TypePtr resolveType(const std::string&, const torch::jit::SourceRange&) override { return nullptr; }
 };
 
-}  // namespace
-
-models::DCGANOptions checkpoint_model(const std::string& checkpoint, LayerSet layers) {
-  const auto state = read_checkpoint_state(checkpoint);
+// The DCGAN shape in `state`, the configuration of the checkpoint at `checkpoint` (named in errors).
+models::DCGANOptions model_of(const CheckpointState& state, const std::string& checkpoint, LayerSet layers) {
   auto field = [&](const char* key) {
     auto it = state.config.find(key);
     if (it == state.config.end()) throw Error(checkpoint + ": the configuration has no " + key);
@@ -50,12 +48,19 @@ models::DCGANOptions checkpoint_model(const std::string& checkpoint, LayerSet la
   return options;
 }
 
+}  // namespace
+
+models::DCGANOptions checkpoint_model(const std::string& checkpoint, LayerSet layers) {
+  return model_of(read_checkpoint_state(checkpoint), checkpoint, layers);
+}
+
 models::Generator load_generator(const std::string& checkpoint, LayerSet layers, torch::Device device,
                                  const std::string& weights) {
   if (weights != "live" && weights != "ema") throw FlagError("--weights: expected live or ema, got '" + weights + "'");
-  if (weights == "ema" && read_checkpoint_state(checkpoint).config.count("ema") == 0)
+  const CheckpointState state = read_checkpoint_state(checkpoint);
+  if (weights == "ema" && state.config.count("ema") == 0)
     throw Error(checkpoint + " has no moving average of G's weights: it was trained without --ema");
-  models::Generator generator(checkpoint_model(checkpoint, layers));
+  models::Generator generator(model_of(state, checkpoint, layers));
   load_checkpoint(checkpoint, {}, {{weights == "ema" ? "generator_ema" : "generator", generator.get()}}, {}, device,
                   /*restore_rng=*/false);
   generator->to(device);
