@@ -25,8 +25,8 @@ const char* to_string(BatchObjective objective) { return name_of(objective_names
 std::string BatchSearchResult::table() const {
   std::ostringstream os;
   char line[160];
-  std::snprintf(line, sizeof line, "%8s %5s %10s %10s %12s %8s %9s\n", "batch", "fits", "s/step", "s/epoch", "images/s",
-                "GPU %", "peak MB");
+  std::snprintf(line, sizeof line, "%8s %5s %10s %10s %12s %8s %9s %8s\n", "batch", "fits", "s/step", "s/epoch",
+                "images/s", "GPU %", "peak MB", "trial s");
   os << line;
   for (const BatchTrial& t : trials) {
     if (!t.fits) {
@@ -34,8 +34,10 @@ std::string BatchSearchResult::table() const {
     } else {
       char usage[16] = "-";
       if (t.gpu_usage) std::snprintf(usage, sizeof usage, "%.1f", *t.gpu_usage);
-      std::snprintf(line, sizeof line, "%8lld %5s %10.5f %10.3f %12.0f %8s %9.0f%s\n", static_cast<long long>(t.batch),
-                    "yes", t.step_seconds, t.epoch_seconds, t.images_per_second, usage, t.peak_bytes / 1048576.0,
+      char trial[16] = "-";
+      if (t.trial_seconds > 0) std::snprintf(trial, sizeof trial, "%.2f", t.trial_seconds);
+      std::snprintf(line, sizeof line, "%8lld %5s %10.5f %10.3f %12.0f %8s %9.0f %8s%s\n", static_cast<long long>(t.batch),
+                    "yes", t.step_seconds, t.epoch_seconds, t.images_per_second, usage, t.peak_bytes / 1048576.0, trial,
                     t.batch == chosen ? "  <- chosen" : "");
     }
     os << line;

@@ -5,7 +5,9 @@
 
 #ifdef HIERPAR_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -62,11 +64,30 @@ struct CapturedStep::Impl {
       try {
         graphs.back()->capture_end();
       } catch (...) {
+        // CUDA ended the capture as invalid (e.g. the allocator freed memory inside it while running out): undo
+        // what CUDAGraph::capture_end() would have, or the next eager step fails.
+        undo_failed_capture(device);
       }
     }
     capturing = false;
     open_guard.reset();
     graphs.clear();
+  }
+
+  // The allocator stops routing the stream's allocations to the graph's pool and drops the failed graph's use of
+  // it; the device's default generator (which capture_begin() put in capture mode) gets a state outside capture,
+  // at the same seed and offset.
+  void undo_failed_capture(c10::Device device) {
+    try {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), pool);
+    } catch (const c10::Error&) {  // capture_end() got past its own endAllocateToPool()
+    }
+    c10::cuda::CUDACachingAllocator::releasePool(device.index(), pool);  // ~CUDAGraph() does not, without a graph
+    at::Generator generator = at::cuda::detail::getDefaultCUDAGenerator(device.index());
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    at::Generator outside_capture = at::make_generator<at::CUDAGeneratorImpl>(device.index());
+    outside_capture.set_state(generator.get_state());
+    generator.graphsafe_set_state(outside_capture);
   }
 };
 

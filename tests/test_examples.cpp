@@ -725,6 +725,11 @@ TEST(Examples, TuneProbeMeasuresStepsOfFreshNetworks) {
   EXPECT_NEAR(trial.images_per_second, 8 / trial.step_seconds, 1e-6 * trial.images_per_second);
   EXPECT_FALSE(trial.gpu_usage.has_value());
   EXPECT_EQ(trial.peak_bytes, 0);
+  EXPECT_EQ(trial.timed_steps, 2);
+  EXPECT_GT(trial.trial_seconds, trial.setup_seconds + 2 * trial.step_seconds * 0.99);
+  // With a time bound that any step passes, a trial times 3 steps of the 50 it may.
+  const auto bounded = hierpar::examples::measure_dcgan_steps(config, 8, 64, 50, 1e-9);
+  EXPECT_EQ(bounded.timed_steps, 3);
 }
 
 TEST(Examples, TuneChoosesABatchAndDrawsIt) {

@@ -39,7 +39,10 @@ std::vector<torch::Device> cuda_devices_of(const hs::Placement& placement) {
 }  // namespace
 
 hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size,
-                                   int64_t steps) {
+                                   int64_t steps, double timed_seconds) {
+  using clock = std::chrono::steady_clock;
+  const auto trial_began = clock::now();
+  auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
   const hs::Placement placement = dcgan_placement(config);
   if (placement.launch.multi_process()) throw FlagError("tune runs in one process: start it without torchrun");
   const StepSettings step = step_settings(config, placement.replicas[0].discriminator.type());
@@ -73,13 +76,23 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
     for (const auto& d : devices) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
 #endif
     hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
-    const auto begin = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < steps; ++i) trainer->step(real);
+    const auto begin = clock::now();
+    trial.setup_seconds = std::chrono::duration<double>(begin - trial_began).count();
+    double seconds = 0;
+    while (trial.timed_steps < steps) {
+      trainer->step(real);
+      const int64_t done = ++trial.timed_steps;
+      // The clock is read (after a synchronisation) at 3, 4, 8, 16, ... steps: few stalls of the queue.
+      if (timed_seconds > 0 && (done == 3 || (done > 3 && (done & (done - 1)) == 0))) {
+        synchronize_devices(placement);
+        if (since(begin) >= timed_seconds) break;
+      }
+    }
     synchronize_devices(placement);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    seconds = since(begin);
     trial.gpu_usage = hs::top_half_mean(sampler.stop());
     trial.fits = true;
-    trial.step_seconds = seconds / static_cast<double>(steps);
+    trial.step_seconds = seconds / static_cast<double>(trial.timed_steps);
     trial.epoch_seconds = trial.step_seconds * std::ceil(static_cast<double>(dataset_size) / static_cast<double>(batch));
     trial.images_per_second = static_cast<double>(batch) / trial.step_seconds;
 #ifdef HIERPAR_WITH_CUDA
@@ -101,6 +114,7 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
 #ifdef HIERPAR_WITH_CUDA
   if (!devices.empty()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
+  trial.trial_seconds = since(trial_began);
   return trial;
 }
 
@@ -122,12 +136,21 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
     throw FlagError("--batch-size " + std::to_string(options.start) + " does not split evenly over the " +
                     std::to_string(options.multiple) + " replicas");
   out << "tune: " << hs::to_string(options.objective) << " from batch " << options.start << " on "
-      << placement.to_string() << "; " << tune.steps << " timed steps per batch, epochs of " << dataset_size
-      << " images\n";
+      << placement.to_string() << "; " << tune.steps << " timed steps per batch at most"
+      << (tune.timed_seconds > 0 ? " (fewer, 3 at least, once " + format_number(tune.timed_seconds) + " s have passed)" : "")
+      << ", epochs of " << dataset_size << " images\n";
+  auto fixed = [](double value, int digits) {
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(digits) << value;
+    return os.str();
+  };
   auto probe = [&](int64_t batch) {
-    auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps);
+    auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps, tune.timed_seconds);
     out << "  batch " << batch << ": "
-        << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch" + (trial.note.empty() ? "" : " (" + trial.note + ")")
+        << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch over " + std::to_string(trial.timed_steps) +
+                             " steps; trial " + fixed(trial.trial_seconds, 2) + " s, " +
+                             fixed(trial.setup_seconds, 2) + " s of it building and warming up" +
+                             (trial.note.empty() ? "" : " (" + trial.note + ")")
                        : trial.note)
         << std::endl;
     return trial;
@@ -143,11 +166,6 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   out << result.table() << "chose batch " << result.chosen << ": " << result.reason << "\n"
       << "note: a GAN's batch size also changes what it learns (and the learning rate that suits it); this is a "
          "speed choice, and --batch-size stays what you give it\n";
-  auto fixed = [](double value, int digits) {
-    std::ostringstream os;
-    os << std::fixed << std::setprecision(digits) << value;
-    return os.str();
-  };
   const auto chosen = std::find_if(result.trials.begin(), result.trials.end(),
                                    [&](const hs::BatchTrial& t) { return t.batch == result.chosen && t.fits; });
   if (chosen != result.trials.end() && chosen->epoch_seconds > 0) {

@@ -12,18 +12,22 @@ namespace hierpar::examples {
 
 struct TuneConfig {
   std::string objective = "epoch-time";  // epoch-time | gpu-usage | max-memory
-  int64_t steps = 20;                    // timed steps per trial (after the warm-up and any capture)
+  int64_t steps = 20;                    // timed steps per trial at most (after the warm-up and any capture)
+  // A trial's timed steps stop once they have run this long, after 3 at least (0: always `steps`): a large batch's
+  // steps are long enough to time in a few, and the search pays for every one.
+  double timed_seconds = 0.05;
   int64_t max_batch = 0;                 // never above this (0: the data set's size)
   // After the search, this many batches evenly spaced from the starting batch to the largest the search ran, measured
   // alike (0: none): the exhaustive sweep that the search's choice is compared with.
   int64_t sweep = 0;
 };
 
-// `steps` training steps of networks built from config.model on config's placement (one process) at global batch
-// `batch`, on random images, after a warm-up; the epoch time is for `dataset_size` images. Out of memory gives a
-// trial that does not fit, with the allocator's cache emptied.
+// Up to `steps` training steps of networks built from config.model on config's placement (one process) at global
+// batch `batch`, on random images, after a warm-up, stopping after 3 or more once `timed_seconds` (> 0) have passed;
+// the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
+// cache emptied.
 hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch,
-                                                  int64_t dataset_size, int64_t steps);
+                                                  int64_t dataset_size, int64_t steps, double timed_seconds = 0);
 
 // Searches from config.batch_size for `tune.objective`; prints the trials, the choice and what the search cost
 // against a 20-epoch run at the chosen batch to `out`, with `tune.sweep` the sweep and how far the choice is from its

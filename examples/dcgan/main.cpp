@@ -217,7 +217,9 @@ int tune(int argc, char** argv) {
   add_run_flags(flags, config, run);
   flags.add("objective", &tune.objective, "epoch-time (the seed's EpochTimeMinimize), gpu-usage (GpuUsageMaximize) "
             "or max-memory (the largest batch that fits)")
-      .add("steps", &tune.steps, "timed steps per batch size", 1)
+      .add("steps", &tune.steps, "timed steps per batch size at most", 1)
+      .add("timed-seconds", &tune.timed_seconds, "a batch's timed steps stop once they have run this long (3 steps at "
+           "least): a large batch's steps are long enough to time in a few", 0)
       .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
       .add("sweep", &tune.sweep, "after the search, measure this many batches evenly spaced over its range and say how "
            "far its choice is from their best (0: no sweep)", 0)

@@ -205,59 +205,63 @@ constexpr int channels_per_thread() {
   return 16 / sizeof(scalar_t);
 }
 
+// Both kernels' shared thread -> slice mapping (a callback: a bool-returning helper changed the backward's SASS).
+template <typename scalar_t, typename Body>
+__device__ __forceinline__ void with_thread_slice(int windows, int out_w, int channels, Body body) {
+  const int groups = channels / channels_per_thread<scalar_t>();
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= windows * groups) return;
+  const int p = t / groups, j = t % groups;
+  body(p, j, p / out_w, p % out_w);
+}
+
 template <typename scalar_t>
 __global__ void forward_2x2_channels_last(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                           uint8_t* __restrict__ idx, int windows, int out_w, int channels) {
   constexpr int V = channels_per_thread<scalar_t>();
-  const int groups = channels / V;
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= windows * groups) return;
-  const int p = t / groups, j = t % groups;
-  const int r = p / out_w, ow = p % out_w;
-  const int64_t row_stride = int64_t(2 * out_w) * channels;
-  const scalar_t* src = in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
-  using CVec = Vec<scalar_t, V>;
-  const CVec a = *reinterpret_cast<const CVec*>(src);
-  const CVec b = *reinterpret_cast<const CVec*>(src + channels);
-  const CVec c = *reinterpret_cast<const CVec*>(src + row_stride);
-  const CVec d = *reinterpret_cast<const CVec*>(src + row_stride + channels);
-  CVec o;
-  Vec<uint8_t, V> k;
+  with_thread_slice<scalar_t>(windows, out_w, channels, [&](int p, int j, int r, int ow) {
+    const int64_t row_stride = int64_t(2 * out_w) * channels;
+    const scalar_t* src = in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
+    using CVec = Vec<scalar_t, V>;
+    const CVec a = *reinterpret_cast<const CVec*>(src);
+    const CVec b = *reinterpret_cast<const CVec*>(src + channels);
+    const CVec c = *reinterpret_cast<const CVec*>(src + row_stride);
+    const CVec d = *reinterpret_cast<const CVec*>(src + row_stride + channels);
+    CVec o;
+    Vec<uint8_t, V> k;
 #pragma unroll
-  for (int v = 0; v < V; ++v) pick_2x2(a.v[v], b.v[v], c.v[v], d.v[v], o.v[v], k.v[v]);
-  const int64_t element = int64_t(p) * channels + j * V;
-  *reinterpret_cast<CVec*>(out + element) = o;
-  *reinterpret_cast<Vec<uint8_t, V>*>(idx + element) = k;
+    for (int v = 0; v < V; ++v) pick_2x2(a.v[v], b.v[v], c.v[v], d.v[v], o.v[v], k.v[v]);
+    const int64_t element = int64_t(p) * channels + j * V;
+    *reinterpret_cast<CVec*>(out + element) = o;
+    *reinterpret_cast<Vec<uint8_t, V>*>(idx + element) = k;
+  });
 }
 
 template <typename scalar_t>
 __global__ void backward_2x2_channels_last(const scalar_t* __restrict__ grad_out, const uint8_t* __restrict__ idx,
                                            scalar_t* __restrict__ grad_in, int windows, int out_w, int channels) {
   constexpr int V = channels_per_thread<scalar_t>();
-  const int groups = channels / V;
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= windows * groups) return;
-  const int p = t / groups, j = t % groups;
-  const int r = p / out_w, ow = p % out_w;
-  using CVec = Vec<scalar_t, V>;
-  const int64_t element = int64_t(p) * channels + j * V;
-  const CVec go = *reinterpret_cast<const CVec*>(grad_out + element);
-  const auto k = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + element);
-  const scalar_t zero = static_cast<scalar_t>(0);
-  CVec a, b, c, d;
+  with_thread_slice<scalar_t>(windows, out_w, channels, [&](int p, int j, int r, int ow) {
+    using CVec = Vec<scalar_t, V>;
+    const int64_t element = int64_t(p) * channels + j * V;
+    const CVec go = *reinterpret_cast<const CVec*>(grad_out + element);
+    const auto k = *reinterpret_cast<const Vec<uint8_t, V>*>(idx + element);
+    const scalar_t zero = static_cast<scalar_t>(0);
+    CVec a, b, c, d;
 #pragma unroll
-  for (int v = 0; v < V; ++v) {
-    a.v[v] = k.v[v] == 0 ? go.v[v] : zero;
-    b.v[v] = k.v[v] == 1 ? go.v[v] : zero;
-    c.v[v] = k.v[v] == 2 ? go.v[v] : zero;
-    d.v[v] = k.v[v] == 3 ? go.v[v] : zero;
-  }
-  const int64_t row_stride = int64_t(2 * out_w) * channels;
-  scalar_t* dst = grad_in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
-  *reinterpret_cast<CVec*>(dst) = a;
-  *reinterpret_cast<CVec*>(dst + channels) = b;
-  *reinterpret_cast<CVec*>(dst + row_stride) = c;
-  *reinterpret_cast<CVec*>(dst + row_stride + channels) = d;
+    for (int v = 0; v < V; ++v) {
+      a.v[v] = k.v[v] == 0 ? go.v[v] : zero;
+      b.v[v] = k.v[v] == 1 ? go.v[v] : zero;
+      c.v[v] = k.v[v] == 2 ? go.v[v] : zero;
+      d.v[v] = k.v[v] == 3 ? go.v[v] : zero;
+    }
+    const int64_t row_stride = int64_t(2 * out_w) * channels;
+    scalar_t* dst = grad_in + 2 * int64_t(r) * row_stride + int64_t(2 * ow) * channels + j * V;
+    *reinterpret_cast<CVec*>(dst) = a;
+    *reinterpret_cast<CVec*>(dst + channels) = b;
+    *reinterpret_cast<CVec*>(dst + row_stride) = c;
+    *reinterpret_cast<CVec*>(dst + row_stride + channels) = d;
+  });
 }
 
 // ---- host side --------------------------------------------------------------------------------------------------

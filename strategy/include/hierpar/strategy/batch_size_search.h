@@ -28,6 +28,9 @@ struct BatchTrial {
   double images_per_second = 0;
   std::optional<double> gpu_usage;     // percent: mean of the top half of the utilisation samples (NVML)
   int64_t peak_bytes = 0;              // peak device memory of the steps (0 on the CPU)
+  int64_t timed_steps = 0;             // the steps step_seconds is measured over
+  double setup_seconds = 0;            // wall time before the timed steps: building, warm-up, capture
+  double trial_seconds = 0;            // wall time of the whole trial (what the search pays for it)
   std::string note;                    // why it did not fit, etc.
 };
 
@@ -56,7 +59,7 @@ struct BatchSearchResult {
   int64_t chosen = 0;
   std::string reason;               // one line: why this batch
   std::vector<BatchTrial> trials;   // in the order measured
-  std::string table() const;        // batch, fits, s/step, s/epoch, images/s, utilisation, peak MB
+  std::string table() const;        // batch, fits, s/step, s/epoch, images/s, utilisation, peak MB, trial s
 };
 
 // Runs the search; throws c10::Error (naming the option) for bad options and when not even `start` fits.

@@ -1,0 +1,59 @@
+// CapturedStep (hierpar/strategy/captured_step.h) after a capture that CUDA ended as invalid: the device's random
+// generator and memory are as before it, so eager work and a new capture go on. Needs a GPU; skips without one.
+#include "testing.h"
+
+#include "hierpar/strategy/captured_step.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+
+namespace hs = hierpar::strategy;
+
+namespace {
+int64_t reserved_bytes(c10::DeviceIndex device) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(device).reserved_bytes[0].current;
+}
+}  // namespace
+
+// A capture whose body draws random numbers, allocates 64 MB and then breaks the capture (a device-wide
+// synchronisation is not allowed while capturing, as the allocator's own out-of-memory path can do) throws; after it
+// the generator draws what it would have without the capture, the graph's memory goes back with emptyCache(), and a
+// second capture replays.
+TEST(CapturedStepCuda, FailedCaptureLeavesGeneratorAndMemoryAsBefore) {
+  HIERPAR_REQUIRE_CUDA();
+  const torch::Device device(torch::kCUDA, 0);
+  const auto on_device = torch::TensorOptions().device(device);
+  torch::manual_seed(11);
+  const torch::Tensor expected = torch::rand({4096}, on_device);
+
+  torch::manual_seed(11);
+  hs::CapturedStep step(device);
+  step.warm_up([&] { (void)torch::rand({16}, on_device); });
+  torch::cuda::synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  const int64_t reserved_before = reserved_bytes(0);
+  torch::manual_seed(11);
+  EXPECT_THROW(step.capture([&] {
+                 const torch::Tensor in_capture = torch::rand({4096}, on_device);
+                 const torch::Tensor large = torch::empty({16 << 20}, on_device);
+                 (void)cudaDeviceSynchronize();  // invalidates the capture
+                 (void)cudaGetLastError();
+                 throw std::runtime_error("the step failed while capturing");
+               }),
+               std::runtime_error);
+  EXPECT_FALSE(step.captured());
+
+  const torch::Tensor drawn = torch::rand({4096}, on_device);
+  EXPECT_TRUE(torch::equal(drawn, expected)) << "the generator's seed and offset after the failed capture";
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  EXPECT_EQ(reserved_bytes(0), reserved_before) << "the failed capture's memory pool was not released";
+
+  torch::Tensor out = torch::zeros({4096}, on_device);
+  step.capture([&] { out.copy_(torch::rand({4096}, on_device)); });
+  ASSERT_TRUE(step.captured());
+  step.replay(0);
+  torch::cuda::synchronize();
+  EXPECT_GT(out.sum().item<float>(), 1000.f) << "the second capture replayed (uniform numbers: about 2048)";
+}
