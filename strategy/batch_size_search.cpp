@@ -75,14 +75,22 @@ int64_t round_down(int64_t value, int64_t multiple) { return value / multiple * 
 std::string batch_text(int64_t batch) { return std::to_string(batch); }
 
 // Bisects between a batch that fits and a larger one that does not, measuring each batch in between that it
-// tries; returns the largest that fits.
-int64_t largest_fitting(Trials& trials, const BatchSearchOptions& o, int64_t fits, int64_t fails) {
-  while (fails - fits > o.multiple && trials.count() < static_cast<size_t>(o.max_trials)) {
+// tries, until they are at most `resolution` apart; returns the largest that fits.
+int64_t largest_fitting(Trials& trials, const BatchSearchOptions& o, int64_t fits, int64_t fails, int64_t resolution) {
+  while (fails - fits > resolution && trials.count() < static_cast<size_t>(o.max_trials)) {
     const int64_t middle = round_down((fits + fails) / 2, o.multiple);
     if (middle <= fits) break;
     (trials.at(middle).fits ? fits : fails) = middle;
   }
   return fits;
+}
+
+// Growth by `unit` ran out of memory at `fails`: the batches between the last that fit and it are bisected to within
+// a unit (what the growth itself resolves; each trial costs the search a trainer and its warm-up). Says so.
+std::string out_of_memory(Trials& trials, const BatchSearchOptions& o, int64_t fits, int64_t fails, int64_t unit) {
+  const int64_t largest = largest_fitting(trials, o, fits, fails, unit);
+  return batch_text(fails) + " ran out of memory (the largest that fits, to within " + batch_text(unit) + ": " +
+         batch_text(largest) + ")";
 }
 
 void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t start, int64_t limit,
@@ -98,7 +106,7 @@ void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t star
       break;
     }
   }
-  if (fails > 0) fits = largest_fitting(trials, o, fits, fails);
+  if (fails > 0) fits = largest_fitting(trials, o, fits, fails, o.multiple);
   result.chosen = fits;
   result.reason = fails > 0 ? "the largest batch that fits: " + batch_text(fits) + " (" + batch_text(fails) +
                                   " ran out of memory)"
@@ -125,9 +133,8 @@ void search_epoch_time(Trials& trials, const BatchSearchOptions& o, int64_t star
   std::string stop = "the search reached " + std::to_string(o.max_trials) + " trials";
   for (int64_t k = 0; k < o.max_trials; ++k) {
     const BatchTrial& trial = trials.at(batch);
-    if (!trial.fits) {  // the memory bound: the batches between the last that fit and this one are tried too
-      stop = batch_text(batch) + " ran out of memory (the largest that fits: " +
-             batch_text(largest_fitting(trials, o, previous, batch)) + ")";
+    if (!trial.fits) {  // the memory bound, found to within a unit: the epoch time is flat there
+      stop = out_of_memory(trials, o, previous, batch, unit);
       break;
     }
     previous = batch;
@@ -162,8 +169,7 @@ void search_gpu_usage(Trials& trials, const BatchSearchOptions& o, int64_t start
   for (int64_t k = 0; k < o.max_trials; ++k) {
     const BatchTrial& trial = trials.at(batch);
     if (!trial.fits) {
-      stop = batch_text(batch) + " ran out of memory (the largest that fits: " +
-             batch_text(largest_fitting(trials, o, previous, batch)) + ")";
+      stop = out_of_memory(trials, o, previous, batch, unit);
       break;
     }
     previous = batch;

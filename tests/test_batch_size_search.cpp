@@ -139,6 +139,31 @@ TEST(BatchSizeSearch, OutOfMemoryEndsTheGrowth) {
   }
 }
 
+// Beyond the memory bound, epoch-time and gpu-usage bisect only to within a growth unit: from 64 by units of 32,
+// 1824 runs out of memory after 1504 fits, and 4 bisecting trials (not the 8 to one image) leave a batch that fits
+// within 32 of the bound of 1600.
+TEST(BatchSizeSearch, OutOfMemoryBisectsToAUnit) {
+  for (auto objective : {hs::BatchObjective::epoch_time, hs::BatchObjective::gpu_usage}) {
+    CostModel model;
+    model.memory_bound = 1600;
+    model.overhead_s = 10.0;  // neither settled nor at the utilisation target before the bound
+    hs::BatchSearchOptions options;
+    options.objective = objective;
+    const auto result = hs::search_batch_size(model.probe(), options);
+    const auto first_failure = std::find_if(result.trials.begin(), result.trials.end(), [](const auto& t) { return !t.fits; });
+    ASSERT_NE(first_failure, result.trials.end()) << result.table();
+    EXPECT_EQ(first_failure->batch, 1824) << result.table();
+    EXPECT_EQ(result.trials.end() - first_failure - 1, 4) << "bisecting trials\n" << result.table();
+    int64_t largest = 0;
+    for (const auto& t : result.trials) {
+      if (t.fits) largest = std::max(largest, t.batch);
+    }
+    EXPECT_GT(largest, 1600 - 32) << result.table();
+    EXPECT_NE(result.reason.find("the largest that fits, to within 32: " + std::to_string(largest)), std::string::npos)
+        << result.reason;
+  }
+}
+
 TEST(BatchSizeSearch, BadOptionsAndAFirstBatchThatDoesNotFit) {
   CostModel model;
   hs::BatchSearchOptions options;

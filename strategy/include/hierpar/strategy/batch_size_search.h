@@ -10,7 +10,9 @@
 //     the top half of its samples) is below the target (99%) and shrinks by one when above; the first batch at
 //     the target wins (else the most utilised).
 // Every search stays within the memory bound: a batch that runs out of memory ends the growth, and the batches
-// between the last that fit and it are bisected (and measured) for the largest that fits.
+// between the last that fit and it are bisected (and measured) for the largest that fits: to one `multiple` for
+// max_memory, to within a growth unit for the others (near the bound their objective barely moves, and every trial
+// builds and warms up a trainer).
 // A GAN's batch size changes what it learns, not only how fast: a search result is a speed choice.
 #include <cstdint>
 #include <functional>
