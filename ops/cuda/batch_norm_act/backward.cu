@@ -28,30 +28,26 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   __shared__ acc_t s_mean_dy[kMaxChannelsPerBlock], s_mean_dyx[kMaxChannelsPerBlock];
   __shared__ acc_t s_k[kMaxChannelsPerBlock];  // gamma * invstd per channel of the group (with the sums)
   const int bx = blockDim.x, tx = threadIdx.x;
-  const int tid = threadIdx.y * bx + tx;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
-  const bool active = col < t.cols;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
-  const int64_t r1 = min(t.rows, r0 + t.chunk);
+  const BlockPlace place(t);
   if (t.cluster) cluster_arrive_at_start();
   constexpr bool has_x = kHasX;
   const acc_t neg_slope = a.act == Act::relu ? acc_t(0) : a.act == Act::leaky_relu ? a.slope : acc_t(1);
-  auto channel = [&](int k) { return kCL ? col * V + k : col; };
+  auto channel = [&](int k) { return kCL ? place.col * V + k : place.col; };
 
   // xhat coefficients and gamma of this thread's channels.
   acc_t gamma[K], mp[K], mn[kHasX ? 1 : K], b0[K];  // with the input, mn = mp
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int64_t ch = active ? channel(k) : 0;
-    gamma[k] = active && a.weight ? a.weight[ch] : acc_t(1);
+    const int64_t ch = place.active ? channel(k) : 0;
+    gamma[k] = place.active && a.weight ? a.weight[ch] : acc_t(1);
     if constexpr (kHasX) {
-      const acc_t invstd = active ? a.save_invstd[ch] : acc_t(0);
+      const acc_t invstd = place.active ? a.save_invstd[ch] : acc_t(0);
       mp[k] = invstd;
-      b0[k] = active ? -a.save_mean[ch] * invstd : acc_t(0);
+      b0[k] = place.active ? -a.save_mean[ch] * invstd : acc_t(0);
     } else {
       mp[k] = gamma[k] != acc_t(0) ? acc_t(1) / gamma[k] : acc_t(0);
       mn[k] = a.act == Act::leaky_relu ? mp[k] / a.slope : mp[k];
-      b0[k] = active && a.bias ? -a.bias[ch] * mp[k] : acc_t(0);
+      b0[k] = place.active && a.bias ? -a.bias[ch] * mp[k] : acc_t(0);
     }
   }
   auto xhat_coef = [&](bool pos, int k) {
@@ -86,9 +82,9 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
   // vectors, conflict-free; streams dy, out and (kHasX) x.
   extern __shared__ __align__(16) unsigned char staged_raw[];
   constexpr int kStreams = kHasX ? 3 : 2;
-  const ThreadRows rows(r0, r1, active);
+  const ThreadRows rows(place.r0, place.r1, place.active);
   const int staged = min(rows.count, t.staged_rows);  // the host stages only when both passes run
-  VecT* const stage = reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + tid;
+  VecT* const stage = reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + place.tid;
   auto staged_at = [&](int j, int stream) { return stage + (j * kStreams + stream) * kThreads; };
   auto load_staged = [&](int j) {
     Loaded l;
@@ -97,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     if constexpr (kHasX) l.x = *staged_at(j, 2);
     return l;
   };
-  auto offset_of = [&](int j) { return vec_offset<kCL, V>(t, col, rows.row(j)); };
+  auto offset_of = [&](int j) { return vec_offset<kCL, V>(t, place.col, rows.row(j)); };
 
   if (mode & kSums) {
     if constexpr (kStageable<VecT>) {
@@ -135,8 +131,8 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
     // Split and cluster paths: thread tid < bx * K finishes channel tid of the group; its gamma and invstd,
     // loaded now, arrive while the reductions and the barrier run.
     const int chb = bx * K;
-    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + tid;
-    const bool finisher = t.splits > 1 && tid < chb && fch < t.C;
+    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + place.tid;
+    const bool finisher = t.splits > 1 && place.tid < chb && fch < t.C;
     acc_t f_gamma = 1, f_invstd = 0;
     if (finisher) {
       f_gamma = a.weight ? a.weight[fch] : acc_t(1);
@@ -160,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       s_k[idx] = gam * invstd;
     };
     if (t.splits == 1) {
-      if (tid < bx && active) {
+      if (place.tid < bx && place.active) {
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           finalize(channel(k), s.p[k], s.q[k], gamma[k], a.save_invstd[channel(k)], true, tx * K + k);
@@ -168,32 +164,18 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_backward_kernel(
       }
     } else if (t.cluster) {
       const S1 total = cluster_totals(s, reinterpret_cast<acc_t*>(staged_raw), t.splits);
-      if (finisher) finalize(fch, total.p[0], total.q[0], f_gamma, f_invstd, blockIdx.y == 0, tid);
+      if (finisher) finalize(fch, total.p[0], total.q[0], f_gamma, f_invstd, blockIdx.y == 0, place.tid);
     } else {
-      publish_partials(a.partial, s, t.C, t.splits, tid < bx && active, channel);
+      publish_partials(a.partial, s, t.C, t.splits, place.tid < bx && place.active, channel);
       const bool write = blockIdx.y == 0;
       if (!(mode & kGradInput) && !write) return;  // only the parameter gradients were asked for
-      const int parts = kThreads / chb;
-      const int lc = tid % chb, part = tid / chb;
-      const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
-      S1 total;
-      total.zero();
-      if (ch < t.C) {
-#pragma unroll 8
-        for (int sp = part; sp < t.splits; sp += parts) {
-          total.p[0] += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + ch]);
-          total.q[0] += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + ch]);
-        }
-      }
-      S1* sm = reinterpret_cast<S1*>(smem_raw);
-      sm[tid] = total;
-      reduce_parts(sm, chb, parts);
-      if (finisher) finalize(fch, sm[tid].p[0], sm[tid].q[0], f_gamma, f_invstd, write, tid);
+      const S1& total = partial_totals(a.partial, t.C, t.splits, chb, reinterpret_cast<S1*>(smem_raw));
+      if (finisher) finalize(fch, total.p[0], total.q[0], f_gamma, f_invstd, write, place.tid);
     }
   }
   if (!(mode & kGradInput)) return;
   if (mode & kSums) __syncthreads();
-  if (!active) return;
+  if (!place.active) return;
   // grad_input = k * (dy' - mean(dy') - xhat * mean(dy' xhat)) with k = gamma * invstd (training; eval
   // keeps k * dy'), i.e. k * dy' + src * (out > 0 ? cp : cn) + c0.
   acc_t kk[K], cp[K], cn[kHasX ? 1 : K], c0[K];

@@ -226,6 +226,22 @@ struct ThreadRows {
   __device__ __forceinline__ int64_t row(int j) const { return first + static_cast<int64_t>(j) * blockDim.y; }
 };
 
+// Where a thread works: its index in the block, its channel column (active: in the tile), its block's rows [r0, r1).
+struct BlockPlace {
+  int tid;
+  int64_t col;
+  bool active;
+  int64_t r0, r1;
+  __device__ __forceinline__ explicit BlockPlace(const Tile& t) {
+    const int bx = blockDim.x, tx = threadIdx.x;
+    tid = threadIdx.y * bx + tx;
+    col = static_cast<int64_t>(blockIdx.x) * bx + tx;
+    active = col < t.cols;
+    r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
+    r1 = min(t.rows, r0 + t.chunk);
+  }
+};
+
 template <bool kCL, int V>
 __device__ __forceinline__ int64_t vec_offset(const Tile& t, int64_t col, int64_t r) {
   if constexpr (kCL) {
@@ -318,6 +334,31 @@ __device__ __forceinline__ void publish_partials(acc_t* partial, const SumsK<acc
     }
   }
   wait_for_all_partials();
+}
+
+// The forward's and the backward's combine after publish_partials: the totals over all splits of the group's channel
+// tid (valid in threads tid < chb), added in the same order in every block; `smem` holds kThreads states.
+// Threads = (channel of the group) x (part of the splits): each part sums its splits (independent loads), then a
+// tree over the parts.
+template <typename acc_t>
+__device__ __forceinline__ const SumsK<acc_t, 1>& partial_totals(const acc_t* partial, int64_t C, int splits, int chb,
+                                                                 SumsK<acc_t, 1>* smem) {
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int parts = kThreads / chb;
+  const int lc = tid % chb, part = tid / chb;
+  const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
+  acc_t sum_q = 0, sum_p = 0;  // q declared before p: this order keeps the register allocation (and SASS) as it was
+  if (ch < C) {
+#pragma unroll 8
+    for (int sp = part; sp < splits; sp += parts) {
+      sum_p += __ldcg(&partial[static_cast<int64_t>(sp) * C + ch]);
+      sum_q += __ldcg(&partial[(static_cast<int64_t>(splits) + sp) * C + ch]);
+    }
+  }
+  smem[tid].p[0] = sum_p;
+  smem[tid].q[0] = sum_q;
+  reduce_parts(smem, chb, parts);
+  return smem[tid];
 }
 
 // Cluster path (sm_90). Every thread arrives at the cluster barrier when the kernel starts; the wait for

@@ -18,21 +18,20 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
   __shared__ acc_t s_scale[kMaxChannelsPerBlock], s_shift[kMaxChannelsPerBlock];
   if (t.cluster) cluster_arrive_at_start();
   const int bx = blockDim.x, tx = threadIdx.x;
-  const int tid = threadIdx.y * bx + tx;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * bx + tx;
-  const bool active = col < t.cols;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * t.chunk;
-  const int64_t r1 = min(t.rows, r0 + t.chunk);
-  auto channel = [&](int k) { return kCL ? col * V + k : col; };
+  const BlockPlace place(t);
+  auto channel = [&](int k) { return kCL ? place.col * V + k : place.col; };
 
   // Dynamic shared memory: the cluster path's exchange buffer, then the staged rows: [row][thread]
   // vectors, conflict-free.
   extern __shared__ __align__(16) unsigned char staged_raw[];
-  const ThreadRows rows(r0, r1, active);
-  auto row_ptr = [&](int j) { return reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, rows.row(j))); };
+  const ThreadRows rows(place.r0, place.r1, place.active);
+  auto row_ptr = [&](int j) {
+    return reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, place.col, rows.row(j)));
+  };
   // Rows [0, staged) of this thread live in shared memory from the statistics to the elementwise pass.
   const int staged = min(rows.count, t.staged_rows);
-  VecT* const stage = reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + tid;  // row j at stage[j * kThreads]
+  VecT* const stage =
+      reinterpret_cast<VecT*>(staged_raw + t.exchange_bytes) + place.tid;  // row j at stage[j * kThreads]
 
   acc_t scale[V], shift[V];
   if (a.training) {
@@ -45,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     // bit-identical results in every block and every call.
     acc_t origin[V], s1[V], s2[V];
     {
-      const VecT v0 = active ? *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, col, 0)) : VecT{};
+      const VecT v0 = place.active ? *reinterpret_cast<const VecT*>(x + vec_offset<kCL, V>(t, place.col, 0)) : VecT{};
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         origin[u] = static_cast<acc_t>(v0.v[kCL ? u : 0]);
@@ -70,8 +69,8 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     // channel's shift, parameters and running statistics now, so that their latency overlaps the
     // reductions and the barrier instead of following them.
     const int chb = bx * K;
-    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + tid;
-    const bool finisher = t.splits > 1 && tid < chb && fch < t.C;
+    const int64_t fch = static_cast<int64_t>(blockIdx.x) * chb + place.tid;
+    const bool finisher = t.splits > 1 && place.tid < chb && fch < t.C;
     acc_t f_origin = 0;
     typename ForwardArgs<acc_t>::Channel f_params{};
     if (finisher) {
@@ -94,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
       a.finalize(ch, c, count, org + d, max(sum_sq - sum * d, acc_t(0)), write, sc, sh);
     };
     if (t.splits == 1) {
-      if (tid < bx && active) {
+      if (place.tid < bx && place.active) {
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           finish(channel(k), a.channel_params(channel(k), true), origin[k], s.p[k], s.q[k], true,
@@ -104,33 +103,19 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     } else if (t.cluster) {
       const S1 total = cluster_totals(s, reinterpret_cast<acc_t*>(staged_raw), t.splits);
       if (finisher) {
-        finish(fch, f_params, f_origin, total.p[0], total.q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
+        finish(fch, f_params, f_origin, total.p[0], total.q[0], blockIdx.y == 0, s_scale[place.tid],
+               s_shift[place.tid]);
       }
     } else {
-      publish_partials(a.partial, s, t.C, t.splits, tid < bx && active, channel);
-      // Threads = (channel of the group) x (part of the splits): each part sums its splits (independent
-      // loads), then a tree over the parts; the same order in every block.
-      const int parts = kThreads / chb;
-      const int lc = tid % chb, part = tid / chb;
-      const int64_t ch = static_cast<int64_t>(blockIdx.x) * chb + lc;
-      S1 total;
-      total.zero();
-      if (ch < t.C) {
-#pragma unroll 8
-        for (int sp = part; sp < t.splits; sp += parts) {
-          total.p[0] += __ldcg(&a.partial[static_cast<int64_t>(sp) * t.C + ch]);
-          total.q[0] += __ldcg(&a.partial[(static_cast<int64_t>(t.splits) + sp) * t.C + ch]);
-        }
-      }
-      S1* sm = reinterpret_cast<S1*>(smem_raw);
-      sm[tid] = total;
-      reduce_parts(sm, chb, parts);
+      publish_partials(a.partial, s, t.C, t.splits, place.tid < bx && place.active, channel);
+      const S1& total = partial_totals(a.partial, t.C, t.splits, chb, reinterpret_cast<S1*>(smem_raw));
       if (finisher) {
-        finish(fch, f_params, f_origin, sm[tid].p[0], sm[tid].q[0], blockIdx.y == 0, s_scale[tid], s_shift[tid]);
+        finish(fch, f_params, f_origin, total.p[0], total.q[0], blockIdx.y == 0, s_scale[place.tid],
+               s_shift[place.tid]);
       }
     }
     __syncthreads();
-    if (!active) return;
+    if (!place.active) return;
 #pragma unroll
     for (int u = 0; u < V; ++u) {
       scale[u] = s_scale[kCL ? tx * V + u : 0];
@@ -138,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     }
   } else {
     // Eval: the running statistics; the first block row also returns them as save_mean/save_invstd.
-    if (!active) return;
+    if (!place.active) return;
 #pragma unroll
     for (int u = 0; u < V; ++u) {
       const int64_t ch = channel(kCL ? u : 0);
@@ -156,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) batch_norm_act_forward_kernel(
     for (int u = 0; u < V; ++u) {
       o.v[u] = static_cast<scalar_t>(activate(static_cast<acc_t>(v.v[u]) * scale[u] + shift[u], a.act, a.slope));
     }
-    store_streaming(reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, col, rows.row(j))), o);
+    store_streaming(reinterpret_cast<VecT*>(out + vec_offset<kCL, V>(t, place.col, rows.row(j))), o);
   };
   for_rows_reversed(staged, rows.count, [&](int j) { return load_last_use(row_ptr(j)); }, normalise);
   for (int j = 0; j < staged; ++j) normalise(stage[j * kThreads], j);
