@@ -130,7 +130,9 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
   }
   trainer.reset();
 #ifdef HIERPAR_WITH_CUDA
-  if (!devices.empty()) c10::cuda::CUDACachingAllocator::emptyCache();
+  // After running out of memory the cache is given back. A trial that fit leaves it to the next, which would
+  // otherwise allocate it again from the driver; the allocator frees cached blocks itself before it reports one.
+  if (!trial.fits && !devices.empty()) c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
   trial.trial_seconds = since(trial_began);
   return trial;
