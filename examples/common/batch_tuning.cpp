@@ -96,7 +96,6 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
     hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
     const auto begin = clock::now();
     trial.setup_seconds = std::chrono::duration<double>(begin - trial_began).count();
-    double seconds = 0;
     while (trial.timed_steps < steps) {
       trainer->step(real);
       const int64_t done = ++trial.timed_steps;
@@ -107,7 +106,7 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
       }
     }
     synchronize_devices(placement);
-    seconds = since(begin);
+    const double seconds = since(begin);
     trial.gpu_usage = hs::top_half_mean(sampler.stop());
     trial.fits = true;
     trial.step_seconds = seconds / static_cast<double>(trial.timed_steps);
