@@ -764,6 +764,13 @@ TEST(Examples, TuneChoosesABatchAndDrawsIt) {
   expect_flag_error(run_dcgan(common + " --sweep -1", dir), "--sweep: expected an integer >= 0, got -1",
                     "negative sweep");
 
+  // On a placement: data over two replicas trains each trial on both, and every batch splits evenly over them
+  // (from 6 by units of 4: 6, 10, 18, then the limit 22).
+  out = dcgan_stdout(common + " --strategy data --gpus 2 --batch-size 6 --objective epoch-time --max-batch 22");
+  EXPECT_NE(out.find("on data: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu"), std::string::npos) << out;
+  for (const char* batch : {"\n       6   yes", "\n      10   yes", "\n      18   yes", "\n      22   yes"})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+
   expect_flag_error(run_dcgan(common + " --objective fastest", dir),
                     "--objective: expected max-memory, epoch-time or gpu-usage, got 'fastest'", "unknown objective");
   expect_flag_error(run_dcgan(common + " --strategy data --gpus 2 --batch-size 9", dir),

@@ -156,7 +156,7 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
                     std::to_string(options.multiple) + " replicas");
   out << "tune: " << hs::to_string(options.objective) << " from batch " << options.start << " on "
       << placement.to_string() << "; " << tune.steps << " timed steps per batch at most"
-      << (tune.timed_seconds > 0 ? " (fewer, 3 at least, once " + format_number(tune.timed_seconds) + " s have passed)" : "")
+      << (tune.timed_seconds > 0 && tune.steps > 3 ? " (fewer, 3 at least, once " + format_number(tune.timed_seconds) + " s have passed)" : "")
       << ", epochs of " << dataset_size << " images\n";
   auto fixed = [](double value, int digits) {
     std::ostringstream os;
