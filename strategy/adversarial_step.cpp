@@ -324,7 +324,13 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       d_objective_fake = d_loss_fake + penalty * options_.gradient_penalty;
     }
     if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
-    d_objective_fake.backward();
+    {
+      // Called from `fake_stream`, so that this backward does not wait for the real pass's, queued on the main
+      // stream. D's AccumulateGrad nodes were made by the real pass's forward (d_loss_real keeps that graph) on
+      // the main stream and run there: the fakes' gradients add to the real ones in the same order as on one stream.
+      c10::OptionalStreamGuard on_fake_stream(fake_stream);
+      d_objective_fake.backward();
+    }
     // Its nodes ran on `fake_stream`; autograd has made the main stream wait for them (D's update reads those
     // gradients), and so does a capture's end: made explicit here and after G's backward.
     if (fake_stream) order(*fake_stream, *main_stream);

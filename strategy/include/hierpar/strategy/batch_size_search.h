@@ -29,7 +29,7 @@ struct BatchTrial {
   double epoch_seconds = 0;            // step_seconds * the steps an epoch of the data set takes
   double images_per_second = 0;
   std::optional<double> gpu_usage;     // percent: mean of the top half of the utilisation samples (NVML)
-  int64_t peak_bytes = 0;              // peak device memory of the steps (0 on the CPU)
+  int64_t peak_bytes = 0;              // peak device memory over the trial, warm-up and capture included (0 on the CPU)
   int64_t timed_steps = 0;             // the steps step_seconds is measured over
   double setup_seconds = 0;            // wall time before the timed steps: building, warm-up, capture
   double trial_seconds = 0;            // wall time of the whole trial (what the search pays for it)
