@@ -53,6 +53,19 @@ double start_cuda(const std::vector<torch::Device>& devices) {
 
 }  // namespace
 
+std::string out_of_memory_note(const std::string& message) {
+  auto between = [&](const std::string& from, const std::string& to) -> std::string {
+    const size_t begin = message.find(from);
+    if (begin == std::string::npos) return {};
+    const size_t end = message.find(to, begin + from.size());
+    return end == std::string::npos ? std::string() : message.substr(begin + from.size(), end - begin - from.size());
+  };
+  const std::string asked = between("Tried to allocate ", ". ");
+  const std::string held = between("Of the allocated memory ", " is allocated by PyTorch");
+  if (asked.empty()) return "out of memory";
+  return "out of memory: asked for " + asked + (held.empty() ? "" : " with " + held + " allocated");
+}
+
 hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size,
                                    int64_t steps, double timed_seconds) {
   using clock = std::chrono::steady_clock;
@@ -127,7 +140,7 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
     }
   } catch (const c10::OutOfMemoryError& e) {
     trial.fits = false;
-    trial.note = "out of memory";
+    trial.note = out_of_memory_note(e.what_without_backtrace());
   }
   trainer.reset();
 #ifdef HIERPAR_WITH_CUDA

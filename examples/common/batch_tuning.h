@@ -22,6 +22,11 @@ struct TuneConfig {
   int64_t sweep = 0;
 };
 
+// A trial's note for the caching allocator's out-of-memory message: the request that failed and what was allocated
+// then ("out of memory: asked for 2.00 GiB with 60.12 GiB allocated"); a request far above a step's usual
+// allocations points at one workspace rather than the activations.
+std::string out_of_memory_note(const std::string& allocator_message);
+
 // Up to `steps` training steps of networks built from config.model on config's placement (one process) at global
 // batch `batch`, on random images, after a warm-up, stopping after 3 or more once `timed_seconds` (> 0) have passed;
 // the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
