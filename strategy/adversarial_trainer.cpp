@@ -495,6 +495,11 @@ StepLosses AdversarialTrainer::run_step(const std::vector<torch::Tensor>& reals,
       step < options_.startup_steps()
           ? std::max<std::chrono::milliseconds>(options_.averaging.timeout, std::chrono::minutes(1))
           : options_.averaging.timeout;
+  // The step that captures (warm-up done, nothing captured yet) starts with the warm-up's cached memory given back,
+  // so that a batch that fits eagerly also fits captured (the capture cannot reuse or free those blocks).
+  if (graphs_ && replicas_[0]->program.empty() && replicas_[0]->warmup_done >= options_.graph_warmup_steps) {
+    release_cached_memory_before_capture();
+  }
   try {
     workers_->run(
         [this, losses, placed, shares, step](int64_t i) {

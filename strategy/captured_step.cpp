@@ -39,6 +39,8 @@ AutocastScope::~AutocastScope() {
 
 bool cuda_graphs_available() { return c10::cuda::device_count() > 0; }
 
+void release_cached_memory_before_capture() { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
 struct CapturedStep::Impl {
   explicit Impl(c10::cuda::CUDAStream side) : side(side) {}
   c10::cuda::CUDAStream side;
@@ -225,6 +227,7 @@ int64_t CapturedStep::kernel_nodes() const {
 #else  // a LibTorch without CUDA: nothing can be captured
 
 bool cuda_graphs_available() { return false; }
+void release_cached_memory_before_capture() {}
 
 struct CapturedStep::Impl {};
 
