@@ -69,9 +69,17 @@ Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activatio
           }};
 }
 
-Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options) {
-  if (layers == LayerSet::hierpar) return wrap(nn::MaxPool2d(options));
-  return wrap(torch::nn::MaxPool2d(options));
+Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options, bool relu_first) {
+  if (!relu_first) {
+    if (layers == LayerSet::hierpar) return wrap(nn::MaxPool2d(options));
+    return wrap(torch::nn::MaxPool2d(options));
+  }
+  if (layers == LayerSet::hierpar) {
+    nn::MaxPool2d pool(options);
+    return {pool.ptr(), [pool](const torch::Tensor& x) mutable { return pool->forward_relu(x); }};
+  }
+  torch::nn::MaxPool2d pool(options);
+  return {pool.ptr(), [pool](const torch::Tensor& x) mutable { return pool->forward(torch::relu(x)); }};
 }
 
 }  // namespace hierpar::models

@@ -77,11 +77,17 @@ MaxPool2dGeometry max_pool2d_geometry(const char* op, const char* input_name, at
 
 MaxPool2dGeometry max_pool2d_forward_geometry(const at::Tensor& input, at::IntArrayRef kernel_size,
                                               at::IntArrayRef stride, at::IntArrayRef padding,
-                                              at::IntArrayRef dilation, bool ceil_mode) {
+                                              at::IntArrayRef dilation, bool ceil_mode, bool relu) {
   constexpr const char* op = "hierpar::max_pool2d";
   TORCH_CHECK(is_pooling_dtype(input.scalar_type()), op,
               ": input must be float32, float64, float16 or bfloat16, got ", input.scalar_type());
-  return max_pool2d_geometry(op, "input", input.sizes(), kernel_size, stride, padding, dilation, ceil_mode);
+  MaxPool2dGeometry g = max_pool2d_geometry(op, "input", input.sizes(), kernel_size, stride, padding, dilation,
+                                            ceil_mode);
+  TORCH_CHECK(!relu || g.kernel_h * g.kernel_w < kMaxPoolMaxWindowArea, op, ": with relu, kernel_size ", kernel_size,
+              " has ", g.kernel_h * g.kernel_w, " elements per window; at most ", kMaxPoolMaxWindowArea - 1,
+              " (index ", int(kMaxPoolNoTap), " marks a window that chose no element)");
+  g.relu = relu;
+  return g;
 }
 
 MaxPool2dGeometry max_pool2d_backward_geometry(const at::Tensor& grad_output, const at::Tensor& indices,

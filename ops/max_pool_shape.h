@@ -20,12 +20,17 @@ namespace hierpar::detail {
 // The saved index is the row-major offset kh * kernel_w + kw of the chosen element inside its window, as
 // uint8: windows of up to 256 elements (16x16, or 8x32, ...).
 constexpr int64_t kMaxPoolMaxWindowArea = 256;
+// With relu (max_pool2d(relu(x)) in one pass: max commutes with ReLU), a window whose maximum is <= 0 outputs 0 and
+// chooses no element: its index is kMaxPoolNoTap, which no tap matches, so its gradient goes nowhere (as ReLU's
+// backward drops it). Such windows have at most 255 elements.
+constexpr uint8_t kMaxPoolNoTap = 255;
 
 struct MaxPool2dGeometry {
   int64_t batch, channels, in_h, in_w, out_h, out_w;
   int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
   bool batched;  // 4-d (N, C, H, W); a 3-d (C, H, W) input has batch 1 and gives 3-d outputs
   bool ceil_mode;
+  bool relu = false;  // the forward pools relu(input) (kMaxPoolNoTap above)
 
   std::vector<int64_t> output_sizes() const {
     if (batched) return {batch, channels, out_h, out_w};
@@ -52,7 +57,7 @@ inline bool is_pooling_dtype(c10::ScalarType t) {
 // hierpar::max_pool2d's checks of its input.
 MaxPool2dGeometry max_pool2d_forward_geometry(const at::Tensor& input, at::IntArrayRef kernel_size,
                                               at::IntArrayRef stride, at::IntArrayRef padding,
-                                              at::IntArrayRef dilation, bool ceil_mode);
+                                              at::IntArrayRef dilation, bool ceil_mode, bool relu);
 
 // hierpar::max_pool2d_backward's checks: grad_output and indices must be what max_pool2d gives for an input of
 // input_size with these parameters.
@@ -66,8 +71,8 @@ MaxPool2dGeometry max_pool2d_backward_geometry(const at::Tensor& grad_output, co
 template <auto Forward>
 std::tuple<at::Tensor, at::Tensor> max_pool2d_entry(const at::Tensor& input, at::IntArrayRef kernel_size,
                                                     at::IntArrayRef stride, at::IntArrayRef padding,
-                                                    at::IntArrayRef dilation, bool ceil_mode) {
-  return Forward(max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode), input);
+                                                    at::IntArrayRef dilation, bool ceil_mode, bool relu) {
+  return Forward(max_pool2d_forward_geometry(input, kernel_size, stride, padding, dilation, ceil_mode, relu), input);
 }
 
 template <auto Backward>
@@ -124,6 +129,16 @@ C10_HOST_DEVICE inline TapRange<index_t> valid_taps(index_t start, index_t size,
   index_t end = (size - start + dilation - 1) / dilation;
   end = end < kernel ? end : kernel;
   return {begin, end > begin ? end : begin};
+}
+
+// relu's end of one window (MaxPool2dGeometry::relu): a maximum <= 0 becomes 0, chosen by no element. A NaN stays,
+// with its tap: relu(NaN) is NaN and ReLU's backward passes a NaN input's gradient, as at::relu's does.
+template <typename acc_t>
+C10_HOST_DEVICE inline void relu_window(acc_t& best, uint8_t& tap) {
+  if (best <= acc_t(0)) {
+    best = acc_t(0);
+    tap = kMaxPoolNoTap;
+  }
 }
 
 // The output positions o in [begin, end) of one dimension whose window contains input coordinate i at some

@@ -264,6 +264,99 @@ TEST(MaxPool, DoubleBackwardMatchesAten) {
   }
 }
 
+// ---- relu: max_pool2d(relu(x)) in one pass -------------------------------------------------------------------
+
+std::tuple<torch::Tensor, torch::Tensor> relu_pool(const torch::Tensor& x, const PoolCase& c) {
+  return ops::max_pool2d(x, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode, /*relu=*/true);
+}
+
+// Inputs around 0 (plain, with NaNs, or few levels with exact zeros and ties) in `layout`.
+torch::Tensor relu_input(const PoolCase& c, c10::ScalarType dtype, Layout layout, int kind) {
+  auto x = random_tensor(c.shape, torch::TensorOptions().dtype(dtype), layout);
+  if (kind == 1) x.masked_fill_(torch::rand(c.shape) < 0.1, std::numeric_limits<double>::quiet_NaN());
+  if (kind == 2) {
+    const auto levels = torch::tensor({-std::numeric_limits<double>::infinity(), -0.5, -0.0, 0.0, 0.25}, torch::kDouble);
+    auto tied = levels.index({torch::randint(0, 5, c.shape, torch::kLong)}).to(dtype);
+    if (layout == Layout::channels_last && tied.dim() == 4) tied = tied.contiguous(torch::MemoryFormat::ChannelsLast);
+    x = tied;
+  }
+  return x;
+}
+
+// The fused pool against ATen's relu then max_pool2d (float64, CPU) for one input: the output exactly; index 255
+// exactly where ATen's output is 0 (the window's maximum was <= 0), ATen's element elsewhere; the input's gradient
+// through autograd.
+void check_relu_against_aten(const torch::Tensor& input, const PoolCase& c, const std::string& what) {
+  SCOPED_TRACE(what + ": " + c.describe());
+  const auto x = input.detach().requires_grad_();
+  auto [out, idx] = relu_pool(x, c);
+  const auto x_ref = input.detach().to(torch::kCPU, torch::kDouble).requires_grad_();
+  auto [out_ref, idx_ref] = at::max_pool2d_with_indices(at::relu(x_ref), c.kernel, c.stride, c.padding, c.dilation,
+                                                        c.ceil_mode);
+  expect_close(out, out_ref.detach(), kExact, what + " output");
+  ASSERT_EQ(idx.scalar_type(), torch::kByte);
+  const auto none = out_ref.detach().le(0);
+  EXPECT_TRUE(idx.cpu().eq(255).equal(none)) << what << ": index 255 must mark exactly the windows whose maximum is <= 0";
+  EXPECT_TRUE(decode_indices(idx, c).masked_fill(none, 0).equal(idx_ref.masked_fill(none, 0)))
+      << what << ": indices name other elements than ATen's";
+  const auto g = random_tensor(out.sizes(), input.options());
+  out.backward(g);
+  out_ref.backward(g.to(torch::kCPU, torch::kDouble));
+  expect_close(x.grad(), x_ref.grad(), what + " input.grad");
+}
+
+TEST(MaxPool, ReluFusedMatchesAtenReluThenPoolOnCpu) {
+  for (int trial = 0; trial < 9; ++trial) {
+    const auto c = random_case();
+    for (auto dtype : kAllDtypes) {
+      for (auto layout : kAllLayouts) {
+        check_relu_against_aten(relu_input(c, dtype, layout, trial % 3), c,
+                                std::string("relu ") + c10::toString(dtype) + " " + to_string(layout));
+      }
+    }
+  }
+  // The 2x2 stride-2 tiling of the seed CNN, NCHW and channels_last.
+  PoolCase cnn{{rand_int(1, 4), 10, 26, 26}, {2, 2}, {}, {0, 0}, {1, 1}, false};
+  for (auto layout : {Layout::contiguous, Layout::channels_last}) {
+    check_relu_against_aten(relu_input(cnn, torch::kFloat, layout, 0), cnn, std::string("relu CNN pool ") + to_string(layout));
+  }
+}
+
+// Central differences of sum(w * relu pool(x)) and the second derivative w.r.t. grad_output, in double.
+TEST(MaxPool, ReluFusedGradcheckAndDoubleBackwardInDouble) {
+  for (int trial = 0; trial < 4; ++trial) {
+    auto c = random_case();
+    c.shape[c.shape.size() - 3] = std::min<int64_t>(c.shape[c.shape.size() - 3], 2);
+    SCOPED_TRACE(c.describe());
+    const auto x = random_tensor(c.shape, torch::kDouble, kAllLayouts[trial % 3]).requires_grad_();
+    const auto out = std::get<0>(relu_pool(x, c));
+    const auto w = random_tensor(out.sizes(), torch::kDouble);
+    const auto analytic = torch::autograd::grad({(out * w).sum()}, {x}, {}, /*retain_graph=*/true)[0];
+    const double eps = 1e-6;
+    auto base = x.detach().contiguous();
+    auto numeric = torch::empty_like(base);
+    auto loss_at = [&](const torch::Tensor& t) { return (std::get<0>(relu_pool(t, c)) * w).sum().item<double>(); };
+    for (int64_t i = 0; i < base.numel(); ++i) {
+      auto plus = base.clone(), minus = base.clone();
+      plus.view(-1)[i] += eps;
+      minus.view(-1)[i] -= eps;
+      numeric.view(-1)[i] = (loss_at(plus) - loss_at(minus)) / (2 * eps);
+    }
+    expect_close(analytic, numeric, Tolerance{1e-7, 1e-8}, "gradient vs finite differences");
+
+    const auto x_ref = x.detach().clone().requires_grad_();
+    const auto out_ref = at::max_pool2d(at::relu(x_ref), c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
+    const auto go = random_tensor(out.sizes(), torch::kDouble).requires_grad_();
+    const auto go_ref = go.detach().clone().requires_grad_();
+    const auto v = random_tensor(c.shape, torch::kDouble);
+    const auto gi = torch::autograd::grad({out}, {x}, {go}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    const auto gi_ref = torch::autograd::grad({out_ref}, {x_ref}, {go_ref}, true, true)[0];
+    expect_close(gi, gi_ref, "grad_input");
+    expect_close(torch::autograd::grad({(gi * v).sum()}, {go})[0], torch::autograd::grad({(gi_ref * v).sum()}, {go_ref})[0],
+                 "grad of grad_input w.r.t. grad_output");
+  }
+}
+
 TEST(MaxPool, MetaKernelsGiveShapesDtypesAndLayouts) {
   for (int trial = 0; trial < 8; ++trial) {
     const auto c = random_case(6);
@@ -314,6 +407,9 @@ TEST(MaxPool, BadInputsAreRejectedWithMessagesNamingTheArgument) {
   HIERPAR_EXPECT_THROW_MSG(ops::max_pool2d(x, {3, 3}, {}, {2, 2}), "padding must be at most half of kernel_size");
   HIERPAR_EXPECT_THROW_MSG(ops::max_pool2d(random_tensor({1, 1, 20, 20}, torch::kFloat), {17, 16}),
                            "the uint8 indices address at most 256");
+  HIERPAR_EXPECT_THROW_MSG(ops::max_pool2d(random_tensor({1, 1, 20, 20}, torch::kFloat), {16, 16}, {}, {0, 0}, {1, 1},
+                                           false, /*relu=*/true),
+                           "with relu, kernel_size [16, 16] has 256 elements per window; at most 255");
   HIERPAR_EXPECT_THROW_MSG(ops::max_pool2d(x, {9, 2}), "larger than the padded input");
   HIERPAR_EXPECT_THROW_MSG(ops::max_pool2d(x, {3, 3}, {1, 1}, {0, 0}, {4, 4}), "larger than the padded input");
   HIERPAR_EXPECT_THROW_MSG(hierpar::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2))(random_tensor({8}, torch::kFloat)),
@@ -354,6 +450,18 @@ TEST(MaxPool, LayerMatchesTorchNnMaxPool2d) {
     y_stock.backward(g);
     expect_close(x.grad(), x_stock.grad(), "layer input.grad");
   }
+  // forward_relu: stock's relu then pool, in one kernel.
+  hierpar::nn::MaxPool2d ours(torch::nn::MaxPool2dOptions(2));
+  torch::nn::MaxPool2d stock(torch::nn::MaxPool2dOptions(2));
+  const auto x = random_tensor({3, 10, 26, 26}, torch::kFloat).requires_grad_();
+  const auto x_stock = x.detach().clone().requires_grad_();
+  const auto y = ours->forward_relu(x), y_stock = stock(torch::relu(x_stock));
+  expect_close(y, y_stock, kExact, "forward_relu output");
+  const auto g = random_tensor(y.sizes(), torch::kFloat);
+  y.backward(g);
+  y_stock.backward(g);
+  expect_close(x.grad(), x_stock.grad(), kExact, "forward_relu input.grad");
+
   std::ostringstream printed;
   printed << *hierpar::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1));
   EXPECT_EQ(printed.str(),
@@ -439,6 +547,31 @@ TEST(MaxPool, CudaAutogradAndDoubleBackwardMatchAten) {
     const auto v = random_tensor(c.shape, torch::kDouble);
     expect_close(torch::autograd::grad({(gi * v.cuda()).sum()}, {go_cuda})[0],
                  torch::autograd::grad({(gi_ref * v).sum()}, {go})[0], "double backward");
+  }
+}
+
+// The fused relu pool on CUDA: every path (general, the 2x2 NCHW and channels_last fast paths) against ATen and
+// against the CPU's fused pool (same output and indices).
+TEST(MaxPool, CudaReluFusedMatchesAtenAndCpu) {
+  HIERPAR_REQUIRE_CUDA();
+  for (int trial = 0; trial < 9; ++trial) {
+    PoolCase c = random_case();
+    if (trial >= 3) {  // the 2x2 tiling, widths and channels that take each fast path, or not
+      const int64_t n = rand_int(1, 3), ch = 8 * rand_int(1, 4) + (trial % 3 == 2 ? rand_int(1, 7) : 0);
+      const int64_t h = 2 * rand_int(1, 12), w = 8 * rand_int(1, 6) + (trial % 3 == 1 ? 2 : 0);
+      c = PoolCase{{n, ch, h, w}, {2, 2}, {}, {0, 0}, {1, 1}, false};
+    }
+    for (auto dtype : kAllDtypes) {
+      for (auto layout : kAllLayouts) {
+        const std::string what = std::string("relu CUDA ") + c10::toString(dtype) + " " + to_string(layout);
+        const auto x = relu_input(c, dtype, layout, trial % 3);
+        check_relu_against_aten(x.cuda(), c, what);
+        auto [out, idx] = relu_pool(x.cuda(), c);
+        auto [out_cpu, idx_cpu] = relu_pool(x, c);
+        expect_close(out, out_cpu, kExact, what + " output vs CPU");
+        EXPECT_TRUE(idx.cpu().equal(idx_cpu)) << what << ": CUDA indices differ from CPU";
+      }
+    }
   }
 }
 

@@ -21,4 +21,9 @@ torch::Tensor MaxPool2dImpl::forward(const torch::Tensor& input) {
                                      *options.dilation(), options.ceil_mode()));
 }
 
+torch::Tensor MaxPool2dImpl::forward_relu(const torch::Tensor& input) {
+  return std::get<0>(ops::max_pool2d(input, *options.kernel_size(), *options.stride(), *options.padding(),
+                                     *options.dilation(), options.ceil_mode(), /*relu=*/true));
+}
+
 }  // namespace hierpar::nn

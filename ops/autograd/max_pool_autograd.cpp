@@ -41,7 +41,8 @@ struct PoolArgs {
 };
 
 // For every window, `source` (shaped like the pooled input) at the element the window chose; 0 for a window
-// lying entirely in the padding (its index points at padding). The transpose of max_pool2d_backward.
+// lying entirely in the padding (its index points at padding) and for one that chose none (kMaxPoolNoTap, past the
+// window's taps). The transpose of max_pool2d_backward.
 at::Tensor gather_chosen(const at::Tensor& source, const at::Tensor& indices, const PoolArgs& a) {
   const auto g = max_pool2d_geometry("hierpar::max_pool2d_backward (double backward)", "grad_input",
                                      source.sizes(), a.kernel_size, a.stride, a.padding, a.dilation, a.ceil_mode);
@@ -51,7 +52,8 @@ at::Tensor gather_chosen(const at::Tensor& source, const at::Tensor& indices, co
                            .add(tap.div(g.kernel_w, "floor").mul(g.dilation_h));
   const at::Tensor iw = at::arange(g.out_w, opts).mul(g.stride_w).sub(g.pad_w)
                            .add(tap.remainder(g.kernel_w).mul(g.dilation_w));
-  const at::Tensor inside = ih.ge(0).logical_and(ih.lt(g.in_h)).logical_and(iw.ge(0)).logical_and(iw.lt(g.in_w));
+  const at::Tensor inside = ih.ge(0).logical_and(ih.lt(g.in_h)).logical_and(iw.ge(0)).logical_and(iw.lt(g.in_w))
+                                .logical_and(tap.lt(g.kernel_h * g.kernel_w));
   const at::Tensor flat = ih.clamp(0, g.in_h - 1).mul(g.in_w).add(iw.clamp(0, g.in_w - 1)).flatten(-2);
   const at::Tensor picked = at::gather(source.flatten(-2), -1, flat).view(indices.sizes());
   return picked.masked_fill(inside.logical_not(), 0);
@@ -96,14 +98,15 @@ struct MaxPool2dBackwardNode final : torch::autograd::Node {
 
 std::tuple<at::Tensor, at::Tensor> max_pool2d_autograd(const at::Tensor& input, at::IntArrayRef kernel_size,
                                                        at::IntArrayRef stride, at::IntArrayRef padding,
-                                                       at::IntArrayRef dilation, bool ceil_mode) {
+                                                       at::IntArrayRef dilation, bool ceil_mode, bool relu) {
   if (!(at::GradMode::is_enabled() && input.requires_grad())) {  // nothing to record: skip the Function's cost
     at::AutoDispatchBelowADInplaceOrView guard;
-    return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode);
+    return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode, relu);
   }
+  // With relu the backward is the same gather: the windows that chose no element pass no gradient.
   auto [output, indices] = [&] {
     at::AutoDispatchBelowADInplaceOrView guard;
-    return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode);
+    return ops::max_pool2d(input, kernel_size, stride, padding, dilation, ceil_mode, relu);
   }();
   const std::shared_ptr<MaxPool2dBackwardNode> node(new MaxPool2dBackwardNode(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input));

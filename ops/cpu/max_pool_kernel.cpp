@@ -58,6 +58,7 @@ void forward_nchw(const scalar_t* in, scalar_t* out, uint8_t* idx, const MaxPool
             }
           }
         }
+        if (g.relu) relu_window(best, best_tap);
         out[row * g.out_w + ow] = static_cast<scalar_t>(best);
         idx[row * g.out_w + ow] = best_tap;
       }
@@ -93,6 +94,9 @@ void forward_channels_last(const scalar_t* in, scalar_t* out, uint8_t* idx, cons
             }
           }
         }
+      }
+      if (g.relu) {
+        for (int64_t c = 0; c < C; ++c) relu_window(best[c], best_tap[c]);
       }
       scalar_t* dst = out + pos * C;
       for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<scalar_t>(best[c]);
@@ -219,12 +223,18 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const MaxPool2dGeometry& g, c
       }
     }
   });
+  if (g.relu) {  // relu_window on ATen's output (NaN <= 0 is false: a NaN stays)
+    const at::Tensor none_chosen = output.le(0);
+    output.masked_fill_(none_chosen, 0);
+    taps.masked_fill_(none_chosen, kMaxPoolNoTap);
+  }
   return {output, taps};
 }
 
 // The backward on ATen's (zero fill, then one scatter-add per window), float32/float64 only: ATen adds
 // overlapping windows' half-precision gradients in half precision, the reference in float32. Undefined when an
-// offset names no input element (indices that max_pool2d did not make): the reference ignores those.
+// offset names no input element (a window that chose none, kMaxPoolNoTap, or indices that max_pool2d did not
+// make): the reference ignores those.
 at::Tensor max_pool2d_backward_aten(const MaxPool2dGeometry& g, const at::Tensor& grad_output,
                                     const at::Tensor& indices, at::IntArrayRef input_size) {
   const auto layout = layout_of(indices);

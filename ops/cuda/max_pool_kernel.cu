@@ -1,5 +1,6 @@
 // CUDA kernels of hierpar::max_pool2d (uint8 window-offset indices) and of its gather backward, NCHW and
-// channels_last natively (no layout conversions).
+// channels_last natively (no layout conversions). Each forward also has a kRelu form that pools relu(input)
+// (relu_window in max_pool_shape.h); a window it leaves unchosen matches no tap in the backward.
 //
 // General path, any parameters: one thread per output element (forward) or per input element (backward, a
 // gather over the windows containing it, written once). Fast path for 2x2 stride-2 windows tiling the input
@@ -79,7 +80,7 @@ __device__ __forceinline__ void unravel(index_t i, index_t channels, index_t hei
   }
 }
 
-template <typename scalar_t, typename index_t, bool channels_last>
+template <typename scalar_t, typename index_t, bool channels_last, bool kRelu>
 __global__ void forward_general(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                 uint8_t* __restrict__ idx, KernelGeometry<index_t> g, index_t total) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -104,6 +105,7 @@ __global__ void forward_general(const scalar_t* __restrict__ in, scalar_t* __res
         }
       }
     }
+    if constexpr (kRelu) relu_window(best, best_tap);
     out[i] = static_cast<scalar_t>(best);
     idx[i] = best_tap;
   }
@@ -136,8 +138,9 @@ __global__ void backward_general(const scalar_t* __restrict__ grad_out, const ui
 
 // ---- 2x2 stride-2 tiling fast path ------------------------------------------------------------------------------
 
-// Picks the max of one 2x2 window given in tap order (top-left, top-right, bottom-left, bottom-right).
-template <typename scalar_t>
+// Picks the max of one 2x2 window given in tap order (top-left, top-right, bottom-left, bottom-right); kRelu: of
+// its ReLU (relu_window).
+template <bool kRelu, typename scalar_t>
 __device__ __forceinline__ void pick_2x2(scalar_t a, scalar_t b, scalar_t c, scalar_t d, scalar_t& out,
                                          uint8_t& tap) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -148,6 +151,7 @@ __device__ __forceinline__ void pick_2x2(scalar_t a, scalar_t b, scalar_t c, sca
   if (takes_over(vb, best)) { best = vb; t = 1; }
   if (takes_over(vc, best)) { best = vc; t = 2; }
   if (takes_over(vd, best)) { best = vd; t = 3; }
+  if constexpr (kRelu) relu_window(best, t);
   out = static_cast<scalar_t>(best);
   tap = t;
 }
@@ -155,7 +159,7 @@ __device__ __forceinline__ void pick_2x2(scalar_t a, scalar_t b, scalar_t c, sca
 // NCHW: thread t covers windows [W j, W j + W) of output row r (= plane * out_h + oh), i.e. input rows 2r and
 // 2r + 1. W = 4 when the output width allows (4-byte index stores, two 32-byte fp32 loads per row),
 // else W = 1 (one 2-element load per row).
-template <typename scalar_t, int kNchwWindows>
+template <typename scalar_t, int kNchwWindows, bool kRelu>
 __global__ void forward_2x2_nchw(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                  uint8_t* __restrict__ idx, int rows, int groups_per_row, int in_w) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
@@ -168,7 +172,7 @@ __global__ void forward_2x2_nchw(const scalar_t* __restrict__ in, scalar_t* __re
   Vec<uint8_t, kNchwWindows> k;
 #pragma unroll
   for (int w = 0; w < kNchwWindows; ++w) {
-    pick_2x2(top.v[2 * w], top.v[2 * w + 1], bottom.v[2 * w], bottom.v[2 * w + 1], o.v[w], k.v[w]);
+    pick_2x2<kRelu>(top.v[2 * w], top.v[2 * w + 1], bottom.v[2 * w], bottom.v[2 * w + 1], o.v[w], k.v[w]);
   }
   const int64_t element = int64_t(r) * (in_w / 2) + j * kNchwWindows;
   *reinterpret_cast<Vec<scalar_t, kNchwWindows>*>(out + element) = o;
@@ -215,7 +219,7 @@ __device__ __forceinline__ void with_thread_slice(int windows, int out_w, int ch
   body(p, j, p / out_w, p % out_w);
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kRelu>
 __global__ void forward_2x2_channels_last(const scalar_t* __restrict__ in, scalar_t* __restrict__ out,
                                           uint8_t* __restrict__ idx, int windows, int out_w, int channels) {
   constexpr int V = channels_per_thread<scalar_t>();
@@ -230,7 +234,7 @@ __global__ void forward_2x2_channels_last(const scalar_t* __restrict__ in, scala
     CVec o;
     Vec<uint8_t, V> k;
 #pragma unroll
-    for (int v = 0; v < V; ++v) pick_2x2(a.v[v], b.v[v], c.v[v], d.v[v], o.v[v], k.v[v]);
+    for (int v = 0; v < V; ++v) pick_2x2<kRelu>(a.v[v], b.v[v], c.v[v], d.v[v], o.v[v], k.v[v]);
     const int64_t element = int64_t(p) * channels + j * V;
     *reinterpret_cast<CVec*>(out + element) = o;
     *reinterpret_cast<Vec<uint8_t, V>*>(idx + element) = k;
@@ -289,45 +293,46 @@ FastPath fast_path_for(const MaxPool2dGeometry& g, c10::MemoryFormat layout, int
 }
 
 // The forward's or the backward's kernel of each path, for the one launcher below: both directions' kernels take
-// their three tensors (in the direction's own order), then the same geometry, on the same grids.
-template <bool kBackward, typename scalar_t, typename index_t, bool channels_last>
+// their three tensors (in the direction's own order), then the same geometry, on the same grids. kRelu picks the
+// forward that pools relu(input); the backward is the same gather either way.
+template <bool kBackward, bool kRelu, typename scalar_t, typename index_t, bool channels_last>
 auto general_kernel() {
   if constexpr (kBackward) return backward_general<scalar_t, index_t, channels_last>;
-  else return forward_general<scalar_t, index_t, channels_last>;
+  else return forward_general<scalar_t, index_t, channels_last, kRelu>;
 }
 
-template <bool kBackward, typename scalar_t, int kNchwWindows>
+template <bool kBackward, bool kRelu, typename scalar_t, int kNchwWindows>
 auto nchw_kernel() {
   if constexpr (kBackward) return backward_2x2_nchw<scalar_t, kNchwWindows>;
-  else return forward_2x2_nchw<scalar_t, kNchwWindows>;
+  else return forward_2x2_nchw<scalar_t, kNchwWindows, kRelu>;
 }
 
-template <bool kBackward, typename scalar_t>
+template <bool kBackward, bool kRelu, typename scalar_t>
 auto channels_last_kernel() {
   if constexpr (kBackward) return backward_2x2_channels_last<scalar_t>;
-  else return forward_2x2_channels_last<scalar_t>;
+  else return forward_2x2_channels_last<scalar_t, kRelu>;
 }
 
 // Launches one direction's kernel of `path`. total: the elements written (the general kernels' threads);
 // read_numel: the elements of the other tensor read. The general kernels index in 32 bits when every offset fits
 // (the common case), else in 64.
-template <bool kBackward, typename scalar_t, typename A, typename B, typename C>
+template <bool kBackward, bool kRelu, typename scalar_t, typename A, typename B, typename C>
 void launch(FastPath path, const MaxPool2dGeometry& g, c10::MemoryFormat layout, int64_t read_numel, int64_t total,
             cudaStream_t stream, A a, B b, C c) {
   const int rows = g.batch * g.channels * g.out_h;
   switch (path) {
     case FastPath::nchw4:
-      nchw_kernel<kBackward, scalar_t, 4>()<<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0,
+      nchw_kernel<kBackward, kRelu, scalar_t, 4>()<<<blocks_for(int64_t(rows) * (g.out_w / 4), INT32_MAX), kThreads, 0,
                                               stream>>>(a, b, c, rows, g.out_w / 4, g.in_w);
       break;
     case FastPath::nchw1:
-      nchw_kernel<kBackward, scalar_t, 1>()<<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
+      nchw_kernel<kBackward, kRelu, scalar_t, 1>()<<<blocks_for(int64_t(rows) * g.out_w, INT32_MAX), kThreads, 0, stream>>>(
           a, b, c, rows, g.out_w, g.in_w);
       break;
     case FastPath::channels_last: {
       const int windows = g.batch * g.out_h * g.out_w;
       const int work = windows * (g.channels / channels_per_thread<scalar_t>());
-      channels_last_kernel<kBackward, scalar_t>()<<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
+      channels_last_kernel<kBackward, kRelu, scalar_t>()<<<blocks_for(work, INT32_MAX), kThreads, 0, stream>>>(
           a, b, c, windows, g.out_w, g.channels);
       break;
     }
@@ -337,10 +342,10 @@ void launch(FastPath path, const MaxPool2dGeometry& g, c10::MemoryFormat layout,
         const KernelGeometry<index_t> kg(g);
         const unsigned blocks = blocks_for(total, kMaxBlocks);
         if (layout == c10::MemoryFormat::ChannelsLast) {
-          general_kernel<kBackward, scalar_t, index_t, true>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
+          general_kernel<kBackward, kRelu, scalar_t, index_t, true>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
                                                                                               index_t(total));
         } else {
-          general_kernel<kBackward, scalar_t, index_t, false>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
+          general_kernel<kBackward, kRelu, scalar_t, index_t, false>()<<<blocks, kThreads, 0, stream>>>(a, b, c, kg,
                                                                                                index_t(total));
         }
       };
@@ -361,8 +366,14 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_cuda(const MaxPool2dGeometry& g, c
     const scalar_t* in = f.input.const_data_ptr<scalar_t>();
     scalar_t* out = f.output.mutable_data_ptr<scalar_t>();
     uint8_t* idx = f.indices.mutable_data_ptr<uint8_t>();
-    launch</*kBackward=*/false, scalar_t>(fast_path_for(g, f.layout, sizeof(scalar_t), in, out, idx), g, f.layout,
-                                          f.input.numel(), total, stream, in, out, idx);
+    const FastPath path = fast_path_for(g, f.layout, sizeof(scalar_t), in, out, idx);
+    if (g.relu) {
+      launch</*kBackward=*/false, /*kRelu=*/true, scalar_t>(path, g, f.layout, f.input.numel(), total, stream, in, out,
+                                                            idx);
+    } else {
+      launch</*kBackward=*/false, /*kRelu=*/false, scalar_t>(path, g, f.layout, f.input.numel(), total, stream, in,
+                                                             out, idx);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {f.output, f.indices};
@@ -381,8 +392,9 @@ at::Tensor max_pool2d_backward_cuda(const MaxPool2dGeometry& g, const at::Tensor
     const scalar_t* gout = b.grad_output.const_data_ptr<scalar_t>();
     const uint8_t* idx = b.indices.const_data_ptr<uint8_t>();
     scalar_t* gin = b.grad_input.mutable_data_ptr<scalar_t>();
-    launch</*kBackward=*/true, scalar_t>(fast_path_for(g, b.layout, sizeof(scalar_t), gin, gout, idx), g, b.layout,
-                                         b.grad_output.numel(), total, stream, gout, idx, gin);
+    launch</*kBackward=*/true, /*kRelu=*/false, scalar_t>(fast_path_for(g, b.layout, sizeof(scalar_t), gin, gout, idx),
+                                                          g, b.layout, b.grad_output.numel(), total, stream, gout, idx,
+                                                          gin);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return b.grad_input;

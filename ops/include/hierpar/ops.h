@@ -15,9 +15,13 @@ namespace hierpar::ops {
 
 // Max pooling with at::max_pool2d's semantics. Returns (output, indices): indices hold, per output
 // element, the row-major offset of the chosen element inside its window, as uint8 (kernels up to 16x16).
+// relu: pools relu(input) in the same pass (max commutes with ReLU), what at::max_pool2d(at::relu(input)) gives,
+// values and gradients; a window whose maximum is <= 0 outputs 0 with index 255, no element (kernels up to 255
+// elements).
 std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size,
                                               at::IntArrayRef stride = {}, at::IntArrayRef padding = {0, 0},
-                                              at::IntArrayRef dilation = {1, 1}, bool ceil_mode = false);
+                                              at::IntArrayRef dilation = {1, 1}, bool ceil_mode = false,
+                                              bool relu = false);
 
 // Gather backward of max_pool2d: every input element sums the gradients of the windows that chose it.
 at::Tensor max_pool2d_backward(const at::Tensor& grad_output, const at::Tensor& indices,

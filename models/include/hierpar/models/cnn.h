@@ -1,6 +1,7 @@
 // The seed CNN (003): a 28x28 one-channel image -> Conv 1->10 (3x3, no padding: 26x26), ReLU
 // -> MaxPool 2 (13x13) -> Linear 1690->100, ReLU -> Linear 100->10 (class logits).
-// Built from stock or hierpar layers (LayerSet; hierpar::nn::MaxPool2d); same state-dict keys either way.
+// Built from stock or hierpar layers (LayerSet; hierpar::nn::MaxPool2d, which applies the ReLU before it in the same
+// kernel); same state-dict keys either way.
 #pragma once
 
 #include "hierpar/layer_set.h"

@@ -34,6 +34,8 @@ Layer make_conv2d(LayerSet layers, const torch::nn::Conv2dOptions& options,
 // BatchNorm2d followed by `activation` (negative_slope for leaky_relu).
 Layer make_batch_norm_act2d(LayerSet layers, int64_t num_features, nn::Activation activation,
                             double negative_slope);
-Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options);
+// Max pooling; with relu_first the layer pools relu(x): fused into hierpar's kernel (MaxPool2d::forward_relu),
+// functional before the pool in the stock set.
+Layer make_max_pool2d(LayerSet layers, const torch::nn::MaxPool2dOptions& options, bool relu_first = false);
 
 }  // namespace hierpar::models

@@ -16,6 +16,9 @@ class MaxPool2dImpl : public torch::nn::Cloneable<MaxPool2dImpl> {
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
   torch::Tensor forward(const torch::Tensor& input);
+  // forward(relu(input)) in one kernel, values and gradients alike (max commutes with ReLU): no ReLU output is
+  // written or kept, and no ReLU kernel runs forward or backward.
+  torch::Tensor forward_relu(const torch::Tensor& input);
 
   torch::nn::MaxPool2dOptions options;
 };
