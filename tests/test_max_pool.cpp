@@ -36,8 +36,13 @@ struct PoolCase {
   }
 };
 
-std::tuple<torch::Tensor, torch::Tensor> pool(const torch::Tensor& x, const PoolCase& c) {
-  return ops::max_pool2d(x, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
+// relu: max_pool2d(relu(x)) in one pass.
+std::tuple<torch::Tensor, torch::Tensor> pool(const torch::Tensor& x, const PoolCase& c, bool relu = false) {
+  return ops::max_pool2d(x, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode, relu);
+}
+// ATen's max_pool2d, of relu(x) with relu.
+torch::Tensor aten_pool(const torch::Tensor& x, const PoolCase& c, bool relu) {
+  return at::max_pool2d(relu ? at::relu(x) : x, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
 }
 torch::Tensor pool_backward(const torch::Tensor& grad_output, const torch::Tensor& indices, const PoolCase& c) {
   return ops::max_pool2d_backward(grad_output, indices, c.shape, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
@@ -219,21 +224,23 @@ TEST(MaxPool, AutogradMatchesAten) {
   }
 }
 
-// torch::autograd has no C++ gradcheck: central differences of sum(w * ops::max_pool2d(x)) in double.
+// torch::autograd has no C++ gradcheck: central differences of sum(w * ops::max_pool2d(x)) in double, plain and with
+// relu.
 TEST(MaxPool, FiniteDifferenceGradcheckInDouble) {
-  for (int trial = 0; trial < 4; ++trial) {
+  for (int trial = 0; trial < 8; ++trial) {
+    const bool relu = trial % 2 == 1;
     auto c = random_case();
     c.shape[c.shape.size() - 3] = std::min<int64_t>(c.shape[c.shape.size() - 3], 2);
-    SCOPED_TRACE(c.describe());
+    SCOPED_TRACE(c.describe() + (relu ? " relu" : ""));
     const auto x = random_tensor(c.shape, torch::kDouble, kAllLayouts[trial % 3]).requires_grad_();
-    const auto out = std::get<0>(pool(x, c));
+    const auto out = std::get<0>(pool(x, c, relu));
     const auto w = random_tensor(out.sizes(), torch::kDouble);
     const auto analytic = torch::autograd::grad({(out * w).sum()}, {x})[0];
 
     const double eps = 1e-6;
     auto base = x.detach().contiguous();
     auto numeric = torch::empty_like(base);
-    auto loss_at = [&](const torch::Tensor& t) { return (std::get<0>(pool(t, c)) * w).sum().item<double>(); };
+    auto loss_at = [&](const torch::Tensor& t) { return (std::get<0>(pool(t, c, relu)) * w).sum().item<double>(); };
     for (int64_t i = 0; i < base.numel(); ++i) {
       auto plus = base.clone(), minus = base.clone();
       plus.view(-1)[i] += eps;
@@ -246,18 +253,20 @@ TEST(MaxPool, FiniteDifferenceGradcheckInDouble) {
 }
 
 TEST(MaxPool, DoubleBackwardMatchesAten) {
-  for (int trial = 0; trial < 4; ++trial) {
+  for (int trial = 0; trial < 8; ++trial) {
+    const bool relu = trial % 2 == 1;
     const auto c = random_case();
-    SCOPED_TRACE(c.describe());
+    SCOPED_TRACE(c.describe() + (relu ? " relu" : ""));
     const auto x = random_tensor(c.shape, torch::kDouble, kAllLayouts[trial % 3]).requires_grad_();
     const auto x_ref = x.detach().clone().requires_grad_();
-    const auto out = std::get<0>(pool(x, c));
-    const auto out_ref = at::max_pool2d(x_ref, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
+    const auto out = std::get<0>(pool(x, c, relu));
+    const auto out_ref = aten_pool(x_ref, c, relu);
     const auto go = random_tensor(out.sizes(), torch::kDouble).requires_grad_();
     const auto go_ref = go.detach().clone().requires_grad_();
     const auto v = random_tensor(c.shape, torch::kDouble);
     const auto gi = torch::autograd::grad({out}, {x}, {go}, /*retain_graph=*/true, /*create_graph=*/true)[0];
     const auto gi_ref = torch::autograd::grad({out_ref}, {x_ref}, {go_ref}, true, true)[0];
+    expect_close(gi, gi_ref, "grad_input");
     const auto ggo = torch::autograd::grad({(gi * v).sum()}, {go})[0];
     const auto ggo_ref = torch::autograd::grad({(gi_ref * v).sum()}, {go_ref})[0];
     expect_close(ggo, ggo_ref, "grad of grad_input w.r.t. grad_output");
@@ -265,10 +274,6 @@ TEST(MaxPool, DoubleBackwardMatchesAten) {
 }
 
 // ---- relu: max_pool2d(relu(x)) in one pass -------------------------------------------------------------------
-
-std::tuple<torch::Tensor, torch::Tensor> relu_pool(const torch::Tensor& x, const PoolCase& c) {
-  return ops::max_pool2d(x, c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode, /*relu=*/true);
-}
 
 // Inputs around 0 (plain, with NaNs, or few levels with exact zeros and ties) in `layout`.
 torch::Tensor relu_input(const PoolCase& c, c10::ScalarType dtype, Layout layout, int kind) {
@@ -289,7 +294,7 @@ torch::Tensor relu_input(const PoolCase& c, c10::ScalarType dtype, Layout layout
 void check_relu_against_aten(const torch::Tensor& input, const PoolCase& c, const std::string& what) {
   SCOPED_TRACE(what + ": " + c.describe());
   const auto x = input.detach().requires_grad_();
-  auto [out, idx] = relu_pool(x, c);
+  auto [out, idx] = pool(x, c, /*relu=*/true);
   const auto x_ref = input.detach().to(torch::kCPU, torch::kDouble).requires_grad_();
   auto [out_ref, idx_ref] = at::max_pool2d_with_indices(at::relu(x_ref), c.kernel, c.stride, c.padding, c.dilation,
                                                         c.ceil_mode);
@@ -319,41 +324,6 @@ TEST(MaxPool, ReluFusedMatchesAtenReluThenPoolOnCpu) {
   PoolCase cnn{{rand_int(1, 4), 10, 26, 26}, {2, 2}, {}, {0, 0}, {1, 1}, false};
   for (auto layout : {Layout::contiguous, Layout::channels_last}) {
     check_relu_against_aten(relu_input(cnn, torch::kFloat, layout, 0), cnn, std::string("relu CNN pool ") + to_string(layout));
-  }
-}
-
-// Central differences of sum(w * relu pool(x)) and the second derivative w.r.t. grad_output, in double.
-TEST(MaxPool, ReluFusedGradcheckAndDoubleBackwardInDouble) {
-  for (int trial = 0; trial < 4; ++trial) {
-    auto c = random_case();
-    c.shape[c.shape.size() - 3] = std::min<int64_t>(c.shape[c.shape.size() - 3], 2);
-    SCOPED_TRACE(c.describe());
-    const auto x = random_tensor(c.shape, torch::kDouble, kAllLayouts[trial % 3]).requires_grad_();
-    const auto out = std::get<0>(relu_pool(x, c));
-    const auto w = random_tensor(out.sizes(), torch::kDouble);
-    const auto analytic = torch::autograd::grad({(out * w).sum()}, {x}, {}, /*retain_graph=*/true)[0];
-    const double eps = 1e-6;
-    auto base = x.detach().contiguous();
-    auto numeric = torch::empty_like(base);
-    auto loss_at = [&](const torch::Tensor& t) { return (std::get<0>(relu_pool(t, c)) * w).sum().item<double>(); };
-    for (int64_t i = 0; i < base.numel(); ++i) {
-      auto plus = base.clone(), minus = base.clone();
-      plus.view(-1)[i] += eps;
-      minus.view(-1)[i] -= eps;
-      numeric.view(-1)[i] = (loss_at(plus) - loss_at(minus)) / (2 * eps);
-    }
-    expect_close(analytic, numeric, Tolerance{1e-7, 1e-8}, "gradient vs finite differences");
-
-    const auto x_ref = x.detach().clone().requires_grad_();
-    const auto out_ref = at::max_pool2d(at::relu(x_ref), c.kernel, c.stride, c.padding, c.dilation, c.ceil_mode);
-    const auto go = random_tensor(out.sizes(), torch::kDouble).requires_grad_();
-    const auto go_ref = go.detach().clone().requires_grad_();
-    const auto v = random_tensor(c.shape, torch::kDouble);
-    const auto gi = torch::autograd::grad({out}, {x}, {go}, /*retain_graph=*/true, /*create_graph=*/true)[0];
-    const auto gi_ref = torch::autograd::grad({out_ref}, {x_ref}, {go_ref}, true, true)[0];
-    expect_close(gi, gi_ref, "grad_input");
-    expect_close(torch::autograd::grad({(gi * v).sum()}, {go})[0], torch::autograd::grad({(gi_ref * v).sum()}, {go_ref})[0],
-                 "grad of grad_input w.r.t. grad_output");
   }
 }
 
@@ -566,8 +536,8 @@ TEST(MaxPool, CudaReluFusedMatchesAtenAndCpu) {
         const std::string what = std::string("relu CUDA ") + c10::toString(dtype) + " " + to_string(layout);
         const auto x = relu_input(c, dtype, layout, trial % 3);
         check_relu_against_aten(x.cuda(), c, what);
-        auto [out, idx] = relu_pool(x.cuda(), c);
-        auto [out_cpu, idx_cpu] = relu_pool(x, c);
+        auto [out, idx] = pool(x.cuda(), c, /*relu=*/true);
+        auto [out_cpu, idx_cpu] = pool(x, c, /*relu=*/true);
         expect_close(out, out_cpu, kExact, what + " output vs CPU");
         EXPECT_TRUE(idx.cpu().equal(idx_cpu)) << what << ": CUDA indices differ from CPU";
       }
