@@ -15,7 +15,8 @@ hp = torch.ops.hierpar
 def max_pool2d_samples(dtype, device):
     for layout, args in [("contiguous", ([3, 2], [2, 1], [1, 1], [1, 1], True)),
                          ("channels_last", ([2, 2], [], [0, 0], [1, 1], False)),
-                         ("strided", ([3, 3], [2, 2], [1, 0], [2, 1], False))]:
+                         ("strided", ([3, 3], [2, 2], [1, 0], [2, 1], False)),
+                         ("contiguous", ([2, 2], [], [0, 0], [1, 1], False, True))]:  # relu: pools relu(x)
         x = random_tensor([2, 3, 9, 8], dtype, device, layout).requires_grad_()
         yield (x, *args)
 
@@ -24,7 +25,7 @@ def max_pool2d_backward_samples(dtype, device):
     for x, *args in max_pool2d_samples(dtype, device):
         with torch.no_grad():
             out, indices = hp.max_pool2d(x, *args)
-        yield (torch.randn_like(out), indices, list(x.shape), *args)
+        yield (torch.randn_like(out), indices, list(x.shape), *args[:5])  # (the backward takes no relu)
 
 
 def batch_norm_act_samples(dtype, device):
@@ -161,3 +162,20 @@ def test_batch_norm_relu_has_second_derivatives():
         return torch.ops.hierpar.batch_norm_act(a, weight, bias, None, None, True, 0.1, 1e-5, "relu", 0.0, None)[0]
 
     assert torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_max_pool2d_relu_is_relu_then_pool(device):
+    """relu=True pools relu(x) in one pass: torch's relu then max_pool2d, values and gradients, and gradgradcheck."""
+    x = random_tensor([2, 3, 8, 6], torch.float64, device).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    out, indices = hp.max_pool2d(x, [2, 2], [], [0, 0], [1, 1], False, True)
+    ref = torch.nn.functional.max_pool2d(torch.relu(x_ref), 2)
+    assert torch.equal(out, ref)
+    assert bool((indices == 255).eq(ref == 0).all())  # 255: the window's maximum was <= 0, no element chosen
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.autograd.gradgradcheck(lambda a: hp.max_pool2d(a, [2, 2], [], [0, 0], [1, 1], False, True)[0],
+                                        (x.detach().requires_grad_(),))
