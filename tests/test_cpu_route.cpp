@@ -72,4 +72,16 @@ TEST(CpuRoute, BatchNormActTakesAtenOrTheReference) {
                 "aten::native_batch_norm", "batch_norm_act");
 }
 
+// max_pool2d's backward with relu (the seed CNN's pool): windows whose maximum was <= 0 chose no element, and ATen's
+// backward still takes the call, with a zero gradient there: ATen's relu then pool, bit for bit.
+TEST(CpuRoute, MaxPoolWithReluBackwardTakesAtenOrTheReference) {
+  const auto x = fixed({4, 10, 26, 26}, 6), g = fixed({4, 10, 13, 13}, 7);
+  const auto indices = std::get<1>(hierpar::ops::max_pool2d(x, {2, 2}, {}, {0, 0}, {1, 1}, false, /*relu=*/true));
+  ASSERT_TRUE(indices.eq(255).any().item<bool>()) << "some windows must have chosen no element";
+  auto op = [&] { return hierpar::ops::max_pool2d_backward(g, indices, x.sizes(), {2, 2}, {2, 2}, {0, 0}, {1, 1}, false); };
+  const auto x_ref = x.clone().requires_grad_();
+  at::max_pool2d(at::relu(x_ref), {2, 2}).backward(g);
+  expect_routes(op, x_ref.grad(), "aten::max_pool2d_with_indices_backward", "max_pool2d relu backward");
+}
+
 }  // namespace

@@ -232,9 +232,10 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_aten(const MaxPool2dGeometry& g, c
 }
 
 // The backward on ATen's (zero fill, then one scatter-add per window), float32/float64 only: ATen adds
-// overlapping windows' half-precision gradients in half precision, the reference in float32. Undefined when an
-// offset names no input element (a window that chose none, kMaxPoolNoTap, or indices that max_pool2d did not
-// make): the reference ignores those.
+// overlapping windows' half-precision gradients in half precision, the reference in float32. A window that chose
+// no element (relu's kMaxPoolNoTap, in windows of fewer than 256 elements) points at its first element with a zero
+// gradient. Undefined when an offset names no input element (indices that max_pool2d did not make): the reference
+// ignores those.
 at::Tensor max_pool2d_backward_aten(const MaxPool2dGeometry& g, const at::Tensor& grad_output,
                                     const at::Tensor& indices, at::IntArrayRef input_size) {
   const auto layout = layout_of(indices);
@@ -245,19 +246,22 @@ at::Tensor max_pool2d_backward_aten(const MaxPool2dGeometry& g, const at::Tensor
   // Each offset's row and column in the window and its flat distance from the window's first element, looked
   // up (no division per element); offsets past the window get row kernel_h, which the checks refuse.
   std::array<int64_t, 256> tap_h, tap_w, tap_delta;
+  const int64_t area = g.kernel_h * g.kernel_w;
   for (int64_t t = 0; t < 256; ++t) {
-    tap_h[t] = t < g.kernel_h * g.kernel_w ? t / g.kernel_w : g.kernel_h;
+    tap_h[t] = t < area ? t / g.kernel_w : g.kernel_h;
     tap_w[t] = t % g.kernel_w;
     tap_delta[t] = tap_h[t] * g.in_w + tap_w[t];
   }
-  std::atomic<bool> valid{true};
+  const bool none_possible = area <= kMaxPoolNoTap;  // else 255 is a tap
+  if (none_possible) tap_h[kMaxPoolNoTap] = tap_w[kMaxPoolNoTap] = tap_delta[kMaxPoolNoTap] = 0;
+  std::atomic<bool> valid{true}, none_chosen{false};
   for_each_output_row(g, layout, [&](int64_t oh, int64_t first) {
     const RowGeometry r(g, layout);
     const int64_t h0 = oh * g.stride_h - g.pad_h;
     const bool rows_inside = h0 >= 0 && h0 + r.kernel_h <= r.in_h;
     const uint8_t* tp = taps_p + first;
     int64_t* ip = index_p + first;
-    bool ok = true;
+    bool ok = true, none = false;
     for (int64_t ow = 0; ow < r.out_w; ++ow) {
       const int64_t w0 = ow * r.stride_w - r.pad_w;
       if (rows_inside && w0 >= 0 && w0 + r.kernel_w <= r.in_w) {
@@ -265,23 +269,32 @@ at::Tensor max_pool2d_backward_aten(const MaxPool2dGeometry& g, const at::Tensor
         const int64_t base = h0 * r.in_w + w0;
         for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
           ok &= tap_h[*tp] < r.kernel_h;
+          none |= none_possible && *tp == kMaxPoolNoTap;
           *ip = base + tap_delta[*tp];
         }
         continue;
       }
       for (int64_t c = 0; c < r.channels; ++c, ++ip, ++tp) {
+        if (none_possible && *tp == kMaxPoolNoTap) {  // the window's first element (dilation 1: inside the input)
+          none = true;
+          *ip = std::max<int64_t>(h0, 0) * r.in_w + std::max<int64_t>(w0, 0);
+          continue;
+        }
         const int64_t kh = tap_h[*tp], h = h0 + kh, w = w0 + tap_w[*tp];
         ok &= kh < r.kernel_h && h >= 0 && h < r.in_h && w >= 0 && w < r.in_w;
         *ip = h * r.in_w + w;
       }
     }
     if (!ok) valid.store(false, std::memory_order_relaxed);
+    if (none) none_chosen.store(true, std::memory_order_relaxed);
   });
   if (!valid.load()) return {};
   // ATen reads only the sizes and layout of its `self` argument (the forward's input).
   const at::Tensor input_like = at::empty(input_size, grad_output.options().memory_format(layout));
+  at::Tensor scattered = grad_output.contiguous(layout);
+  if (none_chosen.load()) scattered = scattered.masked_fill(taps.eq(kMaxPoolNoTap), 0);
   const at::Tensor grad_input = at::max_pool2d_with_indices_backward(
-      grad_output.contiguous(layout), input_like, {g.kernel_h, g.kernel_w}, {g.stride_h, g.stride_w},
+      scattered, input_like, {g.kernel_h, g.kernel_w}, {g.stride_h, g.stride_w},
       {g.pad_h, g.pad_w}, {g.dilation_h, g.dilation_w}, g.ceil_mode, index);
   return with_layout_strides(grad_input, layout);
 }
