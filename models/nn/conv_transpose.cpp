@@ -4,8 +4,6 @@
 #include "hierpar/routing.h"
 #include "conv_module.h"
 
-#include <ATen/ops/conv_transpose2d.h>
-
 #include <ostream>
 
 namespace hierpar::nn {
@@ -74,8 +72,8 @@ torch::Tensor ConvTranspose2dImpl::forward(const torch::Tensor& input,
   // cuDNN where hierpar's kernels measured slower for this call (hierpar/routing.h).
   if (!ops::conv_transpose2d_on_hierpar(input, weight, *options.stride(), *options.padding(), output_padding,
                                         options.groups(), *options.dilation())) {
-    return at::conv_transpose2d(input, weight, b, *options.stride(), *options.padding(), output_padding,
-                                options.groups(), *options.dilation());
+    return detail::aten_convolution(input, weight, b, *options.stride(), *options.padding(), *options.dilation(),
+                                    /*transposed=*/true, output_padding, options.groups());
   }
   return ops::conv_transpose2d(input, weight, b, *options.stride(), *options.padding(), output_padding,
                                options.groups(), *options.dilation());
