@@ -187,6 +187,20 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
 // as it is once a measured step has made the plan.
 TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();
+  // ATen's defaults (heuristic algorithms, not only deterministic ones), whatever an earlier test of the process set:
+  // the recomputation's cuDNN workspaces count in the peak, and other algorithms need other workspaces (the test
+  // failed in a process whose earlier tests had changed them).
+  struct DefaultCudnn {
+    const bool benchmark = at::globalContext().benchmarkCuDNN(), deterministic = at::globalContext().deterministicCuDNN();
+    DefaultCudnn() {
+      at::globalContext().setBenchmarkCuDNN(false);
+      at::globalContext().setDeterministicCuDNN(false);
+    }
+    ~DefaultCudnn() {
+      at::globalContext().setBenchmarkCuDNN(benchmark);
+      at::globalContext().setDeterministicCuDNN(deterministic);
+    }
+  } default_cudnn;
   using hierpar::nn::ActivationMemory;
   auto peak = [](ActivationMemory memory, double offload_budget = 0) {
     hierpar::models::DCGANOptions model;

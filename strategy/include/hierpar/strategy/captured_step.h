@@ -39,9 +39,10 @@ class AutocastScope {
 // Whether this build and machine can capture CUDA graphs (a CUDA build with a visible GPU).
 bool cuda_graphs_available();
 
-// Gives the caching allocator's unused blocks back to the driver, on every device, before a capture: the capture
-// allocates from its own pool, which cannot reuse what eager steps cached, and inside a capture the allocator cannot
-// free them (freeing synchronises). Call it where no capture is under way in this process.
+// Gives the caching allocator's unused blocks back to the driver, on every device, before a capture, where a device's
+// free memory is less than its cache holds unused: the capture allocates from its own pool, which cannot reuse what
+// eager steps cached, and inside a capture the allocator cannot free them (freeing synchronises). Call it where no
+// capture is under way in this process.
 void release_cached_memory_before_capture();
 
 class CapturedStep {
