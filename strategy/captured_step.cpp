@@ -42,10 +42,11 @@ AutocastScope::~AutocastScope() {
 bool cuda_graphs_available() { return c10::cuda::device_count() > 0; }
 
 void release_cached_memory_before_capture() {
-  // Only where a device could not otherwise hold the capture's pool: up to about twice what the warm-up's step freed
-  // into the cache, as a capture keeps a block freed on another stream until it ends (at 128x128 width 2 on an H100,
-  // batch 3584 ran out of memory with 64.6 GB allocated where the cache was released only below one times). Releasing
-  // costs device synchronisations and fresh allocations: 0.03-0.05 s of a 0.2 s trial in hierpar-dcgan tune at 64x64.
+  // Only where a device may not otherwise hold the capture's pool (a capture keeps a block freed on another stream
+  // until it ends, so it can need more than the step freed into the cache). Releasing costs device synchronisations
+  // and fresh allocations: 0.03-0.05 s of a 0.2 s trial in hierpar-dcgan tune at 64x64, where nothing needs it. At the
+  // memory bound it leaves a little: the largest captured batch at 128x128 width 2 on an H100 is 3456 with this rule,
+  // 3712 when the cache is always released (docs/batch_size.md).
   bool short_of_memory = false;
   for (c10::DeviceIndex d = 0; d < c10::cuda::device_count() && !short_of_memory; ++d) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d);
