@@ -1,15 +1,33 @@
 #include "common.h"
 
 
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/strides.h>
 
 #include <limits>
 
+#ifdef HIERPAR_WITH_CUDA
+#include <ATen/cuda/EmptyTensor.h>
+#endif
+
 namespace hierpar::detail {
 
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options, c10::MemoryFormat memory_format) {
-  at::Tensor out = at::empty(sizes, options.memory_format(memory_format));
+  // Made as ATen's structured kernels make their outputs, not through at::empty's dispatch: an op makes one to three
+  // outputs per call, and each dispatch is host time a stock layer does not pay (docs/overhead.md).
+  const at::ScalarType dtype = options.dtype().toScalarType();
+  at::Tensor out;
+  if (options.device().is_cpu() && !options.pinned_memory()) {
+    out = at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, memory_format);
+#ifdef HIERPAR_WITH_CUDA
+  } else if (options.device().is_cuda()) {
+    out = at::detail::empty_cuda(sizes, dtype, options.device(), memory_format);
+#endif
+  } else {
+    out = at::empty(sizes, options.memory_format(memory_format));
+  }
   if (switch_on(Switch::poison_outputs) && out.numel() > 0) {
     if (at::isFloatingType(out.scalar_type())) {
       out.fill_(std::numeric_limits<double>::quiet_NaN());
