@@ -67,13 +67,12 @@ UtilizationSampler::UtilizationSampler(const c10::Device& device, std::chrono::m
   running_ = true;
   thread_ = std::thread([this] {
     const Nvml* nvml = Nvml::get();
-    while (running_.load()) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (running_) {
       Nvml::Utilization u{};
-      if (nvml->utilization(handle_, &u) == 0) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        samples_.push_back(u.gpu);
-      }
-      std::this_thread::sleep_for(period_);
+      if (nvml->utilization(handle_, &u) == 0) samples_.push_back(u.gpu);
+      // Woken by stop(): a sleep would hold stop() up to a period (tune's trials pay it at every batch).
+      woken_.wait_for(lock, period_, [this] { return !running_; });
     }
   });
 }
@@ -81,7 +80,11 @@ UtilizationSampler::UtilizationSampler(const c10::Device& device, std::chrono::m
 UtilizationSampler::~UtilizationSampler() { stop(); }
 
 std::vector<double> UtilizationSampler::stop() {
-  running_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    running_ = false;
+  }
+  woken_.notify_all();
   if (thread_.joinable()) thread_.join();
   std::lock_guard<std::mutex> lock(mutex_);
   return samples_;

@@ -4,7 +4,7 @@
 // at run time (libnvidia-ml.so.1, part of the driver), so nothing links against it.
 #include <c10/core/Device.h>
 
-#include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -32,8 +32,9 @@ class UtilizationSampler {
  private:
   void* handle_ = nullptr;  // the NVML device
   std::chrono::milliseconds period_;
-  std::atomic<bool> running_{false};
+  bool running_ = false;  // guarded by mutex_
   std::mutex mutex_;
+  std::condition_variable woken_;
   std::vector<double> samples_;
   std::thread thread_;
 };
