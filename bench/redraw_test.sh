@@ -6,8 +6,8 @@ set -euo pipefail
 bench=$1 results=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-cp "$results/h200x4-strategy-bf16.json" "$dir/strategy.json"
-cp "$results/h200-dcgan_step-b64-b1024.json" "$dir/step.json"
+cp "$results/h100x4-strategy-bf16.json" "$dir/strategy.json"
+cp "$results/h100-dcgan_step-b64-b4096.json" "$dir/step.json"
 "$bench" strategy --redraw "$dir/strategy.json" | grep -qx "wrote $dir/strategy.png"
 "$bench" dcgan_step --redraw "$dir/step.json" | grep -qx "wrote $dir/step.png"
 for png in strategy step; do
