@@ -188,8 +188,7 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
 TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();
   // ATen's defaults (heuristic algorithms, not only deterministic ones), whatever an earlier test of the process set:
-  // the recomputation's cuDNN workspaces count in the peak, and other algorithms need other workspaces (the test
-  // failed in a process whose earlier tests had changed them).
+  // the recomputation's cuDNN workspaces count in the peak, and other algorithms need other workspaces.
   struct DefaultCudnn {
     const bool benchmark = at::globalContext().benchmarkCuDNN(), deterministic = at::globalContext().deterministicCuDNN();
     DefaultCudnn() {
