@@ -56,9 +56,10 @@ void init_conv_parameters(torch::nn::Module& module, const Options& options, int
 // The cuDNN route of a routed call: for a batched real input, at::convolution, which at::conv2d and
 // at::conv_transpose2d call after their unbatched-input and complex checks (the same kernels and autograd node, one
 // dispatch fewer, so the layer's host cost stays under stock's); anything else through those functions.
-inline at::Tensor aten_convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                   at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
-                                   bool transposed, at::IntArrayRef output_padding, int64_t groups) {
+inline at::Tensor aten_convolution(const at::Tensor& input, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                   at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                                   at::IntArrayRef output_padding, int64_t groups) {
   if (input.dim() == 4 && !input.is_complex()) {
     const int64_t no_output_padding[2] = {0, 0};
     return at::convolution(input, weight, bias, stride, padding, dilation, transposed,

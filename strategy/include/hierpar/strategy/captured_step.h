@@ -40,9 +40,9 @@ class AutocastScope {
 bool cuda_graphs_available();
 
 // Gives the caching allocator's unused blocks back to the driver, on every device, before a capture, where a device's
-// free memory is less than twice what its cache holds unused: the capture allocates from its own pool, which cannot reuse what
-// eager steps cached, and inside a capture the allocator cannot free them (freeing synchronises). Call it where no
-// capture is under way in this process.
+// free memory is less than twice what its cache holds unused: the capture allocates from its own pool, which cannot
+// reuse what eager steps cached, and inside a capture the allocator cannot free them (freeing synchronises). Call it
+// where no capture is under way in this process.
 void release_cached_memory_before_capture();
 
 class CapturedStep {
