@@ -31,6 +31,7 @@ ConvCall call_of(const at::Tensor& input, int64_t in_channels, int64_t out_chann
   c.autocast = at::autocast::is_autocast_enabled(at::kCUDA);
   c.channels_last = input.dim() == 4 && input.is_contiguous(at::MemoryFormat::ChannelsLast);
   c.tf32 = at::globalContext().allowTF32CuDNN(at::Float32Op::CONV);
+  c.batch = input.dim() == 4 ? input.size(0) : 1;
   c.in_channels = in_channels;
   c.out_channels = out_channels;
   c.groups = groups;
@@ -61,9 +62,11 @@ bool hierpar_wins_conv_transpose2d(const ConvCall& c) {
   if (c.out_channels > 4 || !k4s2p1(c)) return false;
   // The output layer in float32 outside autocast: hierpar's only where its tensor-core TF32 passes run (channels_last,
   // C_in % 16 == 0): forward + backward 163 vs cuDNN's 274 us at batch 64 on an H100; in NCHW its CUDA-core grad
-  // kernels lose (314 vs 215 us; bench/results/h100-overhead.json, GPU time per call).
+  // kernels lose (314 vs 215 us; bench/results/h100-overhead.json, GPU time per call). From batch 1024 in NCHW with
+  // TF32 hierpar's again: cuDNN's call alone is faster (1367 vs 1534 us), but the TF32 NCHW step as a graph is not
+  // (11.38 against 11.41-11.42 ms on an H100, eager equal: docs/training_step.md).
   const bool fp32 = c.dtype == at::kFloat && !c.autocast;
-  return !fp32 || (c.tf32 && c.channels_last && c.in_channels % 16 == 0);
+  return !fp32 || (c.tf32 && ((c.channels_last && c.in_channels % 16 == 0) || c.batch >= 1024));
 }
 
 bool hierpar_wins_conv2d(const ConvCall& c) {

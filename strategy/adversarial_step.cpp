@@ -218,6 +218,8 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
   // D's pass over the real batch, forward and backward: it needs no fakes, so on a task or hierarchical placement it
   // runs on D's device while G's device runs G's backward and update of the previous step and its forward.
   torch::Tensor d_loss_real, d_loss_fake, g_loss, real_on_d;
+  // One device, overlapped passes, no penalty: the real pass's objective, whose backward joins the fakes' (below).
+  torch::Tensor real_objective_pending;
   // The penalties' gradient: of D's logits (their sum) with respect to its input `x`, kept differentiable, in float.
   auto input_gradient = [](const torch::Tensor& logits, const torch::Tensor& x) {
     return torch::autograd::grad({logits.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0]
@@ -246,6 +248,14 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     }
     // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
     if (fake_stream) order(*main_stream, *fake_stream);
+    // On one device from kJointDiscriminatorBackwardBatch up both branches' backward is one call: captured
+    // interleaved, the replay does not queue the fakes' backward (the path to D's update) behind the whole real one.
+    // With a penalty a third term joins a parameter's gradient: kept apart, its sums are those of placements that run
+    // the passes on two devices.
+    if (fake_stream && !r1 && options_.gradient_penalty <= 0 && real_share.size(0) >= kJointDiscriminatorBackwardBatch) {
+      real_objective_pending = d_objective_real;
+      return;
+    }
     if (averager_) averager_->set_final_backward(local, Network::discriminator, false);
     d_objective_real.backward();
   });
@@ -302,8 +312,9 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       d_loss_fake = loss(r.discriminator.forward<torch::Tensor>(r.fake_on_d.detach()), LossTerm::fake);
     }
     if (fake_stream) {
-      // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on.
-      order(*fake_stream, *main_stream);
+      // The fakes and their loss, made on `fake_stream`, are read on the main stream from here on (after the joint
+      // backward, whose real branch need not wait for the fakes' forward).
+      if (!real_objective_pending.defined()) order(*fake_stream, *main_stream);
       r.fake_on_d.record_stream(*main_stream);
       d_loss_fake.record_stream(*main_stream);
     }
@@ -324,7 +335,12 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
       d_objective_fake = d_loss_fake + penalty * options_.gradient_penalty;
     }
     if (averager_) averager_->set_final_backward(local, Network::discriminator, true);
-    {
+    if (real_objective_pending.defined()) {
+      // From the main stream: autograd runs each node on its forward's stream, the fakes' on `fake_stream`, and
+      // sums a parameter's two gradients before its AccumulateGrad (one hook call, as bucketed averaging expects).
+      torch::autograd::backward({real_objective_pending, d_objective_fake});
+      real_objective_pending = torch::Tensor();
+    } else {
       // Called from `fake_stream`, so that this backward does not wait for the real pass's, queued on the main
       // stream. D's AccumulateGrad nodes were made by the real pass's forward (d_loss_real keeps that graph) on
       // the main stream and run there: the fakes' gradients add to the real ones in the same order as on one stream.

@@ -124,13 +124,16 @@ TEST(AdversarialTrainerGraphs, GraphInputIsReadInPlace) {
 // numbers of one stream: in fp32 the same kernels on the same data, D's two gradient branches summed in either
 // order (a + b == b + a), so bit for bit eagerly and to the graph tolerance as graphs; in bf16 autocast the
 // overlapped step casts D's weights per pass (no cast cache shared across streams), so D's gradient sums round
-// once more: bf16's tolerance. On the tiny pair and on the seed's DCGAN with hierpar's layers at batch 64
+// once more: bf16's tolerance. On the tiny pair at batch 16 and at kJointDiscriminatorBackwardBatch (D's two
+// backward branches as two calls and as one), and on the seed's DCGAN with hierpar's layers at batch 64
 // (passes long enough for the streams to run side by side, so missing ordering would show).
 TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
   HIERPAR_REQUIRE_CUDA();
   deterministic_cudnn();
   const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
   const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
+  // Both ways of running D's two backward branches: apart (small batches) and as one call.
+  for (const int64_t batch : {int64_t{16}, hs::kJointDiscriminatorBackwardBatch})
   for (bool bf16 : {false, true}) {
     auto one_stream = base_options();
     one_stream.fused_adam = true;
@@ -143,11 +146,11 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
     auto overlapped_graphs = overlapped;
     overlapped_graphs.cuda_graphs = true;
     overlapped_graphs.graph_warmup_steps = 2;
-    const auto reals = batches(6, 16, torch::kCUDA);
+    const auto reals = batches(6, batch, torch::kCUDA);
     const TrainedRun a = train(placement, one_stream, reals, init, noise);
     const TrainedRun b = train(placement, overlapped, reals, init, noise);
     const TrainedRun c = train(placement, overlapped_graphs, reals, init, noise);
-    const std::string what = bf16 ? "bf16 + channels_last" : "fp32";
+    const std::string what = std::string(bf16 ? "bf16 + channels_last" : "fp32") + ", batch " + std::to_string(batch);
     expect_moved(a, init);
     const Tolerance tol = bf16 ? hierpar::testing::tolerance_for(torch::kBFloat16) : kReorderTolerance;
     expect_same_run(b, a, tol, what + ": overlapped eager vs one stream");

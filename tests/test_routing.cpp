@@ -50,6 +50,11 @@ TEST(Routing, ConvTranspose2dTableForTheDcganGenerator) {
   // The output layer in float32: as TF32 tensor-core passes (channels_last, C_in % 16 == 0), else cuDNN's; 16 bits
   // (or autocast) in any layout.
   EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false))) << "float32 NCHW";
+  ConvCall large_nchw = cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false);
+  large_nchw.batch = 1024;
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW from batch 1024";
+  large_nchw.tf32 = false;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW without TF32";
   EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kBFloat16, false))) << "bf16 NCHW";
   EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(40, 3, 4, 2, 1, 32, at::kFloat, true))) << "C_in % 16 != 0";
   ConvCall true_fp32 = cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, true);

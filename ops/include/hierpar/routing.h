@@ -28,6 +28,7 @@ struct ConvCall {
   bool autocast = false;              // CUDA autocast on (the call then runs in the autocast dtype)
   bool channels_last = false;         // the input is channels_last
   bool tf32 = false;                  // TF32 allowed for convolutions (at::globalContext)
+  int64_t batch = 1;                  // the input's N (1 unbatched)
   int64_t in_channels = 0, out_channels = 0, groups = 1;
   int64_t input_h = 0, input_w = 0, kernel_h = 0, kernel_w = 0;
   int64_t stride_h = 1, stride_w = 1, padding_h = 0, padding_w = 0, dilation_h = 1, dilation_w = 1;
