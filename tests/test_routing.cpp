@@ -1,6 +1,7 @@
 // The layers' routing table (hierpar/routing.h): which convolution calls hierpar::nn's layers run on hierpar's
 // kernels and which on cuDNN's, for the DCGAN's layers and around its edges; and, on a GPU, that a layer's call
 // dispatches what the table says (a RecordFunction callback lists the operators a call dispatches).
+#include "conv_testing.h"
 #include "testing.h"
 
 #include "hierpar/nn/conv2d.h"
@@ -117,6 +118,8 @@ bool has(const std::vector<std::string>& names, const std::string& name) {
 // Switch::layer_routing off both run hierpar's; each agrees with ATen.
 TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
   HIERPAR_REQUIRE_CUDA();
+  // The float32 rows below assume TF32 allowed (ATen's default), whatever a test before this one in the process set.
+  const hierpar::testing::Tf32ForConvolutions tf32_allowed(true);
   const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kFloat);
   hierpar::nn::ConvTranspose2d middle(torch::nn::ConvTranspose2dOptions(64, 32, 4).stride(2).padding(1).bias(false));
   hierpar::nn::ConvTranspose2d output(torch::nn::ConvTranspose2dOptions(32, 3, 4).stride(2).padding(1).bias(false));
