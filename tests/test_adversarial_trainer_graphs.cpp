@@ -212,10 +212,14 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
 TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
   HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
-  const auto reals = batches(6, 16, torch::kCUDA);
-  for (const char* reduce : {"host", "nccl"}) {
-    expect_graphs_equal_eager(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CUDA, {}), reals,
-                              kReorderTolerance, std::string("data x2, ") + reduce + " averaging");
+  // 8 images a replica, and kJointDiscriminatorBackwardBatch (D's two backward branches as one call).
+  for (const int64_t per_replica : {int64_t{8}, hs::kJointDiscriminatorBackwardBatch}) {
+    const auto reals = batches(6, 2 * per_replica, torch::kCUDA);
+    for (const char* reduce : {"host", "nccl"}) {
+      expect_graphs_equal_eager(hs::Placement::from_flags("data", 2, reduce, c10::DeviceType::CUDA, {}), reals,
+                                kReorderTolerance, std::string("data x2, ") + reduce + " averaging, " +
+                                                       std::to_string(per_replica) + " images a replica");
+    }
   }
 }
 
@@ -228,7 +232,6 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
 TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   HIERPAR_REQUIRE_TWO_GPUS();
   deterministic_cudnn();
-  const auto reals = batches(6, 16, torch::kCUDA);
   auto [eager, graphs] = eager_and_graph_options();
   for (auto* options : {&eager, &graphs}) {
     options->averaging.first_bucket_cap_bytes = 64;
@@ -236,13 +239,16 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   }
   auto between = graphs;
   between.averaging.capture_collectives = false;
+  // The bucket hooks with D's backward branches apart (8 images a replica) and as one call.
+  for (const int64_t per_replica : {int64_t{8}, hs::kJointDiscriminatorBackwardBatch})
   for (int64_t gpus : {2, 4}) {
     if (gpus > static_cast<int64_t>(torch::cuda::device_count())) {
       std::cout << "data x" << gpus << " skipped: " << torch::cuda::device_count() << " GPUs\n";
       continue;
     }
+    const auto reals = batches(6, gpus * per_replica, torch::kCUDA);
     const auto placement = hs::Placement::from_flags("data", gpus, "nccl", c10::DeviceType::CUDA, {});
-    const std::string what = "data x" + std::to_string(gpus) + ", nccl: ";
+    const std::string what = "data x" + std::to_string(gpus) + ", " + std::to_string(per_replica) + " a replica, nccl: ";
     const Tolerance tol = gpus == 2 ? Tolerance{0, 0} : kReorderTolerance;
     const TrainedRun captured = train(placement, graphs, reals, 4, 6);
     const TrainedRun eager_run = train(placement, eager, reals, 4, 6);
@@ -253,6 +259,7 @@ TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   }
 
   // The replayed step: one compute span per replica that holds both averages.
+  const auto reals = batches(6, 16, torch::kCUDA);
   torch::manual_seed(4);
   PairNet g(true), d(false);
   const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
