@@ -35,8 +35,8 @@
 //
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
 // D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
-// (autograd runs a node's backward on its forward's stream; without a penalty D's two branches are one backward
-// call). The
+// (autograd runs a node's backward on its forward's stream; from kJointDiscriminatorBackwardBatch images, without a
+// penalty, D's two branches are one backward call). The
 // fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
 // first, as one stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's
 // weights itself (no cast shared across the streams), which sums D's two weight gradients in fp32. The
