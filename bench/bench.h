@@ -108,10 +108,18 @@ struct Options {
   bool quick = false;  // fewer repeats and shapes, for a smoke run
   std::string out_prefix;  // "<out>/<gpu>-<suite>": a suite may write files beside its JSON (e.g. <prefix>.png)
   std::vector<int64_t> batches;  // --batches: the step suites and conv_transpose run only these batch sizes (empty: theirs)
-  std::vector<std::string> skip;  // --skip: the strategy suite leaves out rows whose label contains one of these
+  std::vector<std::string> skip;  // --skip: the step and strategy suites leave out rows whose label contains one
   // Under a launcher (torchrun: RANK, WORLD_SIZE): this process's rank and the process count. The strategy suite then
   // runs its multi-replica rows with the replicas spread over the processes, and rank 0 alone prints and writes.
   int64_t rank = 0, world_size = 1;
+
+  // The --skip text a row's label contains, or nullptr: the row runs.
+  const std::string* skip_of(const std::string& label) const {
+    for (const std::string& text : skip) {
+      if (label.find(text) != std::string::npos) return &text;
+    }
+    return nullptr;
+  }
 
   // The batch sizes a step suite runs: its own list, narrowed to --batches when given.
   std::vector<int64_t> pick_batches(const std::vector<int64_t>& own) const {

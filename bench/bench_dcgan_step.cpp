@@ -391,10 +391,21 @@ void dcgan_step_suite(Report& report, const Options& options) {
   const std::vector<int64_t> batches = options.pick_batches(options.quick ? std::vector<int64_t>{64, 1024}
                                                                          : std::vector<int64_t>{64, 256, 1024, 4096});
   std::vector<Row> rows;
+  // --skip TEXT leaves out the stock/hierpar pairs whose label contains TEXT, e.g. "graphs off" or "cnn_step".
+  std::vector<std::string> skipped;
+  auto skip = [&](const std::string& label) {
+    const std::string* text = options.skip_of(label);
+    if (text != nullptr) skipped.push_back(label + ": --skip '" + *text + "'");
+    return text != nullptr;
+  };
   warm_side_stream();
   for (int64_t batch : batches) {
     for (const auto& [bf16, channels_last] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, true}}) {
       for (bool graphs : {false, true}) {
+        if (skip("dcgan_step batch " + std::to_string(batch) + (bf16 ? " bf16" : " tf32") +
+                 (channels_last ? " channels_last" : " nchw") + (graphs ? " graphs on" : " graphs off"))) {
+          continue;
+        }
         measure_pair(report, rows, "dcgan_step", batch, bf16, channels_last, graphs, options, profile_out.get(),
                      [&, bf16 = bf16, channels_last = channels_last](LayerSet layers) -> std::unique_ptr<TrainingStep> {
                        if (layers == LayerSet::stock) return std::make_unique<StockDcganStep>(batch, bf16, channels_last);
@@ -405,11 +416,13 @@ void dcgan_step_suite(Report& report, const Options& options) {
   }
   for (int64_t batch : {8, 128}) {
     for (bool graphs : {false, true}) {
+      if (skip("cnn_step batch " + std::to_string(batch) + " tf32 nchw" + (graphs ? " graphs on" : " graphs off"))) continue;
       measure_pair(report, rows, "cnn_step", batch, false, false, graphs, options, profile_out.get(),
                    [batch](LayerSet layers) { return std::make_unique<CnnStep>(layers, batch); });
     }
   }
   print_rows(rows);
+  for (const std::string& row : skipped) std::cout << "  skipped " << row << "\n";
   if (!options.out_prefix.empty()) write_chart(rows, options.out_prefix + ".png");
   check_target(rows, "batch 64 tf32 <= 1.0 ms", 64, "tf32", 1.0);
   check_target(rows, "batch 1024 bf16+channels_last <= 4.0 ms", 1024, "bf16", 4.0);

@@ -275,11 +275,8 @@ void strategy_suite(Report& report, const Options& options) {
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name() +
                                 (launched ? ", " + std::to_string(options.world_size) + " processes" : "");
-      const auto skipped_by_flag = std::find_if(options.skip.begin(), options.skip.end(), [&](const std::string& text) {
-        return label.find(text) != std::string::npos;
-      });
-      if (skipped_by_flag != options.skip.end()) {
-        skipped.push_back(label + ": --skip '" + *skipped_by_flag + "'");
+      if (const std::string* text = options.skip_of(label)) {
+        skipped.push_back(label + ": --skip '" + *text + "'");
         continue;
       }
       if (launched) {
