@@ -35,8 +35,8 @@
 //
 // Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
 // D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
-// (autograd runs a node's backward on its forward's stream; from kJointDiscriminatorBackwardBatch images, without a
-// penalty, D's two branches are one backward call). The
+// (autograd runs a node's backward on its forward's stream; captured, from kJointDiscriminatorBackwardBatch images,
+// without a penalty, D's two branches are one backward call). The
 // fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
 // first, as one stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's
 // weights itself (no cast shared across the streams), which sums D's two weight gradients in fp32. The
@@ -97,11 +97,11 @@ enum class Schedule { exact, pipelined };
 const char* to_string(Schedule schedule);
 Schedule parse_schedule(const std::string& name);  // "exact" | "pipelined"
 
-// From this batch per replica, one device's overlapped step (overlap_passes, no penalty) runs D's backward over the
-// real batch and over the fakes as one autograd call; below it, the fakes' backward is its own call from the fakes'
-// stream. Graphs on an H100: batch 1024 bf16 3.65 ms a step joined against 3.68-3.75 apart; batch 64 TF32 1.37-1.40 ms
-// joined against 1.36-1.37 apart. Joined, the real pass's activations live until the fakes' pass has made its own:
-// 14-24% more peak memory at batch 1024-4096 (docs/training_step.md).
+// From this batch per replica, one device's captured, overlapped step (cuda_graphs, overlap_passes, no penalty) runs
+// D's backward over the real batch and over the fakes as one autograd call; below it, and in eager steps, the fakes'
+// backward is its own call from the fakes' stream. Graphs on an H100: batch 1024 bf16 3.65 ms a step joined against
+// 3.68-3.75 apart; batch 64 TF32 1.37-1.40 ms joined against 1.36-1.37 apart. Joined, the real pass's activations
+// live until the fakes' pass has made its own: 14-24% more peak memory at batch 1024-4096 (docs/training_step.md).
 inline constexpr int64_t kJointDiscriminatorBackwardBatch = 512;
 
 struct AdversarialOptions {
