@@ -228,10 +228,10 @@ inline constexpr Tolerance kSplitBatchTolerance{1e-5, 1e-5};
 // below the 1e-4 by which per-replica BatchNorm must differ (the test's last check).
 inline constexpr Tolerance kSyncBatchNormTolerance{1e-5, 7e-5};
 
-// cuDNN's deterministic algorithms, no autotuning: runs compared bit for bit must choose the same kernels.
-inline void deterministic_cudnn() {
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
+// cuDNN's deterministic algorithms, no autotuning, for the returned guard's lifetime: runs compared bit for bit must
+// choose the same kernels.
+[[nodiscard]] inline hierpar::testing::CudnnSettings deterministic_cudnn() {
+  return hierpar::testing::CudnnSettings(/*deterministic=*/true, /*benchmark=*/false);
 }
 
 #define HIERPAR_REQUIRE_GLOO()                                                                        \

@@ -13,11 +13,9 @@ using namespace adversarial_trainer_testing;
 
 
 namespace {
-void deterministic_cudnn() {
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
-  at::globalContext().setAllowTF32CuDNN(false);
-  at::globalContext().setAllowTF32CuBLAS(false);
+// Deterministic cuDNN without TF32, for the returned guard's lifetime.
+[[nodiscard]] hierpar::testing::CudnnSettings deterministic_cudnn() {
+  return hierpar::testing::CudnnSettings(/*deterministic=*/true, /*benchmark=*/false, /*tf32=*/false);
 }
 
 // The options of an eager run with FusedAdam, and the same captured as CUDA graphs after 2 eager warm-up steps.
@@ -47,7 +45,7 @@ TrainedRun expect_graphs_equal_eager(const hs::Placement& placement, const std::
 // statistics and every step's losses; in fp32 and in bf16 autocast with channels_last.
 TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
   HIERPAR_REQUIRE_CUDA();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
   const auto reals = batches(9, 16, torch::kCUDA);
   const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
@@ -83,7 +81,7 @@ TEST(AdversarialTrainerGraphs, GraphStepsEqualEagerSteps) {
 // there; without graphs there is no such buffer.
 TEST(AdversarialTrainerGraphs, GraphInputIsReadInPlace) {
   HIERPAR_REQUIRE_CUDA();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
   const auto reals = batches(6, 16, torch::kCUDA);
   auto options = base_options();
@@ -129,7 +127,7 @@ TEST(AdversarialTrainerGraphs, GraphInputIsReadInPlace) {
 // (passes long enough for the streams to run side by side, so missing ordering would show).
 TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
   HIERPAR_REQUIRE_CUDA();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
   const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
   // Both ways of running D's two backward branches: apart (small batches) and as one call.
@@ -211,7 +209,7 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
 // graphs per replica; NCCL's bucketed all-reduces are captured in the step's one graph).
 TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
   HIERPAR_REQUIRE_TWO_GPUS();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   // 8 images a replica, and kJointDiscriminatorBackwardBatch (D's two backward branches as one call).
   for (const int64_t per_replica : {int64_t{8}, hs::kJointDiscriminatorBackwardBatch}) {
     const auto reals = batches(6, 2 * per_replica, torch::kCUDA);
@@ -231,7 +229,7 @@ TEST(AdversarialTrainerGraphs, DataParallelGraphsEqualEagerHostAndNccl) {
 // values in another order for another buffer size or algorithm). progress() counts the replayed steps.
 TEST(AdversarialTrainerGraphs, NcclAveragingIsCapturedInTheStep) {
   HIERPAR_REQUIRE_TWO_GPUS();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   auto [eager, graphs] = eager_and_graph_options();
   for (auto* options : {&eager, &graphs}) {
     options->averaging.first_bucket_cap_bytes = 64;
@@ -328,7 +326,7 @@ TEST(AdversarialTrainerGraphs, HungReplicaUnderCapturedNcclIsNamedAfterTheTimeou
 // alike. Two runs of each kind in one process, as a user's runs follow each other.
 TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
   HIERPAR_REQUIRE_TWO_GPUS();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   const auto placement = hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {});
   auto bucketed = eager_and_graph_options().first;
@@ -363,7 +361,7 @@ TEST(AdversarialTrainerGraphs, BucketedHostAveragingEqualsFlatAndGraphs) {
 // bit for bit.
 TEST(AdversarialTrainerGraphs, TaskAndHierarchicalGraphsEqualEager) {
   HIERPAR_REQUIRE_TWO_GPUS();
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto reals = batches(6, 16, torch::kCUDA);
   constexpr Tolerance kExact{0, 0};
   const TrainedRun task_eager =

@@ -189,17 +189,7 @@ TEST(Recompute, LowersPeakMemoryOnCuda) {
   HIERPAR_REQUIRE_CUDA();
   // ATen's defaults (heuristic algorithms, not only deterministic ones), whatever an earlier test of the process set:
   // the recomputation's cuDNN workspaces count in the peak, and other algorithms need other workspaces.
-  struct DefaultCudnn {
-    const bool benchmark = at::globalContext().benchmarkCuDNN(), deterministic = at::globalContext().deterministicCuDNN();
-    DefaultCudnn() {
-      at::globalContext().setBenchmarkCuDNN(false);
-      at::globalContext().setDeterministicCuDNN(false);
-    }
-    ~DefaultCudnn() {
-      at::globalContext().setBenchmarkCuDNN(benchmark);
-      at::globalContext().setDeterministicCuDNN(deterministic);
-    }
-  } default_cudnn;
+  const hierpar::testing::CudnnSettings default_cudnn(/*deterministic=*/false, /*benchmark=*/false);
   using hierpar::nn::ActivationMemory;
   auto peak = [](ActivationMemory memory, double offload_budget = 0) {
     hierpar::models::DCGANOptions model;
@@ -275,8 +265,7 @@ TEST(Recompute, OffloadPlanKeepsWhatTheBudgetAllows) {
 // channels_last too; a second backward through the same graph (retain_graph) fetches the inputs again.
 TEST(Recompute, OffloadedChainEqualsTheBlocksRunDirectlyOnCuda) {
   HIERPAR_REQUIRE_CUDA();
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setAllowTF32CuDNN(false);
+  const hierpar::testing::CudnnSettings cudnn(/*deterministic=*/true, /*benchmark=*/false, /*tf32=*/false);
   for (const bool channels_last : {false, true}) {
     std::vector<ConvBlock> direct, offloaded;
     for (int i = 0; i < 4; ++i) {
@@ -314,8 +303,6 @@ TEST(Recompute, OffloadedChainEqualsTheBlocksRunDirectlyOnCuda) {
       }
     }
   }
-  at::globalContext().setDeterministicCuDNN(false);
-  at::globalContext().setAllowTF32CuDNN(true);
 }
 
 // An offloaded block refuses second derivatives with a message that says what to use instead.

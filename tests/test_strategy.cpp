@@ -605,7 +605,7 @@ TEST(StrategyTrainer, PipelinedScheduleRefusesGivenNoise) {
 
 TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
   HIERPAR_REQUIRE_GPUS(2);
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   expect_task_equals_single(c10::DeviceType::CUDA, 16);
 }
 
@@ -613,7 +613,7 @@ TEST(StrategyTrainerCuda, TaskEqualsSingleExactly) {
 // step's own copy is skipped), equals it on one GPU bit for bit, with and without BatchNorm.
 TEST(StrategyTrainerCuda, PipelinedTaskEqualsPipelinedSingle) {
   HIERPAR_REQUIRE_GPUS(2);
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto data = make_data(16, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   for (bool bn : {false, true}) {
@@ -628,7 +628,7 @@ TEST(StrategyTrainerCuda, PipelinedTaskEqualsPipelinedSingle) {
 
 TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
   HIERPAR_REQUIRE_GPUS(2);
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto data = make_data(16, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   const auto single = train(hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {}), false, data, init);
@@ -645,7 +645,7 @@ TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {
 // replicas; synchronized BatchNorm on 2 GPUs == single on the whole batch (TF32 tolerance, as above).
 TEST(StrategyTrainerCuda, BucketedEqualsFlatAndSyncBatchNormMatchesSingle) {
   HIERPAR_REQUIRE_GPUS(2);
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto data = make_data(16, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   const auto placement = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CUDA, {});
@@ -675,7 +675,7 @@ TEST(StrategyTrainerCuda, BucketedEqualsFlatAndSyncBatchNormMatchesSingle) {
 // TF32 convolutions, ATen's default, single weights ended 1% off after the test's Adam steps.
 TEST(StrategyTrainerCuda, HierarchicalMatchesPerPartReference) {
   HIERPAR_REQUIRE_GPUS(4);
-  deterministic_cudnn();
+  const auto cudnn = deterministic_cudnn();
   const auto data = make_data(16, hierpar::testing::rng()());
   const uint64_t init = hierpar::testing::rng()();
   const auto reference = reference_per_part(true, data, 2, init);  // on the CPU, in fp32

@@ -78,7 +78,8 @@ TEST(StrategyWorker, TrainAndSave) {
   const char* scheme_env = std::getenv("HIERPAR_STRATEGY_SCHEME");
   const hs::Scheme scheme = hs::parse_scheme(scheme_env != nullptr ? scheme_env : "data");
   const bool cuda = std::getenv("HIERPAR_STRATEGY_CUDA") != nullptr;  // one GPU per replica or part (NCCL)
-  if (cuda) deterministic_cudnn();
+  std::optional<hierpar::testing::CudnnSettings> cudnn;  // deterministic_cudnn()'s, on CUDA
+  if (cuda) cudnn.emplace(/*deterministic=*/true, /*benchmark=*/false);
   const int64_t devices = scheme == hs::Scheme::data ? (replicas_env != nullptr ? std::stoll(replicas_env) : 2)
                                                      : launch.world_size;  // split: one device per process
   const auto placement = hs::Placement::make(scheme, devices, hs::parse_reduce(reduce),
@@ -141,7 +142,8 @@ void expect_two_processes_agree_with_in_process_replicas(c10::DeviceType device,
   const auto children = run_ranks(2, env, dir, std::chrono::seconds(120));
   auto options = test_options();
   options.sync_batch_norm = sync_bn;
-  if (device == c10::DeviceType::CUDA) deterministic_cudnn();
+  std::optional<hierpar::testing::CudnnSettings> cudnn;  // deterministic_cudnn()'s, on CUDA
+  if (device == c10::DeviceType::CUDA) cudnn.emplace(/*deterministic=*/true, /*benchmark=*/false);
   const auto in_process = train(hs::Placement::from_flags("data", replicas, reduce, device, {}), true, data, init_seed,
                                 0, -1, options);
   for (int rank = 0; rank < 2; ++rank) {
@@ -258,7 +260,8 @@ void expect_split_processes_agree_with_in_process(c10::DeviceType device, const 
   const auto children = run_ranks(processes, env, dir, std::chrono::seconds(120));
 
   // The same placement in one process: every replica's G and D, and the losses (means over the replicas).
-  if (device == c10::DeviceType::CUDA) deterministic_cudnn();
+  std::optional<hierpar::testing::CudnnSettings> cudnn;  // deterministic_cudnn()'s, on CUDA
+  if (device == c10::DeviceType::CUDA) cudnn.emplace(/*deterministic=*/true, /*benchmark=*/false);
   torch::manual_seed(init_seed);
   auto g = tiny_generator(true);
   auto d = tiny_discriminator(true);

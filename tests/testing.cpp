@@ -10,6 +10,26 @@
 
 namespace hierpar::testing {
 
+CudnnSettings::CudnnSettings(bool deterministic, bool benchmark, std::optional<bool> tf32)
+    : deterministic_(at::globalContext().deterministicCuDNN()),
+      benchmark_(at::globalContext().benchmarkCuDNN()),
+      tf32_cudnn_(at::globalContext().allowTF32CuDNN()),
+      tf32_cublas_(at::globalContext().allowTF32CuBLAS()) {
+  at::globalContext().setDeterministicCuDNN(deterministic);
+  at::globalContext().setBenchmarkCuDNN(benchmark);
+  if (tf32) {
+    at::globalContext().setAllowTF32CuDNN(*tf32);
+    at::globalContext().setAllowTF32CuBLAS(*tf32);
+  }
+}
+
+CudnnSettings::~CudnnSettings() {
+  at::globalContext().setDeterministicCuDNN(deterministic_);
+  at::globalContext().setBenchmarkCuDNN(benchmark_);
+  at::globalContext().setAllowTF32CuDNN(tf32_cudnn_);
+  at::globalContext().setAllowTF32CuBLAS(tf32_cublas_);
+}
+
 uint64_t run_seed() {
   static const uint64_t seed = [] {
     const char* env = std::getenv("HIERPAR_TEST_SEED");

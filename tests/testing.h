@@ -8,11 +8,26 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 namespace hierpar::testing {
+
+// Sets cuDNN's algorithm choice (deterministic, benchmark) and, where given, TF32 for convolutions and matmuls, for
+// the guard's lifetime, and puts back what was set before, failures included: tests that share a process must not
+// run under each other's settings.
+class CudnnSettings {
+ public:
+  CudnnSettings(bool deterministic, bool benchmark, std::optional<bool> tf32 = std::nullopt);
+  ~CudnnSettings();
+  CudnnSettings(const CudnnSettings&) = delete;
+  CudnnSettings& operator=(const CudnnSettings&) = delete;
+
+ private:
+  bool deterministic_, benchmark_, tf32_cudnn_, tf32_cublas_;
+};
 
 // The seed of this run: HIERPAR_TEST_SEED if set, else drawn fresh; printed once at start-up.
 uint64_t run_seed();
