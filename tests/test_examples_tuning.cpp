@@ -18,7 +18,15 @@ TEST(Examples, TuneProbeMeasuresStepsOfFreshNetworks) {
   EXPECT_FALSE(trial.gpu_usage.has_value());
   EXPECT_EQ(trial.peak_bytes, 0);
   EXPECT_EQ(trial.timed_steps, 2);
+  EXPECT_GT(trial.build_seconds, 0);
+  EXPECT_GT(trial.setup_seconds, trial.build_seconds);  // the warm-up steps
   EXPECT_GT(trial.trial_seconds, trial.setup_seconds + 2 * trial.step_seconds * 0.99);
+  // Steps 0: the warm-up alone, which the tune command runs once before its search.
+  const auto warm_up = hierpar::examples::measure_dcgan_steps(config, 8, 64, 0);
+  EXPECT_TRUE(warm_up.fits);
+  EXPECT_EQ(warm_up.timed_steps, 0);
+  EXPECT_EQ(warm_up.step_seconds, 0);
+  EXPECT_GT(warm_up.setup_seconds, warm_up.build_seconds);
   // With a time bound that any step passes, a trial times 3 steps of the 50 it may.
   const auto bounded = hierpar::examples::measure_dcgan_steps(config, 8, 64, 50, 1e-9);
   EXPECT_EQ(bounded.timed_steps, 3);

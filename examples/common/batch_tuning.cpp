@@ -6,7 +6,6 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/gpu_utilization.h"
 
-#include <torch/cuda.h>
 
 #ifdef HIERPAR_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -34,21 +33,6 @@ std::vector<torch::Device> cuda_devices_of(const hs::Placement& placement) {
     }
   }
   return devices;
-}
-
-// CUDA's context and the handles of cuDNN and cuBLAS on each device: what any run starts once, searching or not.
-// Returns the seconds it took.
-double start_cuda(const std::vector<torch::Device>& devices) {
-  const auto began = std::chrono::steady_clock::now();
-  for (const auto& d : devices) {
-    const auto on_device = torch::TensorOptions().device(d);
-    const torch::Tensor x = torch::rand({1, 4, 8, 8}, on_device);
-    (void)torch::conv2d(x, torch::rand({4, 4, 3, 3}, on_device));
-    (void)torch::conv_transpose2d(x, torch::rand({4, 4, 4, 4}, on_device));
-    (void)torch::mm(x.view({4, 64}), x.view({64, 4}));
-  }
-  for (const auto& d : devices) torch::cuda::synchronize(d.index());
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
 }
 
 }  // namespace
@@ -105,12 +89,21 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
         torch::rand({batch, config.model.channels, size, size}, torch::TensorOptions().device(data_device))
             .mul_(2)
             .sub_(1);
-    // Warm-up: the first steps, and with CUDA graphs the capture, are not what a run's steps cost.
-    for (int64_t i = 0; i < options.graph_warmup_steps + 2; ++i) trainer->step(real);
+    trial.build_seconds = since(trial_began);
+    // Warm-up: the first steps, and with CUDA graphs the capture, are not what a run's steps cost. The step that
+    // captures also replays the graphs once, so the timed steps are the graphs' second replay on.
+    const int64_t warmup_steps = options.cuda_graphs ? options.graph_warmup_steps + 1 : options.graph_warmup_steps + 2;
+    for (int64_t i = 0; i < warmup_steps; ++i) trainer->step(real);
     synchronize_devices(placement);
-    hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
     const auto begin = clock::now();
     trial.setup_seconds = std::chrono::duration<double>(begin - trial_began).count();
+    if (steps == 0) {
+      trial.fits = true;
+      trainer.reset();
+      trial.trial_seconds = since(trial_began);
+      return trial;
+    }
+    hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
     while (trial.timed_steps < steps) {
       trainer->step(real);
       const int64_t done = ++trial.timed_steps;
@@ -182,16 +175,21 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
     auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps, tune.timed_seconds);
     out << "  batch " << batch << ": "
         << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch over " + std::to_string(trial.timed_steps) +
-                             " steps; trial " + fixed(trial.trial_seconds, 2) + " s, " +
-                             fixed(trial.setup_seconds, 2) + " s of it building and warming up" +
+                             " steps; trial " + fixed(trial.trial_seconds, 3) + " s: building " +
+                             fixed(trial.build_seconds, 3) + ", warm-up " +
+                             fixed(trial.setup_seconds - trial.build_seconds, 3) + ", timed " +
+                             fixed(trial.trial_seconds - trial.setup_seconds, 3) +
                              (trial.note.empty() ? "" : " (" + trial.note + ")")
                        : trial.note)
         << std::endl;
     return trial;
   };
-  if (const auto devices = cuda_devices_of(placement); !devices.empty()) {
-    out << "CUDA's start: " << fixed(start_cuda(devices), 2)
-        << " s (a run pays it once, searching or not: not counted in the search's cost)\n";
+  if (!cuda_devices_of(placement).empty()) {
+    // What any run pays once, searching or not: CUDA's context, the libraries' handles, each kernel's first load.
+    const auto start = measure_dcgan_steps(config, options.start, dataset_size, 0);
+    out << "start: " << fixed(start.trial_seconds, 2) << " s for CUDA's context, the libraries' handles and the "
+        << "kernels' first use (the warm-up of batch " << options.start << ", untimed; a run pays it once, "
+        << "searching or not: not counted in the search's cost)" << (start.fits ? "" : ": " + start.note) << "\n";
   }
   hs::BatchSearchResult result;
   const auto began = std::chrono::steady_clock::now();

@@ -30,7 +30,7 @@ std::string out_of_memory_note(const std::string& allocator_message);
 // Up to `steps` training steps of networks built from config.model on config's placement (one process) at global
 // batch `batch`, on random images, after a warm-up, stopping after 3 or more once `timed_seconds` (> 0) have passed;
 // the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
-// cache emptied; a trial that fits leaves the cache to the next.
+// cache emptied; a trial that fits leaves the cache to the next. `steps` 0: the warm-up alone (nothing timed).
 hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch,
                                                   int64_t dataset_size, int64_t steps, double timed_seconds = 0);
 

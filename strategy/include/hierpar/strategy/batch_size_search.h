@@ -31,7 +31,8 @@ struct BatchTrial {
   std::optional<double> gpu_usage;     // percent: mean of the top half of the utilisation samples (NVML)
   int64_t peak_bytes = 0;              // peak device memory over the trial, warm-up and capture included (0 on the CPU)
   int64_t timed_steps = 0;             // the steps step_seconds is measured over
-  double setup_seconds = 0;            // wall time before the timed steps: building, warm-up, capture
+  double build_seconds = 0;            // wall time building the networks, the trainer and the batch
+  double setup_seconds = 0;            // wall time before the timed steps: building, then the warm-up and capture
   double trial_seconds = 0;            // wall time of the whole trial (what the search pays for it)
   std::string note;                    // why it did not fit, etc.
 };
