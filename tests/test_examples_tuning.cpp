@@ -100,6 +100,21 @@ TEST(Examples, TrainWithAutomaticBatchSize) {
                     "--batch-size auto with --resume: give the batch size the run was started with", "auto resume");
 }
 
+// On a GPU, in a fresh process (the search is then CUDA's first use): the start is paid apart, every trial reports
+// its memory and utilisation, and the search ends on the limit.
+TEST(Examples, TuneOnCudaInAFreshProcess) {
+  HIERPAR_REQUIRE_CUDA();
+  TempDir dir;
+  const std::string out = dcgan_stdout("tune --device cuda --data synthetic --limit 64 --image-size 32 --width 0.25 "
+                                       "--batch-size 8 --steps 3 --objective max-memory --max-batch 32 --out " +
+                                       dir / "tune");
+  EXPECT_NE(out.find("\nstart: "), std::string::npos) << out;
+  EXPECT_NE(out.find("not counted in the search's cost"), std::string::npos) << out;
+  EXPECT_NE(out.find("chose batch 32: the largest batch tried, 32: the limit 32"), std::string::npos) << out;
+  EXPECT_NE(out.find("warm-up "), std::string::npos) << out;
+  EXPECT_NE(out.find("search: 3 trials in "), std::string::npos) << out;
+}
+
 // A trial that runs out of memory says what the allocator was asked for and what it held (PyTorch's message).
 TEST(Examples, TuneOutOfMemoryNoteNamesTheRequest) {
   const std::string message =

@@ -8,6 +8,7 @@
 
 
 #ifdef HIERPAR_WITH_CUDA
+#include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -74,6 +75,8 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
 #ifdef HIERPAR_WITH_CUDA
   // The peak over the whole trial: replayed CUDA graphs allocate nothing, so a captured step's memory shows only
   // in its eager warm-up step and its capture.
+  // The allocator's statistics exist once CUDA has started (the first trial is its first use in the process).
+  if (!devices.empty()) at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   for (const auto& d : devices) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
 #endif
   try {
