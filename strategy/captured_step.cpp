@@ -68,6 +68,11 @@ struct CapturedStep::Impl {
   bool capturing = false;  // between begin_capture() and the end of capture() / the last close_segment()
   // While a segment captured piece by piece is open: the side stream made current on the device.
   std::optional<c10::cuda::CUDAStreamGuard> open_guard;
+  // Recorded on the side stream after each segment's capture. CUDAGraph::capture_begin() resets the generator's
+  // graph offset with eager fills on the side stream, outside the graph; a replay sets that offset on its own
+  // stream, so it must come after them, or a lagging side stream's reset lands between the replay's setting and
+  // the graph's random draws (which then repeat the seed's first numbers).
+  at::cuda::CUDAEvent captured_on_side;
 
   void begin_segment() {
     graphs.push_back(std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/true));
@@ -76,6 +81,7 @@ struct CapturedStep::Impl {
   void end_segment() {
     graphs.back()->capture_end();
     graphs.back()->instantiate();
+    captured_on_side.record(side);
   }
   // Ends a capture that failed, so that the stream is usable again, and drops its segments. The capture must end
   // with its stream current, on its device.
@@ -223,6 +229,7 @@ void CapturedStep::replay(int64_t segment) {
   TORCH_CHECK(captured() && segment >= 0 && segment < segments(), "CapturedStep: replay: no captured segment ",
               segment, " (", segments(), " captured)");
   c10::cuda::CUDAGuard device_guard(device_);
+  impl_->captured_on_side.block(c10::cuda::getCurrentCUDAStream(device_.index()));  // (a wait on a past event)
   impl_->graphs[segment]->replay();
 }
 

@@ -1,10 +1,14 @@
-// CapturedStep (hierpar/strategy/captured_step.h) after a capture that CUDA ended as invalid: the device's random
-// generator and memory are as before it, so eager work and a new capture go on. Needs a GPU; skips without one.
+// CapturedStep (hierpar/strategy/captured_step.h): after a capture that CUDA ended as invalid, the device's random
+// generator and memory are as before it, so eager work and a new capture go on; a replay draws the right random
+// numbers while the side stream lags behind the host. Needs a GPU; skips without one.
 #include "testing.h"
 
 #include "hierpar/strategy/captured_step.h"
 
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -56,4 +60,37 @@ TEST(CapturedStepCuda, FailedCaptureLeavesGeneratorAndMemoryAsBefore) {
   step.replay(0);
   torch::cuda::synchronize();
   EXPECT_GT(out.sum().item<float>(), 1000.f) << "the second capture replayed (uniform numbers: about 2048)";
+}
+
+// The capture's start resets the generator's graph offset with eager work on the side stream; a replay sets the
+// offset on its own stream and then draws. With the side stream still busy (as when the GPU runs far behind the
+// host), its reset must not land between the two: here it would, deterministically, since the replayed graph waits
+// before drawing while the side stream's reset comes due. The replay then drew the seed's first numbers again.
+TEST(CapturedStepCuda, ReplayDrawsAfterALaggingSideStreamsReset) {
+  HIERPAR_REQUIRE_CUDA();
+  const torch::Device device(torch::kCUDA, 0);
+  const auto on_device = torch::TensorOptions().device(device);
+  c10::cuda::CUDAGuard device_guard(device);
+  constexpr int64_t kCycles = 50'000'000;  // some 25 ms at 2 GHz
+  torch::manual_seed(5);
+  const torch::Tensor first = torch::randn({4096}, on_device);
+  const torch::Tensor second = torch::randn({4096}, on_device);
+
+  torch::manual_seed(5);
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+  hs::CapturedStep step(device, side);
+  torch::Tensor out = torch::empty({4096}, on_device);
+  step.warm_up([&] { out.copy_(torch::randn({4096}, on_device)); });  // draws `first`
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    at::cuda::sleep(kCycles);  // the side stream lags: the capture's offset reset waits behind this
+  }
+  step.capture([&] {
+    at::cuda::sleep(4 * kCycles);  // the replay's draw comes after the side stream's reset is due
+    out.copy_(torch::randn({4096}, on_device));
+  });
+  step.replay(0);
+  torch::cuda::synchronize();
+  EXPECT_FALSE(torch::equal(out, first)) << "the replay drew at the offset the capture's start reset";
+  EXPECT_TRUE(torch::equal(out, second)) << "the replay draws what the second eager draw did";
 }
