@@ -1,6 +1,7 @@
 // hierpar::nn::recompute (models/include/hierpar/nn/recompute.h) and the DCGAN's --memory recompute|offload: the
 // same numbers as keeping the activations, forward, backward, second derivatives, BatchNorm's running statistics,
-// under autocast and through the trainer; and less memory on CUDA, least with the inputs offloaded to host memory.
+// under autocast and through the trainer, and with another stream's pass over the block during the recomputation; and
+// less memory on CUDA, least with the inputs offloaded to host memory.
 #include "testing.h"
 
 #include "hierpar/models/dcgan.h"
@@ -10,7 +11,11 @@
 #include "hierpar/strategy/placement.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/torch.h>
 
 namespace {
@@ -95,6 +100,51 @@ TEST(Recompute, RecomputationLeavesTheBuffersAsTheForwardLeftThem) {
   for (const auto& b : block.buffers()) after_forward.push_back(b.clone());
   y.sum().backward();
   expect_all_equal(block.buffers(), after_forward, "buffers after the backward's recomputation");
+}
+
+// A pass over the same block on another stream while the backward recomputes it (D's fakes on their own stream beside
+// the real batch's backward) keeps its statistics update: the recomputation updates copies. Made deterministic by a
+// recomputation that waits on the GPU before its layers, while the other stream's pass runs at once.
+TEST(Recompute, PassOnAnotherStreamKeepsItsStatisticsOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  const torch::Device device(torch::kCUDA, 0);
+  constexpr int64_t kCycles = 50'000'000;  // some 25 ms at 2 GHz
+  for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+    const std::string what = layers == LayerSet::stock ? "stock" : "hierpar";
+    ConvBlock block(layers, 3, 4), reference(layers, 3, 4);
+    for (ConvBlock* b : {&block, &reference}) {
+      for (const auto& m : b->modules()) m->to(device);
+    }
+    reference.copy(block);
+    const auto real = hierpar::testing::random_tensor({4, 3, 9, 9}, torch::kFloat).to(device).requires_grad_(true);
+    const auto fake = hierpar::testing::random_tensor({4, 3, 9, 9}, torch::kFloat).to(device);
+    // One stream, in order: the real batch's forward, then the fakes'.
+    (void)reference.forward(real);
+    (void)reference.forward(fake);
+
+    const auto y = hierpar::nn::recompute(
+        [&](const torch::Tensor& t) {
+          if (torch::GradMode::is_enabled()) at::cuda::sleep(kCycles);  // only the backward's recomputation waits
+          return block.forward(t);
+        },
+        real, block.modules());
+    const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(device.index());
+    const c10::cuda::CUDAStream other = c10::cuda::getStreamFromPool(false, device.index());
+    at::cuda::CUDAEvent forward_done;
+    forward_done.record(main);
+    forward_done.block(other);
+    y.sum().backward();
+    {
+      c10::cuda::CUDAStreamGuard on_other(other);
+      torch::NoGradGuard no_grad;
+      (void)block.forward(fake);
+    }
+    torch::cuda::synchronize();
+    for (size_t i = 0; i < block.buffers().size(); ++i) {
+      hierpar::testing::expect_close(block.buffers()[i], reference.buffers()[i], {1e-6, 1e-7},
+                                     what + ": buffer " + std::to_string(i) + " after the real backward and the fakes' pass");
+    }
+  }
 }
 
 // Second derivatives (an R1-style penalty: the squared norm of the input gradient, differentiated again) through
@@ -306,6 +356,22 @@ TEST(Recompute, OffloadedChainEqualsTheBlocksRunDirectlyOnCuda) {
 }
 
 // An offloaded block refuses second derivatives with a message that says what to use instead.
+// As autograd's saved tensors: an offloaded input changed in place after the block's forward fails the backward,
+// rather than recomputing from other values (or, on a GPU, from whichever the copy to the host read).
+TEST(Recompute, OffloadedInputChangedInPlaceFailsTheBackward) {
+  ConvBlock block(LayerSet::hierpar, 2, 3);
+  const auto leaf = hierpar::testing::random_tensor({2, 2, 6, 6}, torch::kFloat).requires_grad_(true);
+  const torch::Tensor x = leaf * 2;
+  hierpar::nn::OffloadChain chain;
+  const auto y = hierpar::nn::recompute([&](const torch::Tensor& t) { return block.forward(t); }, x, block.modules(), &chain);
+  {
+    torch::NoGradGuard no_grad;
+    x.add_(1);
+  }
+  HIERPAR_EXPECT_THROW_MSG(y.sum().backward(), "recompute: the input of a block offloaded to host memory was modified "
+                           "by an in-place operation after the block's forward");
+}
+
 TEST(Recompute, OffloadedBlockRefusesSecondDerivatives) {
   ConvBlock block(LayerSet::stock, 2, 3);
   const auto x = hierpar::testing::random_tensor({2, 2, 6, 6}, torch::kFloat).requires_grad_(true);

@@ -37,6 +37,10 @@ struct OffloadedInput {
   at::TensorOptions options;
   std::mutex mutex;
   bool fetching = false;
+  // The input's version counter (not its memory) and its version when stored: as autograd's saved tensors, a block
+  // whose input changed in place since its forward refuses its backward.
+  c10::VariableVersion version{c10::VariableVersion::DISABLED};
+  uint32_t stored_version = 0;
 #ifdef HIERPAR_WITH_CUDA
   std::optional<c10::cuda::CUDAStream> stream;
   at::cuda::CUDAEvent copied_back;
@@ -47,6 +51,8 @@ struct OffloadedInput {
   static std::shared_ptr<OffloadedInput> store(const at::Tensor& input) {
     auto o = std::make_shared<OffloadedInput>();
     o->device = input.device();
+    o->version = input.unsafeGetTensorImpl()->version_counter();
+    o->stored_version = o->version.enabled() ? o->version.current_version() : 0;
 #ifdef HIERPAR_WITH_CUDA
     if (input.is_cuda() && input.is_non_overlapping_and_dense()) {
       o->sizes = input.sizes().vec();
@@ -81,9 +87,18 @@ struct OffloadedInput {
   // released (a backward with retain_graph may run again).
   at::Tensor take() {
     std::lock_guard<std::mutex> lock(mutex);
+    TORCH_CHECK(!version.enabled() || version.current_version() == stored_version, "recompute: the input of a block "
+                "offloaded to host memory was modified by an in-place operation after the block's forward (version ",
+                version.current_version(), ", stored at ", stored_version, "); its backward needs the input as the "
+                "forward saw it");
     fetch_locked();
 #ifdef HIERPAR_WITH_CUDA
-    if (stream) copied_back.block(c10::cuda::getCurrentCUDAStream(device.index()));
+    if (stream) {
+      const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
+      copied_back.block(current);
+      // Fetched on the stream of the block that prefetched it, read on this one: freed only after this one's use.
+      fetched.record_stream(current);
+    }
 #endif
     fetching = false;
     return std::move(fetched);
@@ -308,6 +323,29 @@ class AutocastAs {
   AutocastState state_, was_;
 };
 
+// Points each buffer at a copy of its values while alive, and back at its own memory after. set_data() makes no new
+// version, which stock BatchNorm's recomputed backward (it saves the running statistics) would take for an in-place
+// change of what it saved.
+class BuffersSetAside {
+ public:
+  explicit BuffersSetAside(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& b : buffers_) {
+      own_.push_back(b.variable_data());
+      b.set_data(b.detach().clone());
+    }
+  }
+  ~BuffersSetAside() {
+    for (size_t i = 0; i < own_.size(); ++i) buffers_[i].set_data(own_[i]);
+  }
+  BuffersSetAside(const BuffersSetAside&) = delete;
+  BuffersSetAside& operator=(const BuffersSetAside&) = delete;
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> own_;
+};
+
 // Edges: the input, then every parameter (empty edges for those that need no gradient).
 struct RecomputeBackward final : torch::autograd::Node {
   std::string name() const override { return "hierpar::RecomputeBackward"; }
@@ -331,22 +369,15 @@ struct RecomputeBackward final : torch::autograd::Node {
     }
     at::Tensor x = create_graph ? saved_input : saved_input.detach();
     if (!create_graph && should_compute_output(0)) x.requires_grad_(true);
-    std::vector<at::Tensor> kept;
-    {
-      torch::NoGradGuard no_grad;
-      for (const at::Tensor& b : buffers) kept.push_back(b.clone());
-    }
     at::Tensor out;
     {
+      // The recomputation updates copies of the buffers (BatchNorm's running statistics), not the module's own, so
+      // they advance once per forward; and a pass over the same module on another stream meanwhile (D's fakes while
+      // the real batch's backward recomputes) is not undone by a write-back.
+      const BuffersSetAside set_aside(buffers);
       torch::AutoGradMode grad_mode(true);
       AutocastAs autocast(autocast_state);
       out = block(x);
-    }
-    {
-      // variable_data(): the values go back without a new version, which stock BatchNorm's recomputed backward
-      // (it saves the running statistics) would take for an in-place change of what it saved.
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].variable_data().copy_(kept[i]);
     }
     std::vector<at::Tensor> wrt;
     std::vector<size_t> slots;

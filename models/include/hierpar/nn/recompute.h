@@ -4,8 +4,8 @@
 // activations kept for the block are its input alone, at the cost of one more forward of the block.
 //
 // Exact: the recomputation runs the same kernels on the same input, under the autocast state of the original
-// forward, and the buffers the block's forward updates (BatchNorm's running statistics and batch count) are
-// restored after it, so they advance once per forward as without recomputation. The block must be a deterministic
+// forward, and it updates copies of the buffers the block's forward updates (BatchNorm's running statistics and batch
+// count), so the module's own advance once per forward as without recomputation. The block must be a deterministic
 // function of its input and parameters (no dropout). Parameters' gradients come out of the node as those of any
 // layer would (their post-accumulate hooks, e.g. bucketed averaging, fire as usual); second derivatives work where
 // the block's layers have them (create_graph). Offloading (seed 001's swapping, TFLMS) moves the kept input to host
