@@ -194,6 +194,29 @@ TEST(Recompute, RecomputesUnderTheForwardsAutocast) {
   expect_all_equal(grads_of(recomputed.parameters()), grads_of(direct.parameters()), "parameter gradients");
 }
 
+namespace {
+// The parameters and buffers of a small DCGAN trained 3 steps on `placement` with `memory`.
+std::vector<torch::Tensor> trained_dcgan_state(LayerSet layers, const hs::Placement& placement,
+                                               hierpar::nn::ActivationMemory memory, hs::AdversarialOptions options,
+                                               const torch::Device& data_device) {
+  auto model = hierpar::testing::small_dcgan(layers, /*nz=*/8, /*channels=*/1);
+  model.memory = memory;
+  torch::manual_seed(5);
+  hierpar::models::Generator g(model);
+  hierpar::models::Discriminator d(model);
+  options.noise_shape = {model.nz, 1, 1};
+  hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d), placement, options);
+  torch::manual_seed(6);
+  for (int step = 0; step < 3; ++step) trainer.step((torch::rand({4, 1, 32, 32}) * 2 - 1).to(data_device));
+  std::vector<torch::Tensor> state;
+  for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
+    for (const auto& p : module->parameters()) state.push_back(p.detach().cpu());
+    for (const auto& b : module->buffers()) state.push_back(b.detach().cpu());
+  }
+  return state;
+}
+}  // namespace
+
 // The DCGAN with recompute or offload trains as without, through the trainer: single and data on two CPU replicas
 // (bucketed host averaging, whose hooks see the parameters' gradients come out of the recomputation), both layer
 // sets. (On the CPU an offloaded input stays where it is; the chain of prefetches runs all the same.)
@@ -201,31 +224,42 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
   using hierpar::nn::ActivationMemory;
   for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
     for (const char* scheme : {"single", "data"}) {
+      const auto placement =
+          hs::Placement::from_flags(scheme, std::string(scheme) == "data" ? 2 : 1, "host", c10::DeviceType::CPU, {});
       std::vector<std::vector<torch::Tensor>> states;
-      for (const ActivationMemory memory : {ActivationMemory::none, ActivationMemory::recompute, ActivationMemory::offload}) {
-        auto model = hierpar::testing::small_dcgan(layers, /*nz=*/8, /*channels=*/1);
-        model.memory = memory;
-        torch::manual_seed(5);
-        hierpar::models::Generator g(model);
-        hierpar::models::Discriminator d(model);
-        hs::AdversarialOptions options;
-        options.noise_shape = {model.nz, 1, 1};
-        hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
-                                       hs::Placement::from_flags(scheme, std::string(scheme) == "data" ? 2 : 1, "host",
-                                                                 c10::DeviceType::CPU, {}),
-                                       options);
-        torch::manual_seed(6);
-        for (int step = 0; step < 3; ++step) trainer.step(torch::rand({4, 1, 32, 32}) * 2 - 1);
-        std::vector<torch::Tensor> state;
-        for (auto* module : {trainer.generator().ptr().get(), trainer.discriminator().ptr().get()}) {
-          for (const auto& p : module->parameters()) state.push_back(p.detach().clone());
-          for (const auto& b : module->buffers()) state.push_back(b.detach().clone());
-        }
-        states.push_back(state);
-      }
+      for (const ActivationMemory memory : {ActivationMemory::none, ActivationMemory::recompute, ActivationMemory::offload})
+        states.push_back(trained_dcgan_state(layers, placement, memory, {}, torch::kCPU));
       const std::string what = std::string(scheme) + (layers == LayerSet::stock ? ", stock" : ", hierpar");
       expect_all_equal(states[1], states[0], what + ": recompute vs keeping the activations");
       expect_all_equal(states[2], states[0], what + ": offload vs keeping the activations");
+    }
+  }
+}
+
+// The same on a GPU, with D's passes over the real batch and the fakes on two streams (the default overlap), eagerly
+// and as CUDA graphs (offload runs eagerly only): the recomputation of D's blocks in the real batch's backward runs
+// beside the fakes' pass over the same BatchNorm layers.
+TEST(Recompute, DcganTrainsAsWithoutRecomputeOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  using hierpar::nn::ActivationMemory;
+  const hierpar::testing::CudnnSettings cudnn(/*deterministic=*/true, /*benchmark=*/false, /*tf32=*/false);
+  const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
+  const torch::Device device(torch::kCUDA, 0);
+  for (const LayerSet layers : {LayerSet::stock, LayerSet::hierpar}) {
+    for (const bool graphs : {false, true}) {
+      hs::AdversarialOptions options;
+      options.fused_adam = true;
+      options.cuda_graphs = graphs;
+      options.graph_warmup_steps = 1;
+      ASSERT_TRUE(options.overlap_passes);
+      const std::string what = std::string(layers == LayerSet::stock ? "stock" : "hierpar") + (graphs ? ", graphs" : ", eager");
+      const auto kept = trained_dcgan_state(layers, placement, ActivationMemory::none, options, device);
+      expect_all_equal(trained_dcgan_state(layers, placement, ActivationMemory::recompute, options, device), kept,
+                       what + ": recompute vs keeping the activations");
+      if (!graphs) {
+        expect_all_equal(trained_dcgan_state(layers, placement, ActivationMemory::offload, options, device), kept,
+                         what + ": offload vs keeping the activations");
+      }
     }
   }
 }
