@@ -384,6 +384,9 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_flag_error(run_dcgan(base + "--memory offload --r1 1", dir),
                     "--memory offload: the R1 and gradient penalties differentiate through every block's input",
                     "offload with a penalty");
+  expect_flag_error(run_dcgan(base + "--sync-bn --memory recompute", dir),
+                    "--sync-bn with --memory recompute: the backward's recomputation would use one replica's BatchNorm "
+                    "statistics; use --memory none", "sync BN with recompute");
   expect_flag_error(run_dcgan(base + "--loss lsgan", dir), "--loss: expected bce, hinge or wgan-gp, got 'lsgan'", "loss");
   expect_flag_error(run_dcgan(base + "--data-placement files", dir),
                     "--data-placement files: needs --data <folder of images>", "files without a folder");

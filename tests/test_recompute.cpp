@@ -6,6 +6,7 @@
 
 #include "hierpar/models/dcgan.h"
 #include "hierpar/models/layer_factory.h"
+#include "hierpar/nn/batch_norm.h"
 #include "hierpar/nn/recompute.h"
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/placement.h"
@@ -404,6 +405,24 @@ TEST(Recompute, OffloadedInputChangedInPlaceFailsTheBackward) {
   }
   HIERPAR_EXPECT_THROW_MSG(y.sum().backward(), "recompute: the input of a block offloaded to host memory was modified "
                            "by an in-place operation after the block's forward");
+}
+
+// Synchronized BatchNorm normalises on the forward's thread with every replica's statistics; the backward's
+// recomputation runs on autograd's thread without them, so a recomputed block refuses it.
+TEST(Recompute, RefusesSynchronizedBatchNorm) {
+  struct LocalStatistics final : hierpar::nn::BatchNormSync {
+    torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
+                          const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
+                          double eps) override {
+      return torch::batch_norm(input, weight, bias, running_mean, running_var, true, momentum, eps, false);
+    }
+  } sync;
+  ConvBlock block(LayerSet::hierpar, 2, 3);
+  const auto x = hierpar::testing::random_tensor({2, 2, 6, 6}, torch::kFloat).requires_grad_(true);
+  const hierpar::nn::BatchNormSyncGuard installed(&sync);
+  HIERPAR_EXPECT_THROW_MSG(
+      hierpar::nn::recompute([&](const torch::Tensor& t) { return block.forward(t); }, x, block.modules()),
+      "recompute: synchronized BatchNorm (a BatchNormSync installed) in a recomputed block is not supported");
 }
 
 TEST(Recompute, OffloadedBlockRefusesSecondDerivatives) {

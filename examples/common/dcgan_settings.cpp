@@ -126,6 +126,9 @@ StepSettings step_settings(const DCGANTrainConfig& config, c10::DeviceType devic
   if (config.graphs == "on" && offload)
     throw FlagError("--graphs on: --memory offload runs eagerly (its copies to and from pinned host memory are not "
                     "captured); use --graphs off, or --memory recompute under CUDA graphs");
+  if (config.sync_batch_norm && config.model.memory != hierpar::nn::ActivationMemory::none)
+    throw FlagError("--sync-bn with --memory " + std::string(hierpar::nn::to_string(config.model.memory)) +
+                    ": the backward's recomputation would use one replica's BatchNorm statistics; use --memory none");
   if (offload && (config.r1 > 0 || config.loss == "wgan-gp"))
     throw FlagError("--memory offload: the R1 and gradient penalties differentiate through every block's input, which "
                     "offload keeps in host memory; use --memory recompute");

@@ -1,6 +1,7 @@
 #include "hierpar/nn/recompute.h"
 
 #include "hierpar/enum_names.h"
+#include "hierpar/nn/batch_norm.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
@@ -426,6 +427,9 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
       !torch::autograd::compute_requires_grad(input, at::TensorList(parameters))) {
     return block(input);
   }
+  TORCH_CHECK(batch_norm_sync() == nullptr, "recompute: synchronized BatchNorm (a BatchNormSync installed) in a "
+              "recomputed block is not supported: the backward's recomputation runs on autograd's thread, without the "
+              "other replicas' statistics, so its gradients would be those of per-replica statistics");
   at::Tensor out;
   {
     torch::NoGradGuard no_grad;
