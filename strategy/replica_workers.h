@@ -4,6 +4,8 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -89,6 +91,7 @@ class AdversarialTrainer::Workers {
       sh.averager = averager;
       sh.placement = &placement;
       sh.state = std::make_shared<at::ThreadLocalState>();
+      sh.streams = current_streams(placement);
       for (auto& e : sh.errors) e = nullptr;
       sh.peer_failure.assign(sh.errors.size(), false);
       sh.first_failure = -1;
@@ -165,6 +168,9 @@ class AdversarialTrainer::Workers {
     GradientAverager* averager = nullptr;
     const Placement* placement = nullptr;  // the running job's
     std::shared_ptr<at::ThreadLocalState> state;
+    // The caller's current stream on each device of the placement, which the other replicas' threads make current
+    // too (ThreadLocalState does not carry streams): work the caller queued on its streams (the batch) comes first.
+    std::vector<c10::Stream> streams;
     std::vector<std::exception_ptr> errors;
     std::vector<bool> peer_failure;  // errors[i] is a PeerFailure
     std::vector<bool> running;       // replica i has not returned from the current job
@@ -172,6 +178,18 @@ class AdversarialTrainer::Workers {
     std::string interrupted;
     bool report = true;  // AdversarialOptions::report_failures
   };
+
+  static std::vector<c10::Stream> current_streams(const Placement& placement) {
+    std::vector<c10::Stream> streams;
+    for (const ReplicaDevices& r : placement.replicas) {
+      for (const c10::Device& d : {r.generator, r.discriminator}) {
+        if (d.is_cpu() || std::any_of(streams.begin(), streams.end(), [&](const c10::Stream& s) { return s.device() == d; }))
+          continue;
+        streams.push_back(c10::impl::VirtualGuardImpl(d.type()).getStream(d));
+      }
+    }
+    return streams;
+  }
 
   static std::string seconds(std::chrono::milliseconds d) {
     std::ostringstream out;
@@ -197,16 +215,19 @@ class AdversarialTrainer::Workers {
   static void execute(Shared& sh, int64_t i) {
     std::shared_ptr<const std::function<void(int64_t)>> job;
     std::shared_ptr<at::ThreadLocalState> state;
+    std::vector<c10::Stream> streams;
     {
       std::lock_guard<std::mutex> lock(sh.mutex);
       job = sh.job;
       state = sh.state;
+      streams = sh.streams;
     }
     std::exception_ptr error;
     bool peer = false;
     std::string what;
     try {
       at::ThreadLocalStateGuard guard(*state);
+      const c10::MultiStreamGuard on_callers_streams(streams);
       (*job)(i);
     } catch (const PeerFailure& e) {
       error = std::current_exception();

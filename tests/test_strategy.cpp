@@ -6,6 +6,10 @@
 #include "strategy_testing.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/cuda.h>
 
 #include <array>
 #include <chrono>
@@ -624,6 +628,37 @@ TEST(StrategyTrainerCuda, PipelinedTaskEqualsPipelinedSingle) {
     expect_states_equal(task[0], single[0],
                         std::string("pipelined task vs single on GPUs") + (bn ? ", BatchNorm" : ""));
   }
+}
+
+// The replicas' threads run on the caller's current streams: a batch that the caller's own stream writes late (it
+// waits 25 ms on the GPU first) is what replica 1 copies to its GPU, so the step trains as on a batch already there.
+// (On their devices' default streams, replica 1 copied the buffer before the write.)
+TEST(StrategyTrainerCuda, ReplicasRunOnTheCallersStreams) {
+  HIERPAR_REQUIRE_GPUS(2);
+  const auto cudnn = deterministic_cudnn();
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const torch::Device gpu0(torch::kCUDA, 0);
+  const torch::Tensor reals = data.real.to(gpu0);
+  auto train_on_a_stream = [&](bool late) {
+    torch::manual_seed(init);
+    auto g = tiny_generator(false);
+    auto d = tiny_discriminator(false);
+    hs::AdversarialTrainer trainer(torch::nn::AnyModule(g), torch::nn::AnyModule(d),
+                                   hs::Placement::from_flags("data", 2, "host", c10::DeviceType::CUDA, {}), test_options());
+    const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(false, gpu0.index());
+    const c10::cuda::CUDAStreamGuard on_stream(stream);
+    for (int64_t k = 0; k < kSteps; ++k) {
+      torch::Tensor batch = torch::empty_like(reals[k]);
+      if (late) at::cuda::sleep(50'000'000);
+      batch.copy_(reals[k], /*non_blocking=*/true);
+      trainer.step(batch, data.noise[k]);
+    }
+    torch::cuda::synchronize();
+    return state_of(trainer, 0);
+  };
+  expect_states_equal(train_on_a_stream(true), train_on_a_stream(false),
+                      "batches written late on the caller's stream vs ready");
 }
 
 TEST(StrategyTrainerCuda, HostEqualsNcclAndBothMatchSingle) {

@@ -207,7 +207,10 @@ class AdversarialTrainer {
 
   // One step on `real` (this process's share of the global batch, any device; split evenly over the
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
-  // otherwise the noise is drawn as options.noise_shape says. Throws, naming the replica, if any fails:
+  // otherwise the noise is drawn as options.noise_shape says. The step's work is queued on the caller's current
+  // stream of each device (every replica's thread makes them current), after what the caller queued there, and
+  // returns without waiting for the GPUs: a batch in pinned host memory is copied asynchronously, so refill such a
+  // buffer only after a synchronisation (or hand each step a new one, as the examples' loader does). Throws, naming the replica, if any fails:
   // a PeerFailure when the replicas only waited for a failed, dead or hung peer in another process. A
   // replica that does not return within seconds after its peers stopped is named as hung. A failed step
   // may have updated some replicas and not others, so the trainer then refuses every later step (and
@@ -231,7 +234,8 @@ class AdversarialTrainer {
   // Under CUDA graphs, the device buffer local replica `local`'s graphs read the real batch from (defined from
   // the first step on, undefined without graphs). Each step copies its batch there, unless the batch already
   // is that buffer (same memory, sizes and strides): a loader that writes batches straight into it saves the
-  // copy and a batch's worth of device memory.
+  // copy and a batch's worth of device memory. Write it on the stream the steps run on (the caller's current
+  // stream), after step() returns: the queued replay reads it until then.
   torch::Tensor graph_input(int64_t local = 0) const;
 
   // From record_timeline(true) on, every piece of every step on a CUDA device runs between two timing events on
