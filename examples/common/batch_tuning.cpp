@@ -6,7 +6,6 @@
 #include "hierpar/strategy/adversarial_trainer.h"
 #include "hierpar/strategy/gpu_utilization.h"
 
-
 #ifdef HIERPAR_WITH_CUDA
 #include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>

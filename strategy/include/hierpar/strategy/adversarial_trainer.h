@@ -209,8 +209,9 @@ class AdversarialTrainer {
   // local replicas along dim 0). `noise`, if given, has the same batch size (split the same way);
   // otherwise the noise is drawn as options.noise_shape says. The step's work is queued on the caller's current
   // stream of each device (every replica's thread makes them current), after what the caller queued there, and
-  // returns without waiting for the GPUs: a batch in pinned host memory is copied asynchronously, so refill such a
-  // buffer only after a synchronisation (or hand each step a new one, as the examples' loader does). Throws, naming the replica, if any fails:
+  // step() returns without waiting for the GPUs: a batch in pinned host memory is copied asynchronously, so refill
+  // such a buffer only after a synchronisation (or hand each step a new one, as the examples' loader does).
+  // Throws, naming the replica, if any fails:
   // a PeerFailure when the replicas only waited for a failed, dead or hung peer in another process. A
   // replica that does not return within seconds after its peers stopped is named as hung. A failed step
   // may have updated some replicas and not others, so the trainer then refuses every later step (and
