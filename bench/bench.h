@@ -113,12 +113,14 @@ struct Options {
   // runs its multi-replica rows with the replicas spread over the processes, and rank 0 alone prints and writes.
   int64_t rank = 0, world_size = 1;
 
-  // The --skip text a row's label contains, or nullptr: the row runs.
-  const std::string* skip_of(const std::string& label) const {
+  // Whether --skip leaves out the row `label`; if so, says why in `skipped` ("<label>: --skip '<text>'").
+  bool skips(const std::string& label, std::vector<std::string>& skipped) const {
     for (const std::string& text : skip) {
-      if (label.find(text) != std::string::npos) return &text;
+      if (label.find(text) == std::string::npos) continue;
+      skipped.push_back(label + ": --skip '" + text + "'");
+      return true;
     }
-    return nullptr;
+    return false;
   }
 
   // The batch sizes a step suite runs: its own list, narrowed to --batches when given.

@@ -393,11 +393,7 @@ void dcgan_step_suite(Report& report, const Options& options) {
   std::vector<Row> rows;
   // --skip TEXT leaves out the stock/hierpar pairs whose label contains TEXT, e.g. "graphs off" or "cnn_step".
   std::vector<std::string> skipped;
-  auto skip = [&](const std::string& label) {
-    const std::string* text = options.skip_of(label);
-    if (text != nullptr) skipped.push_back(label + ": --skip '" + *text + "'");
-    return text != nullptr;
-  };
+  auto skip = [&](const std::string& label) { return options.skips(label, skipped); };
   warm_side_stream();
   for (int64_t batch : batches) {
     for (const auto& [bf16, channels_last] : {std::pair{false, false}, std::pair{false, true}, std::pair{true, true}}) {

@@ -275,10 +275,7 @@ void strategy_suite(Report& report, const Options& options) {
                                 (row.layers == hierpar::LayerSet::stock ? "stock" : "hierpar") + " layers, batch " +
                                 std::to_string(c.batch) + " " + c.precision.name() +
                                 (launched ? ", " + std::to_string(options.world_size) + " processes" : "");
-      if (const std::string* text = options.skip_of(label)) {
-        skipped.push_back(label + ": --skip '" + *text + "'");
-        continue;
-      }
+      if (options.skips(label, skipped)) continue;
       if (launched) {
         const std::string scheme = row.strategy;
         const int64_t per_replica = scheme == "hierarchical" ? 2 : 1;
