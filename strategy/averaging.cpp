@@ -256,6 +256,25 @@ void release_backend(c10::intrusive_ptr<c10d::Backend>& group) {
   FLAGS_caffe2_log_level = level;
 }
 
+void release_backends(std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> nccl;
+  for (auto& group : groups) {
+    if (group && group->getBackendName() == "nccl" && group.use_count() == 1) {
+      nccl.push_back(std::move(group));
+    } else {
+      group.reset();
+    }
+  }
+  groups.clear();
+  if (nccl.empty()) return;
+  const int level = FLAGS_caffe2_log_level;  // as release_backend: the destructors' logs held back
+  FLAGS_caffe2_log_level = std::max(level, 3);
+  std::vector<std::thread> threads;
+  for (auto& group : nccl) threads.emplace_back([g = std::move(group)]() mutable { g.reset(); });
+  for (auto& t : threads) t.join();
+  FLAGS_caffe2_log_level = level;
+}
+
 namespace {
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 }  // namespace

@@ -67,6 +67,9 @@ void abort_nccl_groups(std::vector<c10::intrusive_ptr<c10d::Backend>> groups);
 // Destroys `group` (its last reference) at the end of a run that did not fail, without the error logs that
 // ProcessGroupNCCL's destructor provokes; a group that other owners hold (an abort's thread) is only let go.
 void release_backend(c10::intrusive_ptr<c10d::Backend>& group);
+// release_backend for several groups at once, the NCCL ones concurrently: each ProcessGroupNCCL's destructor
+// aborts its communicator and joins its threads, a few hundred ms apiece one after another.
+void release_backends(std::vector<c10::intrusive_ptr<c10d::Backend>>& groups);
 // The averager's abort: once set, every wait for peers ends with a PeerFailure that names the reason.
 class AbortState {
  public:

@@ -36,9 +36,11 @@ class CollectiveAverager final : public GradientAverager {
 
   ~CollectiveAverager() override {
     detach_hooks(reducers_);
+    std::vector<c10::intrusive_ptr<c10d::Backend>> all;
     for (auto& groups : groups_) {
-      for (auto& group : groups) release_backend(group);
+      for (auto& group : groups) all.push_back(std::move(group));
     }
+    release_backends(all);
   }
 
   void connect(int64_t local) override {

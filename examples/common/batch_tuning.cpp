@@ -175,12 +175,13 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   };
   auto probe = [&](int64_t batch) {
     auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps, tune.timed_seconds);
+    const double timed = trial.step_seconds * static_cast<double>(trial.timed_steps);
     out << "  batch " << batch << ": "
         << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch over " + std::to_string(trial.timed_steps) +
                              " steps; trial " + fixed(trial.trial_seconds, 3) + " s: building " +
                              fixed(trial.build_seconds, 3) + ", warm-up " +
-                             fixed(trial.setup_seconds - trial.build_seconds, 3) + ", timed " +
-                             fixed(trial.trial_seconds - trial.setup_seconds, 3) +
+                             fixed(trial.setup_seconds - trial.build_seconds, 3) + ", timed " + fixed(timed, 3) +
+                             ", releasing " + fixed(trial.trial_seconds - trial.setup_seconds - timed, 3) +
                              (trial.note.empty() ? "" : " (" + trial.note + ")")
                        : trial.note)
         << std::endl;
