@@ -106,10 +106,17 @@ void search_max_memory(Trials& trials, const BatchSearchOptions& o, int64_t star
       break;
     }
   }
-  if (fails > 0) fits = largest_fitting(trials, o, fits, fails, o.multiple);
+  int64_t resolution = o.multiple;
+  if (fails > 0) {
+    resolution = std::max(o.multiple, round_down(static_cast<int64_t>(o.memory_resolution * static_cast<double>(fits)),
+                                                 o.multiple));
+    fits = largest_fitting(trials, o, fits, fails, resolution);
+  }
   result.chosen = fits;
   result.reason = fails > 0 ? "the largest batch that fits: " + batch_text(fits) + " (" + batch_text(fails) +
-                                  " ran out of memory)"
+                                  " ran out of memory" +
+                                  (resolution > o.multiple ? "; the bound to within " + batch_text(resolution) : "") +
+                                  ")"
                             : "the largest batch tried, " + batch_text(fits) + ": the limit " + batch_text(limit) +
                                   " (the data set, or --max-batch) was reached without running out of memory";
 }
@@ -212,6 +219,8 @@ BatchSearchResult search_batch_size(const BatchProbe& probe, const BatchSearchOp
   TORCH_CHECK(o.start >= 1, "batch search: start: expected >= 1, got ", o.start);
   TORCH_CHECK(o.max_trials >= 1, "batch search: max_trials: expected >= 1, got ", o.max_trials);
   TORCH_CHECK(o.check_every >= 1, "batch search: check_every: expected >= 1, got ", o.check_every);
+  TORCH_CHECK(o.memory_resolution >= 0 && o.memory_resolution < 1,
+              "batch search: memory_resolution: expected a fraction in [0, 1), got ", o.memory_resolution);
   const int64_t start = round_up(o.start, o.multiple), limit = round_down(o.limit, o.multiple);
   TORCH_CHECK(start <= limit, "batch search: the first batch (", start, ", a multiple of ", o.multiple,
               ") is above the limit ", o.limit);

@@ -51,6 +51,7 @@ TEST(BatchSizeSearch, MaxMemoryFindsTheLargestBatchThatFits) {
     hs::BatchSearchOptions options;
     options.objective = hs::BatchObjective::max_memory;
     options.multiple = 8;
+    options.memory_resolution = 0;
     const auto result = hs::search_batch_size(model.probe(), options);
     EXPECT_EQ(result.chosen, bound / 8 * 8) << "memory bound " << bound << "\n" << result.table();
     EXPECT_EQ(model.repeats, 0) << "a batch was measured twice";
@@ -58,6 +59,34 @@ TEST(BatchSizeSearch, MaxMemoryFindsTheLargestBatchThatFits) {
     EXPECT_LE(result.trials.size(), 2 * static_cast<size_t>(std::log2(bound)) + 2) << result.table();
     for (const auto& t : result.trials) EXPECT_EQ(t.fits, t.batch <= bound) << t.batch;
   }
+}
+
+// By default the bisection stops once the bound is known to within 1/64 of it: never a batch that does not fit,
+// never more than that below the largest that does, and fewer trials than bisecting to one image.
+TEST(BatchSizeSearch, MaxMemoryBisectsToItsResolution) {
+  for (int64_t bound : {100, 3072, 3100, 5000, 20000}) {
+    hs::BatchSearchOptions options;
+    options.objective = hs::BatchObjective::max_memory;
+    CostModel exact_model, model;
+    exact_model.memory_bound = model.memory_bound = bound;
+    hs::BatchSearchOptions exact = options;
+    exact.memory_resolution = 0;
+    const auto to_one = hs::search_batch_size(exact_model.probe(), exact);
+    const auto result = hs::search_batch_size(model.probe(), options);
+    EXPECT_EQ(to_one.chosen, bound);
+    EXPECT_LE(result.chosen, bound) << result.table();
+    EXPECT_GE(result.chosen, bound - bound / 64) << result.table();
+    EXPECT_LE(result.trials.size(), to_one.trials.size()) << result.table();
+    if (bound >= 3072) {
+      EXPECT_LT(result.trials.size() + 3, to_one.trials.size()) << result.table();
+      EXPECT_NE(result.reason.find("to within"), std::string::npos) << result.reason;
+    }
+  }
+  hs::BatchSearchOptions bad;
+  bad.objective = hs::BatchObjective::max_memory;
+  bad.memory_resolution = 1.5;
+  CostModel model;
+  HIERPAR_EXPECT_THROW_MSG(hs::search_batch_size(model.probe(), bad), "memory_resolution");
 }
 
 // The search of `options` on the default costs with a memory bound that no search reaches.

@@ -393,6 +393,9 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
   expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
   expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");
+  expect_flag_error(run_dcgan("tune --device cpu --data synthetic --limit 32 --objective max-memory --memory-resolution 1",
+                              dir),
+                    "--memory-resolution: expected a fraction in [0, 1), got 1", "tune's memory resolution");
   expect_flag_error(run_dcgan(base + "--epochs", dir), "--epochs: missing value", "missing value");
   expect_flag_error(run_dcgan(base + "--colour red", dir), "unknown flag --colour", "unknown flag");
   expect_flag_error(run_dcgan("frobnicate", dir), "unknown command 'frobnicate'", "unknown command");

@@ -161,6 +161,9 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   options.start = config.batch_size;
   options.multiple = placement.global_replicas();
   options.limit = tune.max_batch > 0 ? tune.max_batch : dataset_size;
+  if (!(tune.memory_resolution >= 0 && tune.memory_resolution < 1))
+    throw FlagError("--memory-resolution: expected a fraction in [0, 1), got " + format_number(tune.memory_resolution));
+  options.memory_resolution = tune.memory_resolution;
   if (options.start % options.multiple != 0)
     throw FlagError("--batch-size " + std::to_string(options.start) + " does not split evenly over the " +
                     std::to_string(options.multiple) + " replicas");

@@ -17,6 +17,7 @@ struct TuneConfig {
   // steps are long enough to time in a few, and the search pays for every one.
   double timed_seconds = 0.05;
   int64_t max_batch = 0;                 // never above this (0: the data set's size)
+  double memory_resolution = 1.0 / 64;   // max-memory: the bound found to within this fraction (0: one image)
   // After the search, this many batches evenly spaced from the starting batch to the largest the search ran, measured
   // alike (0: none): the exhaustive sweep that the search's choice is compared with.
   int64_t sweep = 0;

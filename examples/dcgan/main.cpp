@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 namespace {
@@ -221,6 +222,9 @@ int tune(int argc, char** argv) {
       .add("timed-seconds", &tune.timed_seconds, "a batch's timed steps stop once they have run this long (3 steps at "
            "least): a large batch's steps are long enough to time in a few", 0)
       .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
+      .add("memory-resolution", &tune.memory_resolution, "max-memory: stop bisecting once the largest batch that "
+           "fits is known to within this fraction of it (each trial builds and captures a step; 0: to one image)",
+           -std::numeric_limits<double>::infinity())  // checked by tune_batch_size: [0, 1)
       .add("sweep", &tune.sweep, "after the search, measure this many batches evenly spaced over its range and say how "
            "far its choice is from their best (0: no sweep)", 0)
       .add("out", &config.out, "folder for tune.png");

@@ -55,6 +55,10 @@ struct BatchSearchOptions {
   double tolerance = 0.05;     // epoch_time: convergence of the improvement ratio
   int64_t check_every = 5;     // epoch_time: trials between convergence checks
   double usage_target = 99.0;  // gpu_usage: percent
+  // max_memory: the bisection stops once the largest batch that fits is known to within this fraction of it (at
+  // least `multiple`): each trial costs a trainer, its warm-up and a capture, and the last few images of the bound
+  // are worth less than the trials that find them. 0: to within `multiple`.
+  double memory_resolution = 1.0 / 64;
 };
 
 struct BatchSearchResult {
