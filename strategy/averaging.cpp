@@ -21,6 +21,8 @@
 #endif
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -274,6 +276,53 @@ void release_backends(std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
   for (auto& t : threads) t.join();
   FLAGS_caffe2_log_level = level;
 }
+
+}  // namespace detail
+
+struct ProcessGroupCache::Groups {
+  mutable std::mutex mutex;
+  std::string placement;  // what every group held belongs to (Placement::to_string), set by the first use
+  std::map<std::pair<int, int64_t>, c10::intrusive_ptr<c10d::Backend>> by_replica;  // [(network, local replica)]
+  void check(const Placement& p) {
+    const std::string text = p.to_string();
+    if (placement.empty()) placement = text;
+    TORCH_CHECK(placement == text, "ProcessGroupCache: holds the groups of placement '", placement,
+                "', asked for placement '", text, "'");
+  }
+};
+
+ProcessGroupCache::ProcessGroupCache() : groups_(std::make_unique<Groups>()) {}
+
+ProcessGroupCache::~ProcessGroupCache() {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> all;
+  for (auto& [key, group] : groups_->by_replica) all.push_back(std::move(group));
+  detail::release_backends(all);
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupCache::take(const Placement& placement, Network network, int64_t local) {
+  std::lock_guard<std::mutex> lock(groups_->mutex);
+  groups_->check(placement);
+  auto it = groups_->by_replica.find({static_cast<int>(network), local});
+  if (it == groups_->by_replica.end()) return {};
+  c10::intrusive_ptr<c10d::Backend> group = std::move(it->second);
+  groups_->by_replica.erase(it);
+  return group;
+}
+
+void ProcessGroupCache::give_back(const Placement& placement, Network network, int64_t local,
+                                  c10::intrusive_ptr<c10d::Backend> group) {
+  if (!group) return;
+  std::lock_guard<std::mutex> lock(groups_->mutex);
+  groups_->check(placement);
+  groups_->by_replica[{static_cast<int>(network), local}] = std::move(group);
+}
+
+size_t ProcessGroupCache::size() const {
+  std::lock_guard<std::mutex> lock(groups_->mutex);
+  return groups_->by_replica.size();
+}
+
+namespace detail {
 
 namespace {
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }

@@ -36,9 +36,17 @@ class CollectiveAverager final : public GradientAverager {
 
   ~CollectiveAverager() override {
     detach_hooks(reducers_);
+    const bool keep = options_.process_groups && !aborted_.is_set();
     std::vector<c10::intrusive_ptr<c10d::Backend>> all;
-    for (auto& groups : groups_) {
-      for (auto& group : groups) all.push_back(std::move(group));
+    for (Network network : options_.networks) {
+      for (int64_t i = 0; i < placement_.local_replicas(); ++i) {
+        auto& group = groups_[static_cast<int>(network)][i];
+        if (keep) {
+          options_.process_groups->give_back(placement_, network, i, std::move(group));
+        } else {
+          all.push_back(std::move(group));
+        }
+      }
     }
     release_backends(all);
   }
@@ -54,9 +62,14 @@ class CollectiveAverager final : public GradientAverager {
       const int n = static_cast<int>(network);
       const c10::Device device = device_of(placement_, local, network);
       aborted_.check(where(placement_, local, network) + " connect");
-      auto group = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store),
-                                placement_.replicas[local].replica, placement_.global_replicas(), device.type(),
-                                placement_.launch, options_.timeout);
+      c10::intrusive_ptr<c10d::Backend> group;
+      if (options_.process_groups) group = options_.process_groups->take(placement_, network, local);
+      const bool fresh = !group;
+      if (fresh) {
+        group = make_backend(c10::make_intrusive<c10d::PrefixStore>(to_string(network), store),
+                             placement_.replicas[local].replica, placement_.global_replicas(), device.type(),
+                             placement_.launch, options_.timeout);
+      }
       {
         std::lock_guard<std::mutex> lock(groups_mutex_);  // abort() may read them from another thread
         groups_[n][local] = group;
@@ -64,7 +77,7 @@ class CollectiveAverager final : public GradientAverager {
 #ifdef HIERPAR_C10D_NCCL
       // The NCCL communicator is created here, while no replica computes, instead of inside the first
       // step (all ranks of the group are in connect() together, so this needs no other ordering).
-      if (device.is_cuda()) group->eagerConnectSingleDevice(device);
+      if (fresh && device.is_cuda()) group->eagerConnectSingleDevice(device);
 #endif
     }
     issue_first_collectives(local);

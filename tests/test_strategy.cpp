@@ -312,6 +312,53 @@ std::unique_ptr<hs::AdversarialTrainer> two_cpu_replicas(const char* reduce, con
 
 }  // namespace
 
+// Trainers built one after another on a ProcessGroupCache (as the batch-size search's trials are) reuse the first
+// one's process groups and train exactly as with their own; a trainer whose replica fails gives none back, and a
+// cache refuses another placement's trainer.
+TEST(StrategyTrainer, ProcessGroupCacheServesTheNextTrainer) {
+  HIERPAR_REQUIRE_GLOO();
+  const auto data = make_data(8, hierpar::testing::rng()());
+  const uint64_t init = hierpar::testing::rng()();
+  const hs::Placement data2 = hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CPU, {});
+  auto cached = test_options();
+  cached.averaging.process_groups = std::make_shared<hs::ProcessGroupCache>();
+  const auto own = train(data2, true, data, init);
+  const auto first = train(data2, true, data, init, 0, -1, cached);
+  EXPECT_EQ(cached.averaging.process_groups->size(), 4u) << "G's and D's group of each of the 2 replicas";
+  const auto second = train(data2, true, data, init, 0, -1, cached);
+  EXPECT_EQ(cached.averaging.process_groups->size(), 4u);
+  expect_states_equal(first[0], own[0], "first trainer on the cache vs its own groups");
+  expect_states_equal(second[0], own[0], "second trainer, on the first's groups");
+  expect_states_equal(second[1], own[1], "second trainer's replica 1");
+
+  const auto main_thread = std::this_thread::get_id();
+  auto failing = cached;
+  failing.loss = [main_thread](const torch::Tensor& logits, hs::LossTerm term) {
+    TORCH_CHECK(std::this_thread::get_id() == main_thread, "injected failure in replica 1's loss");
+    return hs::bce_with_logits_loss(logits, term);
+  };
+  {
+    auto trainer = two_cpu_replicas("nccl", failing);
+    EXPECT_EQ(cached.averaging.process_groups->size(), 0u) << "the trainer holds them";
+    testing::internal::CaptureStderr();
+    EXPECT_THROW(trainer->step(data.real[0], data.noise[0]), c10::Error);
+    testing::internal::GetCapturedStderr();
+  }
+  EXPECT_EQ(cached.averaging.process_groups->size(), 0u) << "an aborted trainer gives its groups back";
+  const auto after_failure = train(data2, true, data, init, 0, -1, cached);
+  expect_states_equal(after_failure[0], own[0], "a trainer after the failed one, on new groups");
+
+  auto elsewhere = cached;
+  elsewhere.averaging.process_groups = std::make_shared<hs::ProcessGroupCache>();
+  (void)train(hs::Placement::from_flags("data", 2, "nccl", c10::DeviceType::CPU, {}), false, data, init, 0, -1,
+              elsewhere);
+  testing::internal::CaptureStderr();  // each replica says why it stopped
+  HIERPAR_EXPECT_THROW_MSG(train(hs::Placement::from_flags("hierarchical", 4, "nccl", c10::DeviceType::CPU, {}), false,
+                                 data, init, 0, -1, elsewhere),
+                           "ProcessGroupCache: holds the groups of placement");
+  testing::internal::GetCapturedStderr();
+}
+
 // A replica that throws (here: its loss) makes the other replicas of its process stop at once (well within the
 // averaging timeout of 60 s) with an error naming it, under both reductions. The error is the replica's own (not
 // a PeerFailure), and the trainer refuses every later step with that cause.

@@ -51,7 +51,8 @@ std::string out_of_memory_note(const std::string& message) {
 }
 
 hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size,
-                                   int64_t steps, double timed_seconds) {
+                                   int64_t steps, double timed_seconds,
+                                   const std::shared_ptr<hs::ProcessGroupCache>& process_groups) {
   using clock = std::chrono::steady_clock;
   const auto trial_began = clock::now();
   auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
@@ -64,6 +65,7 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
   options.graph_warmup_steps = std::min<int64_t>(options.graph_warmup_steps, 1);
   options.loss_log_steps = steps + options.graph_warmup_steps + 4;  // no loss read-back inside the timed steps
   options.report_failures = false;
+  options.averaging.process_groups = process_groups;
   const auto devices = cuda_devices_of(placement);
   const torch::Device data_device = placement.replicas[0].discriminator;
 
@@ -176,8 +178,11 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
     os << std::fixed << std::setprecision(digits) << value;
     return os.str();
   };
+  // The trials' trainers share their process groups: a data-parallel trial otherwise spends most of its time
+  // setting up and aborting NCCL communicators (docs/batch_size.md).
+  const auto process_groups = std::make_shared<hs::ProcessGroupCache>();
   auto probe = [&](int64_t batch) {
-    auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps, tune.timed_seconds);
+    auto trial = measure_dcgan_steps(config, batch, dataset_size, tune.steps, tune.timed_seconds, process_groups);
     const double timed = trial.step_seconds * static_cast<double>(trial.timed_steps);
     out << "  batch " << batch << ": "
         << (trial.fits ? format_number(trial.epoch_seconds) + " s/epoch over " + std::to_string(trial.timed_steps) +
@@ -192,7 +197,7 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
   };
   if (!cuda_devices_of(placement).empty()) {
     // What any run pays once, searching or not: CUDA's context, the libraries' handles, each kernel's first load.
-    const auto start = measure_dcgan_steps(config, options.start, dataset_size, 0);
+    const auto start = measure_dcgan_steps(config, options.start, dataset_size, 0, 0, process_groups);
     out << "start: " << fixed(start.trial_seconds, 2) << " s for CUDA's context, the libraries' handles and the "
         << "kernels' first use (the warm-up of batch " << options.start << ", untimed; a run pays it once, "
         << "searching or not: not counted in the search's cost)" << (start.fits ? "" : ": " + start.note) << "\n";

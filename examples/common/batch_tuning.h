@@ -3,8 +3,10 @@
 #pragma once
 
 #include "common/dcgan_app.h"
+#include "hierpar/strategy/averaging.h"
 #include "hierpar/strategy/batch_size_search.h"
 
+#include <memory>
 #include <ostream>
 #include <string>
 
@@ -32,8 +34,11 @@ std::string out_of_memory_note(const std::string& allocator_message);
 // batch `batch`, on random images, after a warm-up, stopping after 3 or more once `timed_seconds` (> 0) have passed;
 // the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
 // cache emptied; a trial that fits leaves the cache to the next. `steps` 0: the warm-up alone (nothing timed).
-hierpar::strategy::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch,
-                                                  int64_t dataset_size, int64_t steps, double timed_seconds = 0);
+// `process_groups`: with several replicas and --reduce nccl, the process groups the trials share (see
+// hierpar::strategy::ProcessGroupCache); null: each trial its own.
+hierpar::strategy::BatchTrial measure_dcgan_steps(
+    const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size, int64_t steps, double timed_seconds = 0,
+    const std::shared_ptr<hierpar::strategy::ProcessGroupCache>& process_groups = nullptr);
 
 // Searches from config.batch_size for `tune.objective`; prints the trials, the choice and what the search cost
 // against a 20-epoch run at the chosen batch to `out`, with `tune.sweep` the sweep and how far the choice is from its
