@@ -120,6 +120,14 @@ class TrainerStep : public TrainingStep {
     // HIERPAR_BENCH_OVERLAP=0: the step on one stream (same-process A/B of options.overlap_passes).
     const char* overlap = std::getenv("HIERPAR_BENCH_OVERLAP");
     options.overlap_passes = !(overlap && overlap[0] == '0');
+    // HIERPAR_BENCH_JOINT_FROM=N: captured steps run D's two backward branches as one call from N images (an A/B of
+    // AdversarialOptions::joint_discriminator_backward_batch).
+    if (const char* joint = std::getenv("HIERPAR_BENCH_JOINT_FROM")) {
+      char* end = nullptr;
+      options.joint_discriminator_backward_batch = std::strtoll(joint, &end, 10);
+      TORCH_CHECK(*joint != '\0' && *end == '\0' && options.joint_discriminator_backward_batch >= 1,
+                  "HIERPAR_BENCH_JOINT_FROM: expected a batch >= 1, got '", joint, "'");
+    }
     trainer_ = std::make_unique<hierpar::strategy::AdversarialTrainer>(
         torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator),
         hierpar::strategy::Placement::make(hierpar::strategy::Scheme::single, 1, hierpar::strategy::Reduce::host,

@@ -159,6 +159,9 @@ struct AdversarialOptions {
   // Used where one CUDA device runs both networks and no averager hooks into the backward (eager data
   // parallelism averages buckets as gradients become ready, on the stream that finished them).
   bool overlap_passes = true;
+  // With overlap_passes, captured steps run D's two backward branches as one call from this batch per replica
+  // (kJointDiscriminatorBackwardBatch above; a batch size A/B: the bench's HIERPAR_BENCH_JOINT_FROM).
+  int64_t joint_discriminator_backward_batch = kJointDiscriminatorBackwardBatch;
   Schedule schedule = Schedule::exact;
   // A failing replica's own error is printed on stderr when it happens (TORCH_WARN), before step() rethrows
   // it: a collective library may end the process first. Off for a caller that reports failures itself.
