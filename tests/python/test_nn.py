@@ -252,6 +252,11 @@ def test_batch_norm_matches_torch(seeded, device, dtype, activation):
         flips = activation != "identity" and dtype == torch.bfloat16
         for step in range(3):  # training steps: running statistics and num_batches_tracked evolve
             sizes = [rng.choice([1, 2, rng.randint(2, 6)]), c, rng.randint(1, 7), rng.randint(2, 7)]
+            if dtype == torch.bfloat16 and sizes[0] * sizes[2] * sizes[3] < 4:
+                # Over 2 values a channel the input gradient is exactly 0 (each output is +-1 whatever the input),
+                # so a bfloat16 result is rounding noise of the size of invstd * |upstream| in either implementation
+                # (seen: hierpar 0.038 and torch 3.7 * invstd * mean|upstream| from float64): 4 values at least.
+                sizes[2] = 2
             x = random_tensor(sizes, dtype, device, rng.choice(LAYOUTS)) * 2 + 0.5
             low = dtype == torch.bfloat16
             check_same_module(hp, stock, x, f"{what} train step {step} on {tuple(sizes)}",
