@@ -244,18 +244,8 @@ void abort_nccl_groups(std::vector<c10::intrusive_ptr<c10d::Backend>> groups) {
 }
 
 void release_backend(c10::intrusive_ptr<c10d::Backend>& group) {
-  if (!group) return;
-  if (group->getBackendName() != "nccl" || group.use_count() > 1) {
-    group.reset();
-    return;
-  }
-  // ProcessGroupNCCL's destructor aborts its communicator (C++ has no destroy_process_group()), and its watchdog
-  // then logs the last collective as failed ("unhandled system error", a stack trace) before the destructor joins
-  // it. Nothing failed: the logs are held back until the group is gone.
-  const int level = FLAGS_caffe2_log_level;
-  FLAGS_caffe2_log_level = std::max(level, 3);
-  group.reset();
-  FLAGS_caffe2_log_level = level;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> one{std::move(group)};
+  release_backends(one);
 }
 
 void release_backends(std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
@@ -269,18 +259,25 @@ void release_backends(std::vector<c10::intrusive_ptr<c10d::Backend>>& groups) {
   }
   groups.clear();
   if (nccl.empty()) return;
-  const int level = FLAGS_caffe2_log_level;  // as release_backend: the destructors' logs held back
+  // ProcessGroupNCCL's destructor aborts its communicator (C++ has no destroy_process_group()), and its watchdog
+  // then logs the last collective as failed ("unhandled system error", a stack trace) before the destructor joins
+  // it. Nothing failed: the logs are held back until the groups are gone.
+  const int level = FLAGS_caffe2_log_level;
   FLAGS_caffe2_log_level = std::max(level, 3);
-  std::vector<std::thread> threads;
-  for (auto& group : nccl) threads.emplace_back([g = std::move(group)]() mutable { g.reset(); });
-  for (auto& t : threads) t.join();
+  if (nccl.size() == 1) {
+    nccl.front().reset();
+  } else {
+    std::vector<std::thread> threads;
+    for (auto& group : nccl) threads.emplace_back([g = std::move(group)]() mutable { g.reset(); });
+    for (auto& t : threads) t.join();
+  }
   FLAGS_caffe2_log_level = level;
 }
 
 }  // namespace detail
 
 struct ProcessGroupCache::Groups {
-  mutable std::mutex mutex;
+  std::mutex mutex;
   std::string placement;  // what every group held belongs to (Placement::to_string), set by the first use
   std::map<std::pair<int, int64_t>, c10::intrusive_ptr<c10d::Backend>> by_replica;  // [(network, local replica)]
   void check(const Placement& p) {
