@@ -518,15 +518,17 @@ TEST(ConvTransposeCuda, K4S2P1SmallCoutTf32TensorCoreKernels) {
                           Layout::channels_last, coin(), false},
                      cout == 2});
   }
-  cases.push_back({Case{9, 32, 3, 32, 32, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, false, Layout::channels_last,
-                        false, false},
-                   false});
-  cases.push_back({Case{300, 48, 3, 5, 7, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
-                        false, false},
-                   false});
-  cases.push_back({Case{1, 96, 4, 17, 40, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, true, Layout::channels_last,
-                        true, false},
-                   true});
+  const auto fixed = [&](int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w, bool bias, bool weight_cl,
+                         bool grad_output_nchw) {
+    cases.push_back({Case{n, cin, cout, h, w, 1, {4, 4}, {2, 2}, {1, 1}, {0, 0}, {1, 1}, bias, Layout::channels_last,
+                          weight_cl, false},
+                     grad_output_nchw});
+  };
+  fixed(9, 32, 3, 32, 32, false, false, false);
+  fixed(300, 48, 3, 5, 7, true, false, false);
+  fixed(1, 96, 4, 17, 40, true, true, true);
+  // A 1 x 1 input: its size-1 dimensions' strides (1, as ATen leaves them) are never used, so the TF32 kernels take it.
+  fixed(4, 48, 2, 1, 1, true, false, false);
   for (const auto& [c, grad_output_nchw] : cases) {
     auto t = make_tensors(c, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
     if (grad_output_nchw) t.grad_output = t.grad_output.contiguous();

@@ -331,10 +331,13 @@ inline bool mma_applies(const ConvTranspose2dGeometry& g, at::ScalarType dtype, 
 inline int64_t vec_of(const at::Tensor& t) { return 16 / int64_t(t.element_size()); }
 
 // True when an activation's pixels can be copied 16 bytes at a time: channels innermost, every other stride a
-// multiple of 16 bytes, 16-byte aligned data (a dense channels_last tensor with C % 8 == 0, for one).
+// multiple of 16 bytes, 16-byte aligned data (a dense channels_last tensor with C % 8 == 0, for one). A dimension of
+// size 1 is only ever indexed at 0, so its stride (which ATen leaves as it likes: a (N, C, 1, 1) tensor is
+// channels_last with stride 1 there) does not matter.
 inline bool reads_by_vectors(const at::Tensor& t) {
   const int64_t vec = vec_of(t);
-  return t.stride(1) == 1 && t.stride(0) % vec == 0 && t.stride(2) % vec == 0 && t.stride(3) % vec == 0 &&
+  const auto whole_vectors = [&](int d) { return t.size(d) == 1 || t.stride(d) % vec == 0; };
+  return t.stride(1) == 1 && whole_vectors(0) && whole_vectors(2) && whole_vectors(3) &&
          reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
 }
 
