@@ -28,7 +28,8 @@
 // HIERPAR_STEP_PROFILE=<file> writes each row's kernels by GPU time there, HIERPAR_STEP_TRACE=<dir> each row's
 // profiled steps as a Chrome trace; HIERPAR_BENCH_OVERLAP=0 runs hierpar's
 // step on one stream (options.overlap_passes off), HIERPAR_BENCH_JOINT_FROM=N joins D's captured backward branches
-// from N images (options.joint_discriminator_backward_batch). A chart of ms/step (stock vs
+// from N images (options.joint_discriminator_backward_batch), HIERPAR_BENCH_EAGER_OVERLAP_FROM=N runs the eager
+// steps on two streams from N images (options.eager_overlap_batch). A chart of ms/step (stock vs
 // hierpar, eager and graph, per batch and precision) goes beside the JSON as <gpu>-dcgan_step.png when the
 // examples (their PNG writer) are built.
 #include "bench.h"

@@ -121,13 +121,17 @@ class TrainerStep : public TrainingStep {
     const char* overlap = std::getenv("HIERPAR_BENCH_OVERLAP");
     options.overlap_passes = !(overlap && overlap[0] == '0');
     // HIERPAR_BENCH_JOINT_FROM=N: captured steps run D's two backward branches as one call from N images (an A/B of
-    // AdversarialOptions::joint_discriminator_backward_batch).
-    if (const char* joint = std::getenv("HIERPAR_BENCH_JOINT_FROM")) {
+    // AdversarialOptions::joint_discriminator_backward_batch); HIERPAR_BENCH_EAGER_OVERLAP_FROM=N: eager steps use
+    // the second stream from N images (of AdversarialOptions::eager_overlap_batch).
+    const auto batch_from_env = [](const char* name, int64_t& into) {
+      const char* value = std::getenv(name);
+      if (value == nullptr) return;
       char* end = nullptr;
-      options.joint_discriminator_backward_batch = std::strtoll(joint, &end, 10);
-      TORCH_CHECK(*joint != '\0' && *end == '\0' && options.joint_discriminator_backward_batch >= 1,
-                  "HIERPAR_BENCH_JOINT_FROM: expected a batch >= 1, got '", joint, "'");
-    }
+      into = std::strtoll(value, &end, 10);
+      TORCH_CHECK(*value != '\0' && *end == '\0' && into >= 1, name, ": expected a batch >= 1, got '", value, "'");
+    };
+    batch_from_env("HIERPAR_BENCH_JOINT_FROM", options.joint_discriminator_backward_batch);
+    batch_from_env("HIERPAR_BENCH_EAGER_OVERLAP_FROM", options.eager_overlap_batch);
     trainer_ = std::make_unique<hierpar::strategy::AdversarialTrainer>(
         torch::nn::AnyModule(generator), torch::nn::AnyModule(discriminator),
         hierpar::strategy::Placement::make(hierpar::strategy::Scheme::single, 1, hierpar::strategy::Reduce::host,

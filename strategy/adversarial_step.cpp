@@ -200,7 +200,7 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     }
     if (!two_devices) {
       main_stream = current_stream(d_device);
-      fake_stream = fake_pass_stream(local);
+      fake_stream = fake_pass_stream(local, real_share.size(0));
       autocast_cache_off.emplace(fake_stream.has_value() && options_.precision.autocast_dtype().has_value());
     }
     const torch::Tensor noise = noise_share.defined() ? noise_share.to(g_device, /*non_blocking=*/true)

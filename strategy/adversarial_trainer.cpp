@@ -533,10 +533,11 @@ torch::Tensor AdversarialTrainer::draw_noise(int64_t local, int64_t share) const
   return global_noise(share, devices.generator).narrow(0, devices.replica * share, share);
 }
 
-std::optional<c10::Stream> AdversarialTrainer::fake_pass_stream(int64_t local) const {
+std::optional<c10::Stream> AdversarialTrainer::fake_pass_stream(int64_t local, int64_t share) const {
   const Replica& r = *replicas_[local];
   const std::vector<c10::Stream>& streams = r.pass_streams;
   if (streams.empty() || !r.first_step_done) return std::nullopt;
+  if (!graphs_ && share < options_.eager_overlap_batch) return std::nullopt;
   return streams[0] == current_stream(placement_.replicas[local].discriminator) ? streams[1] : streams[0];
 }
 

@@ -141,6 +141,7 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
     }
     auto overlapped = one_stream;
     overlapped.overlap_passes = true;
+    overlapped.eager_overlap_batch = 1;  // the eager steps on two streams too
     auto overlapped_graphs = overlapped;
     overlapped_graphs.cuda_graphs = true;
     overlapped_graphs.graph_warmup_steps = 2;
@@ -172,6 +173,7 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
       options.fused_adam = true;
       options.precision.channels_last = true;
       options.overlap_passes = overlap;
+      options.eager_overlap_batch = 1;
       options.cuda_graphs = graphs;
       options.graph_warmup_steps = 2;
       if (bf16) options.precision.math = hs::StepPrecision::Math::bf16;
@@ -203,6 +205,41 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
       hierpar::testing::expect_close(losses_b, losses_a, tol, what + ": loss log");
     }
   }
+}
+
+// Eager steps below options.eager_overlap_batch stay on one stream. Seen through bf16 autocast, where the streams
+// change the numbers: overlapped, each D pass casts D's weights itself and D's two gradient branches are summed in
+// fp32, on one stream they share one cast. So the default eager step at batch 16 equals overlap_passes off bit for
+// bit, and the same step with the threshold at 16 (two streams) does not.
+TEST(AdversarialTrainerGraphs, EagerStepsBelowTheOverlapBatchRunOnOneStream) {
+  HIERPAR_REQUIRE_CUDA();
+  const auto cudnn = deterministic_cudnn();
+  const auto placement = hs::Placement::from_flags("single", 1, "host", c10::DeviceType::CUDA, {});
+  const uint64_t init = hierpar::testing::rng()(), noise = hierpar::testing::rng()();
+  constexpr int64_t kBatch = 16;
+  ASSERT_LT(kBatch, hs::kEagerOverlapBatch);
+  auto one_stream = base_options();
+  one_stream.fused_adam = true;
+  one_stream.precision = hs::StepPrecision{hs::StepPrecision::Math::bf16, true};
+  one_stream.overlap_passes = false;
+  auto by_default = one_stream;
+  by_default.overlap_passes = true;
+  auto two_streams = by_default;
+  two_streams.eager_overlap_batch = kBatch;
+  const auto reals = batches(6, kBatch, torch::kCUDA);
+  const TrainedRun a = train(placement, one_stream, reals, init, noise);
+  const TrainedRun b = train(placement, by_default, reals, init, noise);
+  const TrainedRun c = train(placement, two_streams, reals, init, noise);
+  expect_moved(a, init);
+  ASSERT_EQ(a.state.size(), b.state.size());
+  bool two_streams_differ = false;
+  for (size_t i = 0; i < a.state.size(); ++i) {
+    EXPECT_TRUE(torch::equal(b.state[i], a.state[i])) << "state tensor " << i << ": the default eager step at batch "
+                                                      << kBatch << " is not the one-stream step";
+    two_streams_differ = two_streams_differ || !torch::equal(c.state[i], a.state[i]);
+  }
+  EXPECT_TRUE(two_streams_differ) << "two streams (eager_overlap_batch " << kBatch << ") gave the one-stream numbers: "
+                                     "the test cannot tell the streams apart";
 }
 
 // Data parallelism over 2 GPUs, host and NCCL averaging, graphs against eager (host averaging runs between three

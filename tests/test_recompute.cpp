@@ -237,7 +237,7 @@ TEST(Recompute, DcganTrainsAsWithoutRecompute) {
   }
 }
 
-// The same on a GPU, with D's passes over the real batch and the fakes on two streams (the default overlap), eagerly
+// The same on a GPU, with D's passes over the real batch and the fakes on two streams (overlap_passes), eagerly
 // and as CUDA graphs (offload runs eagerly only): the recomputation of D's blocks in the real batch's backward runs
 // beside the fakes' pass over the same BatchNorm layers.
 TEST(Recompute, DcganTrainsAsWithoutRecomputeOnCuda) {
@@ -253,6 +253,7 @@ TEST(Recompute, DcganTrainsAsWithoutRecomputeOnCuda) {
       options.cuda_graphs = graphs;
       options.graph_warmup_steps = 1;
       ASSERT_TRUE(options.overlap_passes);
+      options.eager_overlap_batch = 1;  // the eager steps on two streams too
       const std::string what = std::string(layers == LayerSet::stock ? "stock" : "hierpar") + (graphs ? ", graphs" : ", eager");
       const auto kept = trained_dcgan_state(layers, placement, ActivationMemory::none, options, device);
       expect_all_equal(trained_dcgan_state(layers, placement, ActivationMemory::recompute, options, device), kept,

@@ -177,7 +177,10 @@ hierpar::strategy::AdversarialOptions trainer_options(const DCGANTrainConfig& co
 std::string StepSettings::describe() const {
   std::string d = std::string("CUDA graphs ") + (graphs ? "on" : "off") + ", " + (fused_adam ? "FusedAdam" : "torch::optim::Adam");
   d += ", " + precision.to_string();
-  if (overlap) d += ", two streams";
+  if (overlap) {
+    d += graphs ? ", two streams"
+                : ", two streams from " + std::to_string(hierpar::strategy::kEagerOverlapBatch) + " images a replica";
+  }
   if (schedule == hierpar::strategy::Schedule::pipelined) d += ", pipelined schedule (G one step ahead)";
   return d;
 }

@@ -88,7 +88,8 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("data-placement", &config.placement, "auto, device (copy the set to the device), stream (batches through "
            "host memory) or files (a folder's images decoded batch by batch as they are needed)")
       .add("graphs", &config.graphs, "capture the training step as CUDA graphs: on or off (default: on for CUDA)")
-      .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default) or off")
+      .add("overlap", &config.overlap, "G's forward and D's pass over the fakes on a second CUDA stream: on (default; eager steps "
+           "from 1024 images a replica, below which the second stream costs more host time than it saves) or off")
       .add("schedule", &config.schedule, "exact (default: the DCGAN recipe) or pipelined: G's forward for the next step "
            "runs during this one, on G's weights before this step's update, so D never waits for G. This changes the "
            "algorithm (G's gradient is one step stale; docs/strategy.md measures what it costs); eager steps, one "

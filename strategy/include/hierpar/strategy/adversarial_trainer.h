@@ -33,8 +33,8 @@
 // G's, step()'s StepLosses there are empty, and generator()/discriminator() and their optimisers exist only in the
 // process that runs that network. Every process calls step() and take_losses() at the same steps.
 //
-// Two streams on one device (options.overlap_passes; single and data placements on CUDA): G's forward and
-// D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
+// Two streams on one device (options.overlap_passes; single and data placements on CUDA; captured steps, and eager
+// ones from options.eager_overlap_batch): G's forward and D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
 // (autograd runs a node's backward on its forward's stream; captured, from kJointDiscriminatorBackwardBatch images,
 // without a penalty, D's two branches are one backward call). The
 // fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
@@ -104,6 +104,13 @@ Schedule parse_schedule(const std::string& name);  // "exact" | "pipelined"
 // live until the fakes' pass has made its own: 14-24% more peak memory at batch 1024-4096 (docs/training_step.md).
 inline constexpr int64_t kJointDiscriminatorBackwardBatch = 512;
 
+// Eager steps (no cuda_graphs) overlap the passes on two streams from this batch per replica. Below it the
+// launches, not the kernels, bound an eager step, and the second stream's events and switches cost more host time
+// than the overlap saves; above it the kernels are long enough to overlap. Two H200s, TF32 NCHW eager, ms a step on
+// one stream / two: 5.54 / 6.77 at batch 64, 5.33 / 6.28 at 256, 10.81 / 10.16 at 1024, 38.85 / 37.95 at 4096 (the
+// other precisions and layouts alike; docs/training_step.md).
+inline constexpr int64_t kEagerOverlapBatch = 1024;
+
 struct AdversarialOptions {
   AdamSettings generator_adam;
   AdamSettings discriminator_adam;
@@ -162,6 +169,9 @@ struct AdversarialOptions {
   // With overlap_passes, captured steps run D's two backward branches as one call from this batch per replica
   // (kJointDiscriminatorBackwardBatch above; a batch size A/B: the bench's HIERPAR_BENCH_JOINT_FROM).
   int64_t joint_discriminator_backward_batch = kJointDiscriminatorBackwardBatch;
+  // With overlap_passes, eager steps use the second stream from this batch per replica (kEagerOverlapBatch above;
+  // the bench's HIERPAR_BENCH_EAGER_OVERLAP_FROM). Captured steps, and a graph's eager warm-up steps, always do.
+  int64_t eager_overlap_batch = kEagerOverlapBatch;
   Schedule schedule = Schedule::exact;
   // A failing replica's own error is printed on stderr when it happens (TORCH_WARN), before step() rethrows
   // it: a collective library may end the process first. Off for a caller that reports failures itself.
@@ -298,8 +308,9 @@ class AdversarialTrainer {
   void step_body(int64_t local, const torch::Tensor& real, const torch::Tensor& noise, Phase phase);
   torch::Tensor global_noise(int64_t share, const c10::Device& device) const;  // [share * global replicas, ...]
   torch::Tensor draw_noise(int64_t local, int64_t share) const;                 // local replica's rows of it
-  // The stream for G's forward and D's pass over the fakes (options.overlap_passes), or none: one stream.
-  std::optional<c10::Stream> fake_pass_stream(int64_t local) const;
+  // The stream for G's forward and D's pass over the fakes of a step with `share` images a replica
+  // (options.overlap_passes, options.eager_overlap_batch), or none: one stream.
+  std::optional<c10::Stream> fake_pass_stream(int64_t local, int64_t share) const;
   void drain_losses();
   void release_graphs();
   void require_network(Network network) const;  // throws unless this process runs `network` of its replicas
