@@ -30,6 +30,9 @@ TEST(Examples, TuneProbeMeasuresStepsOfFreshNetworks) {
   // With a time bound that any step passes, a trial times 3 steps of the 50 it may.
   const auto bounded = hierpar::examples::measure_dcgan_steps(config, 8, 64, 50, 1e-9);
   EXPECT_EQ(bounded.timed_steps, 3);
+  // With one no step fills, it times the 5 it may.
+  const auto capped = hierpar::examples::measure_dcgan_steps(config, 8, 64, 5, 1e9);
+  EXPECT_EQ(capped.timed_steps, 5);
 }
 
 TEST(Examples, TuneChoosesABatchAndDrawsIt) {

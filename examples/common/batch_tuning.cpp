@@ -108,13 +108,15 @@ hs::BatchTrial measure_dcgan_steps(const DCGANTrainConfig& config, int64_t batch
       return trial;
     }
     hs::UtilizationSampler sampler(data_device, std::chrono::milliseconds(20));
-    while (trial.timed_steps < steps) {
+    int64_t target = steps;
+    while (trial.timed_steps < target) {
       trainer->step(real);
-      const int64_t done = ++trial.timed_steps;
-      // The clock is read (after a synchronisation) at 3, 4, 8, 16, ... steps: few stalls of the queue.
-      if (timed_seconds > 0 && (done == 3 || (done > 3 && (done & (done - 1)) == 0))) {
+      // After 3 steps the clock (read after a synchronisation) gives their pace, and the trial runs as many steps as
+      // fill timed_seconds at it: one stall of the queue, and no steps past the time the search pays for.
+      if (++trial.timed_steps == 3 && timed_seconds > 0) {
         synchronize_devices(placement);
-        if (since(begin) >= timed_seconds) break;
+        const double pace = since(begin) / 3.0;
+        target = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(timed_seconds / pace)), 3, steps);
       }
     }
     synchronize_devices(placement);
@@ -171,7 +173,7 @@ hs::BatchSearchResult tune_batch_size(DCGANTrainConfig config, const TuneConfig&
                     std::to_string(options.multiple) + " replicas");
   out << "tune: " << hs::to_string(options.objective) << " from batch " << options.start << " on "
       << placement.to_string() << "; " << tune.steps << " timed steps per batch at most"
-      << (tune.timed_seconds > 0 && tune.steps > 3 ? " (fewer, 3 at least, once " + format_number(tune.timed_seconds) + " s have passed)" : "")
+      << (tune.timed_seconds > 0 && tune.steps > 3 ? " (fewer, 3 at least: as many as fill " + format_number(tune.timed_seconds) + " s at the first 3 steps' pace)" : "")
       << ", epochs of " << dataset_size << " images\n";
   auto fixed = [](double value, int digits) {
     std::ostringstream os;

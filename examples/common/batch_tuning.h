@@ -31,7 +31,7 @@ struct TuneConfig {
 std::string out_of_memory_note(const std::string& allocator_message);
 
 // Up to `steps` training steps of networks built from config.model on config's placement (one process) at global
-// batch `batch`, on random images, after a warm-up, stopping after 3 or more once `timed_seconds` (> 0) have passed;
+// batch `batch`, on random images, after a warm-up; with `timed_seconds` (> 0), as many steps (3 at least) as fill it at the first 3 steps' pace;
 // the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
 // cache emptied; a trial that fits leaves the cache to the next. `steps` 0: the warm-up alone (nothing timed).
 // `process_groups`: with several replicas and --reduce nccl, the process groups the trials share (see

@@ -220,8 +220,8 @@ int tune(int argc, char** argv) {
   flags.add("objective", &tune.objective, "epoch-time (the seed's EpochTimeMinimize), gpu-usage (GpuUsageMaximize) "
             "or max-memory (the largest batch that fits)")
       .add("steps", &tune.steps, "timed steps per batch size at most", 1)
-      .add("timed-seconds", &tune.timed_seconds, "a batch's timed steps stop once they have run this long (3 steps at "
-           "least): a large batch's steps are long enough to time in a few", 0)
+      .add("timed-seconds", &tune.timed_seconds, "a batch's timed steps are as many as fill this long at the pace of "
+           "the first 3 (3 at least): a large batch's steps are long enough to time in a few", 0)
       .add("max-batch", &tune.max_batch, "never try a batch above this (0: the data set's size)", 0)
       .add("memory-resolution", &tune.memory_resolution, "max-memory: stop bisecting once the largest batch that "
            "fits is known to within this fraction of it (each trial builds and captures a step; 0: to one image)",
