@@ -115,6 +115,11 @@ AdversarialTrainer::AdversarialTrainer(torch::nn::AnyModule generator, torch::nn
   TORCH_CHECK(!(options_.gradient_penalty > 0 && options_.sync_batch_norm), "AdversarialTrainer: the gradient "
               "penalty (options.gradient_penalty) cannot differentiate through synchronized BatchNorm "
               "(options.sync_batch_norm)");
+  TORCH_CHECK(options_.joint_discriminator_backward_batch >= 1, "AdversarialTrainer: options."
+              "joint_discriminator_backward_batch must be a batch of at least 1, got ",
+              options_.joint_discriminator_backward_batch);
+  TORCH_CHECK(options_.eager_overlap_batch >= 1, "AdversarialTrainer: options.eager_overlap_batch must be a batch of "
+              "at least 1, got ", options_.eager_overlap_batch);
   TORCH_CHECK(options_.graph_warmup_steps >= 0, "AdversarialTrainer: options.graph_warmup_steps must be >= 0, got ",
               options_.graph_warmup_steps);
   const bool pipelined = options_.schedule == Schedule::pipelined;

@@ -126,6 +126,14 @@ TEST(AdversarialTrainerSteps, RejectsBadOptions) {
   options.loss_log_steps = 0;
   HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "loss_log_steps must be at least 1, got 0");
   options = base_options();
+  options.joint_discriminator_backward_batch = 0;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)),
+                           "joint_discriminator_backward_batch must be a batch of at least 1, got 0");
+  options = base_options();
+  options.eager_overlap_batch = -1;
+  HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)),
+                           "eager_overlap_batch must be a batch of at least 1, got -1");
+  options = base_options();
   options.generator_ema_decay = 1.0;
   HIERPAR_EXPECT_THROW_MSG(make(options, cpu_placement("single", 1)), "generator_ema_decay must be in [0, 1)");
   options = base_options();
