@@ -17,7 +17,6 @@
 #include <cctype>
 #include <csignal>
 #include <cstdlib>
-#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>

@@ -248,9 +248,9 @@ void AdversarialTrainer::step_body(int64_t local, const torch::Tensor& real_shar
     }
     // D's BatchNorm running statistics: the fakes' pass updates them after the real batch's.
     if (fake_stream) order(*main_stream, *fake_stream);
-    // A captured step on one device from options_.joint_discriminator_backward_batch up runs both branches' backward as one
-    // call: captured interleaved, the replay does not queue the fakes' backward (the path to D's update) behind the
-    // whole real one. Eagerly the host's order is the launch order, and apart the real pass's activations are freed
+    // A captured step on one device from options_.joint_discriminator_backward_batch up runs both branches' backward
+    // as one call: captured interleaved, the replay does not queue the fakes' backward (the path to D's update) behind
+    // the whole real one. Eagerly the host's order is the launch order, and apart the real pass's activations are freed
     // before the fakes' are made. With a penalty a third term joins a parameter's gradient: kept apart, its sums are
     // those of placements that run the passes on two devices.
     if (phase == Phase::capture && fake_stream && !r1 && options_.gradient_penalty <= 0 &&

@@ -19,15 +19,15 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-namespace c10d {
-class Backend;
-}  // namespace c10d
-
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
+
+namespace c10d {
+class Backend;
+}  // namespace c10d
 
 namespace hierpar::strategy {
 
