@@ -71,8 +71,8 @@ struct Child {
   std::chrono::steady_clock::time_point started;
 };
 
-// Starts `argv` with this process's environment less any launch variables, plus `env`, its stdout and stderr
-// into `log`.
+// Starts `argv` with this process's environment less any launch variables and gtest's sharding ones (a worker
+// test picked by --gtest_filter runs whichever shard its parent ran in), plus `env`, its stdout and stderr into `log`.
 inline Child spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
                    const std::string& log) {
   std::vector<std::string> entries;
@@ -80,7 +80,8 @@ inline Child spawn(const std::vector<std::string>& argv, const std::map<std::str
     const std::string entry(*e);
     const std::string key = entry.substr(0, entry.find('='));
     if (key != "RANK" && key != "WORLD_SIZE" && key != "LOCAL_RANK" && key != "MASTER_ADDR" && key != "MASTER_PORT" &&
-        key.rfind("TORCHELASTIC_", 0) != 0 && env.count(key) == 0) {
+        key.rfind("TORCHELASTIC_", 0) != 0 && key != "GTEST_TOTAL_SHARDS" && key != "GTEST_SHARD_INDEX" &&
+        env.count(key) == 0) {
       entries.push_back(entry);
     }
   }
