@@ -107,7 +107,7 @@ class Report {
 struct Options {
   bool quick = false;  // fewer repeats and shapes, for a smoke run
   std::string out_prefix;  // "<out>/<gpu>-<suite>": a suite may write files beside its JSON (e.g. <prefix>.png)
-  std::vector<int64_t> batches;  // --batches: the step suites and conv_transpose run only these batch sizes (empty: theirs)
+  std::vector<int64_t> batches;  // --batches: the batch sizes to run (empty: each suite's own)
   std::vector<std::string> skip;  // --skip: the step and strategy suites leave out rows whose label contains one
   // Under a launcher (torchrun: RANK, WORLD_SIZE): this process's rank and the process count. The strategy suite then
   // runs its multi-replica rows with the replicas spread over the processes, and rank 0 alone prints and writes.
@@ -123,7 +123,11 @@ struct Options {
     return false;
   }
 
-  // The batch sizes a step suite runs: its own list, narrowed to --batches when given.
+  // The batch sizes of a suite whose cases are built for any batch (the step suites, per-call overhead): --batches as
+  // given, else the suite's own list.
+  std::vector<int64_t> any_batches(const std::vector<int64_t>& own) const { return batches.empty() ? own : batches; }
+
+  // The batch sizes of a suite with fixed cases: its own list, narrowed to --batches when given.
   std::vector<int64_t> pick_batches(const std::vector<int64_t>& own) const {
     if (batches.empty()) return own;
     std::vector<int64_t> picked;

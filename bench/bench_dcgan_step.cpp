@@ -390,7 +390,7 @@ void dcgan_step_suite(Report& report, const Options& options) {
   const char* profile_path = std::getenv("HIERPAR_STEP_PROFILE");
   std::unique_ptr<std::ofstream> profile_out;
   if (profile_path) profile_out = std::make_unique<std::ofstream>(profile_path);
-  const std::vector<int64_t> batches = options.pick_batches(options.quick ? std::vector<int64_t>{64, 1024}
+  const std::vector<int64_t> batches = options.any_batches(options.quick ? std::vector<int64_t>{64, 1024}
                                                                          : std::vector<int64_t>{64, 256, 1024, 4096});
   std::vector<Row> rows;
   // --skip TEXT leaves out the stock/hierpar pairs whose label contains TEXT, e.g. "graphs off" or "cnn_step".
@@ -421,7 +421,7 @@ void dcgan_step_suite(Report& report, const Options& options) {
   }
   print_rows(rows);
   for (const std::string& row : skipped) std::cout << "  skipped " << row << "\n";
-  if (!options.out_prefix.empty()) write_chart(rows, options.out_prefix + ".png");
+  if (!options.out_prefix.empty() && !rows.empty()) write_chart(rows, options.out_prefix + ".png");
   check_target(rows, "batch 64 tf32 <= 1.0 ms", 64, "tf32", 1.0);
   check_target(rows, "batch 1024 bf16+channels_last <= 4.0 ms", 1024, "bf16", 4.0);
   for (const auto& stock : rows) {

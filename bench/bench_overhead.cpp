@@ -171,7 +171,7 @@ void run(Report& report, const Options& options) {
                                                   hs::StepPrecision::from_flags("tf32", true, c10::DeviceType::CUDA),
                                                   hs::StepPrecision::from_flags("bf16", true, c10::DeviceType::CUDA)};
   const int rounds = options.quick ? 5 : 25;
-  for (const int64_t batch : options.pick_batches({64, 1024})) {
+  for (const int64_t batch : options.any_batches({64, 1024})) {
     for (const hs::StepPrecision& precision : precisions) {
       const hs::PrecisionScope tf32(precision);
       for (const LayerCase& layer : layer_cases()) {
