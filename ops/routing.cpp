@@ -6,6 +6,9 @@
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
+#ifdef HIERPAR_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
 
 namespace hierpar::ops {
 namespace {
@@ -45,6 +48,9 @@ ConvCall call_of(const at::Tensor& input, int64_t in_channels, int64_t out_chann
   c.padding_w = at_or_first(padding, 1, 0);
   c.dilation_h = at_or_first(dilation, 0, 1);
   c.dilation_w = at_or_first(dilation, 1, 1);
+#ifdef HIERPAR_WITH_CUDA
+  c.captured = c.cuda && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
   return c;
 }
 
@@ -60,13 +66,15 @@ bool hierpar_wins_conv_transpose2d(const ConvCall& c) {
                           c.padding_h == 0 && c.padding_w == 0;
   if (projection) return true;
   if (c.out_channels > 4 || !k4s2p1(c)) return false;
-  // The output layer in float32 outside autocast: hierpar's only where its tensor-core TF32 passes run (channels_last,
-  // C_in % 16 == 0): forward + backward 163 vs cuDNN's 274 us at batch 64 on an H100; in NCHW its CUDA-core grad
-  // kernels lose (314 vs 215 us; bench/results/h100-overhead.json, GPU time per call). From batch 1024 in NCHW with
-  // TF32 hierpar's again: cuDNN's call alone is faster (1367 vs 1534 us), but the TF32 NCHW step as a graph is not
-  // (11.38 against 11.41-11.42 ms on an H100, eager equal: docs/training_step.md).
+  // The output layer in float32 outside autocast: hierpar's where its tensor-core TF32 passes run (channels_last,
+  // C_in % 16 == 0): forward + backward 163 vs cuDNN's 274 us at batch 64 on an H100. In NCHW its CUDA-core kernels
+  // lose per call at batch 64 (314 vs 215 us, bench/results/h100-overhead.json) and take more host time; in the TF32
+  // NCHW step on an H200 (bench/results/h200-dcgan_step-output-layer-routing.json, two rounds) cuDNN's is faster at
+  // batch 64 (graphs 1.328 vs 1.365 ms) and hierpar's from 256 in a graph (3.112 vs 3.083 ms) but not eagerly (5.64
+  // vs 6.25 ms), where it waits for batch 1024 (cuDNN's call alone is faster there, the step equal: training_step.md).
   const bool fp32 = c.dtype == at::kFloat && !c.autocast;
-  return !fp32 || (c.tf32 && ((c.channels_last && c.in_channels % 16 == 0) || c.batch >= 1024));
+  const int64_t nchw_tf32_from = c.captured ? 256 : 1024;
+  return !fp32 || (c.tf32 && ((c.channels_last && c.in_channels % 16 == 0) || c.batch >= nchw_tf32_from));
 }
 
 bool hierpar_wins_conv2d(const ConvCall& c) {

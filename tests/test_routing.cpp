@@ -10,10 +10,14 @@
 #include "hierpar/switches.h"
 
 
+#include <ATen/cuda/CUDAGraph.h>
 #include <ATen/ops/conv_transpose2d.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -52,8 +56,16 @@ TEST(Routing, ConvTranspose2dTableForTheDcganGenerator) {
   // (or autocast) in any layout.
   EXPECT_FALSE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false))) << "float32 NCHW";
   ConvCall large_nchw = cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false);
+  large_nchw.batch = 1023;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW eagerly below batch 1024";
   large_nchw.batch = 1024;
-  EXPECT_TRUE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW from batch 1024";
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW eagerly from batch 1024";
+  ConvCall captured_nchw = cuda_call(64, 3, 4, 2, 1, 32, at::kFloat, false);
+  captured_nchw.captured = true;
+  captured_nchw.batch = 255;
+  EXPECT_FALSE(hierpar_wins_conv_transpose2d(captured_nchw)) << "float32 NCHW captured below batch 256";
+  captured_nchw.batch = 256;
+  EXPECT_TRUE(hierpar_wins_conv_transpose2d(captured_nchw)) << "float32 NCHW captured from batch 256";
   large_nchw.tf32 = false;
   EXPECT_FALSE(hierpar_wins_conv_transpose2d(large_nchw)) << "float32 NCHW without TF32";
   EXPECT_TRUE(hierpar_wins_conv_transpose2d(cuda_call(64, 3, 4, 2, 1, 32, at::kBFloat16, false))) << "bf16 NCHW";
@@ -144,6 +156,38 @@ TEST(Routing, CudaLayersDispatchWhatTheTableSays) {
     hierpar::testing::expect_close(y_middle, at::conv_transpose2d(x, middle->weight, {}, 2, 1), tf32, "middle layer");
     hierpar::testing::expect_close(y_output, at::conv_transpose2d(h, output->weight, {}, 2, 1), tf32, "output layer");
   }
+}
+
+// The float32 NCHW output layer at batch 256: cuDNN's eagerly, hierpar's in a CUDA graph's capture (its replay pays
+// GPU time alone); the replay's output agrees with the eager call's.
+TEST(Routing, CapturedNchwOutputLayerTakesHierparsKernels) {
+  HIERPAR_REQUIRE_CUDA();
+  const hierpar::testing::Tf32ForConvolutions tf32_allowed(true);
+  hierpar::SwitchScope routing(hierpar::Switch::layer_routing, true);
+  const auto opts = torch::TensorOptions(torch::kCUDA).dtype(torch::kFloat);
+  hierpar::nn::ConvTranspose2d output(torch::nn::ConvTranspose2dOptions(64, 3, 4).stride(2).padding(1).bias(false));
+  output->to(torch::kCUDA);
+  const auto h = hierpar::testing::random_tensor({256, 64, 16, 16}, opts);
+  torch::NoGradGuard no_grad;
+  torch::Tensor eager;
+  const auto eager_ops = hierpar::testing::dispatched_operators([&] { eager = output->forward(h); });
+  EXPECT_FALSE(has(eager_ops, "hierpar::conv_transpose2d")) << "eager call at batch 256";
+
+  const c10::cuda::CUDAStream capture_stream = c10::cuda::getStreamFromPool();
+  c10::cuda::getCurrentCUDAStream().synchronize();  // the input and weights are ready before the capture reads them
+  at::cuda::CUDAGraph graph;
+  torch::Tensor captured;
+  std::vector<std::string> captured_ops;
+  {
+    const c10::cuda::CUDAStreamGuard on_capture_stream(capture_stream);
+    graph.capture_begin();
+    captured_ops = hierpar::testing::dispatched_operators([&] { captured = output->forward(h); });
+    graph.capture_end();
+  }
+  EXPECT_TRUE(has(captured_ops, "hierpar::conv_transpose2d")) << "captured call at batch 256";
+  captured.fill_(std::numeric_limits<float>::quiet_NaN());
+  graph.replay();
+  hierpar::testing::expect_close(captured, eager, hierpar::testing::Tolerance{5e-3, 5e-3}, "replayed vs eager");
 }
 
 }  // namespace

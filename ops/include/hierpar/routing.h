@@ -7,8 +7,9 @@
 //
 // The table (docs/architectures.md, "Which layer runs where"), measured on H100/H200 in the DCGAN's step:
 //  - conv_transpose2d: a generator's projection (kernel 4, stride 1, padding 0) and a small-C_out output layer
-//    (C_out <= 4, kernel 4, stride 2, padding 1), with dilation 1, one group and no output padding. The middle
-//    k4s2p1 layers and everything else run on cuDNN.
+//    (C_out <= 4, kernel 4, stride 2, padding 1), with dilation 1, one group and no output padding; the output
+//    layer in TF32 NCHW only from batch 256 in a CUDA graph capture and 1024 eagerly. The middle k4s2p1 layers and
+//    everything else run on cuDNN.
 //  - conv2d: a small-C_in input layer (C_in <= 4, kernel 4, stride 2, padding 1, dilation 1, one group): in
 //    bf16/fp16 (autocast included), or in float32 where its passes run as TF32 on tensor cores (TF32 allowed for
 //    convolutions, a channels_last input, C_out % 16 == 0); a window over the whole input (stride 1, no padding,
@@ -33,6 +34,7 @@ struct ConvCall {
   int64_t input_h = 0, input_w = 0, kernel_h = 0, kernel_w = 0;
   int64_t stride_h = 1, stride_w = 1, padding_h = 0, padding_w = 0, dilation_h = 1, dilation_w = 1;
   int64_t output_padding_h = 0, output_padding_w = 0;  // conv_transpose2d only
+  bool captured = false;  // queued into a CUDA graph's capture: its replay pays GPU time alone, not the host's
 };
 
 bool hierpar_wins_conv_transpose2d(const ConvCall& call);
