@@ -43,6 +43,16 @@ TrainedRun expect_graphs_equal_eager(const hs::Placement& placement, const std::
   expect_same_run(a, b, tol, what + ": graphs vs eager");
   return b;
 }
+
+// The streams other than `device`'s current one that own segments of the caching allocator there (it caches memory
+// per stream: work issued on a second stream allocates from that stream's own segments).
+std::set<void*> other_streams_owning_memory(c10::DeviceIndex device) {
+  const void* current = c10::cuda::getCurrentCUDAStream(device).stream();
+  std::set<void*> streams;
+  for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot({0, 0}, false).segments)
+    if (segment.device == device && segment.stream != current) streams.insert(segment.stream);
+  return streams;
+}
 }  // namespace
 
 // K steps as graphs (2 eager warm-up steps, a capture, replays) equal K eager steps: parameters, BatchNorm
@@ -210,20 +220,6 @@ TEST(AdversarialTrainerGraphs, OverlappedPassesEqualOneStream) {
     }
   }
 }
-
-namespace {
-
-// The streams other than `device`'s current one that own segments of the caching allocator there (it caches memory
-// per stream: work issued on a second stream allocates from that stream's own segments).
-std::set<void*> other_streams_owning_memory(c10::DeviceIndex device) {
-  const void* current = c10::cuda::getCurrentCUDAStream(device).stream();
-  std::set<void*> streams;
-  for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot({0, 0}, false).segments)
-    if (segment.device == device && segment.stream != current) streams.insert(segment.stream);
-  return streams;
-}
-
-}  // namespace
 
 // Eager steps below options.eager_overlap_batch stay on one stream: the default eager step at batch 16 allocates on
 // no other stream and equals overlap_passes off bit for bit; with the threshold at 16 the passes use a second stream
