@@ -140,14 +140,18 @@ int main(int argc, char** argv) {
     if (reports) std::cout << "== " << name << (options.quick ? " (quick)" : "") << " on " << gpu << std::endl;
     Report report;
     options.out_prefix = out_dir + "/" + gpu + "-" + name + processes;
+    // A suite that fails (an error, running out of memory) says why in one line; the rows it measured before that
+    // are still printed and written.
     try {
       suite(report, options);
     } catch (const c10::Error& e) {
-      std::cerr << "suite " << name << " failed: " << e.what_without_backtrace() << "\n";
+      std::cerr << "hierpar-bench: suite " << name << " failed: " << e.what_without_backtrace() << "\n";
       ++failed;
-      continue;
+    } catch (const std::exception& e) {
+      std::cerr << "hierpar-bench: suite " << name << " failed: " << e.what() << "\n";
+      ++failed;
     }
-    if (!reports) continue;
+    if (!reports || report.records().empty()) continue;
     report.print_table(std::cout);
     const std::string path = options.out_prefix + ".json";
     report.write_json(path);
