@@ -48,9 +48,6 @@ ConvCall call_of(const at::Tensor& input, int64_t in_channels, int64_t out_chann
   c.padding_w = at_or_first(padding, 1, 0);
   c.dilation_h = at_or_first(dilation, 0, 1);
   c.dilation_w = at_or_first(dilation, 1, 1);
-#ifdef HIERPAR_WITH_CUDA
-  c.captured = c.cuda && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-#endif
   return c;
 }
 
@@ -101,6 +98,10 @@ bool conv_transpose2d_on_hierpar(const at::Tensor& input, const at::Tensor& weig
   ConvCall c = call_of(input, weight.size(0), weight.size(1) * groups, weight, stride, padding, dilation, groups);
   c.output_padding_h = at_or_first(output_padding, 0, 0);
   c.output_padding_w = at_or_first(output_padding, 1, 0);
+#ifdef HIERPAR_WITH_CUDA
+  // Only conv_transpose2d's table reads it: conv2d's calls do not pay the query.
+  c.captured = c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#endif
   return hierpar_wins_conv_transpose2d(c);
 }
 

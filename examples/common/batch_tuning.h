@@ -30,11 +30,11 @@ struct TuneConfig {
 // allocations points at one workspace rather than the activations.
 std::string out_of_memory_note(const std::string& allocator_message);
 
-// Up to `steps` training steps of networks built from config.model on config's placement (one process) at global
-// batch `batch`, on random images, after a warm-up; with `timed_seconds` (> 0), as many steps (3 at least) as fill it at the first 3 steps' pace;
-// the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with the allocator's
-// cache emptied; a trial that fits leaves the cache to the next. `steps` 0: the warm-up alone (nothing timed).
-// `process_groups`: with several replicas and --reduce nccl, the process groups the trials share (see
+// Up to `steps` training steps of networks built from config.model on config's placement (one process) at global batch
+// `batch`, on random images, after a warm-up; with `timed_seconds` (> 0), as many steps (3 at least) as fill it at the
+// first 3 steps' pace; the epoch time is for `dataset_size` images. Out of memory gives a trial that does not fit, with
+// the allocator's cache emptied; a trial that fits leaves the cache to the next. `steps` 0: the warm-up alone (nothing
+// timed). `process_groups`: with several replicas and --reduce nccl, the process groups the trials share (see
 // hierpar::strategy::ProcessGroupCache); null: each trial its own.
 hierpar::strategy::BatchTrial measure_dcgan_steps(
     const DCGANTrainConfig& config, int64_t batch, int64_t dataset_size, int64_t steps, double timed_seconds = 0,

@@ -33,16 +33,15 @@
 // G's, step()'s StepLosses there are empty, and generator()/discriminator() and their optimisers exist only in the
 // process that runs that network. Every process calls step() and take_losses() at the same steps.
 //
-// Two streams on one device (options.overlap_passes; single and data placements on CUDA; captured steps, and eager
-// ones from options.eager_overlap_batch): G's forward and D's pass over the fakes run on a second stream, so they overlap D's pass over the real batch and its backward
-// (autograd runs a node's backward on its forward's stream; captured, from kJointDiscriminatorBackwardBatch images,
-// without a penalty, D's two branches are one backward call). The
-// fakes' pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics
-// first, as one stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's
-// weights itself (no cast shared across the streams), which sums D's two weight gradients in fp32. The
-// trainer's first step runs on one stream (cuDNN's benchmark mode times its algorithms there), and the
-// trainer turns off autograd's warning about AccumulateGrad streams (D's gradients from the second stream
-// accumulate on the main one by design).
+// Two streams on one device (options.overlap_passes; single and data placements on CUDA; captured steps, and eager ones
+// from options.eager_overlap_batch): G's forward and D's pass over the fakes run on a second stream, so they overlap
+// D's pass over the real batch and its backward (autograd runs a node's backward on its forward's stream; captured,
+// from kJointDiscriminatorBackwardBatch images, without a penalty, D's two branches are one backward call). The fakes'
+// pass through D waits for the real batch's forward, which updates D's BatchNorm running statistics first, as one
+// stream would. Same numbers as one stream in fp32; under autocast each D pass casts D's weights itself (no cast shared
+// across the streams), which sums D's two weight gradients in fp32. The trainer's first step runs on one stream
+// (cuDNN's benchmark mode times its algorithms there), and the trainer turns off autograd's warning about
+// AccumulateGrad streams (D's gradients from the second stream accumulate on the main one by design).
 //
 // Usage (a DCGAN example):
 //   auto placement = hierpar::strategy::Placement::from_flags(strategy, gpus, reduce);
