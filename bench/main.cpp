@@ -2,6 +2,7 @@
 // <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
 //   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]
 //   hierpar-bench SUITE --redraw RECORD.json    (the suite's chart again from its record: RECORD.png; no GPU needed)
+//   hierpar-bench --help
 #include "bench.h"
 
 #include "hierpar/strategy/placement.h"
@@ -50,6 +51,23 @@ int usage(const std::string& error) {
   return 2;
 }
 
+int help() {
+  std::cout << "usage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n"
+               "       hierpar-bench SUITE --redraw RECORD.json\n"
+               "Times hierpar's operators and training steps against stock LibTorch in the same process on the GPU;\n"
+               "prints a table per suite and writes <out>/<gpu>-<suite>.json (and a chart where the suite draws one).\n"
+               "  SUITE            one or more of the suites (--list); all or none: every suite\n"
+               "  --quick          fewer shapes and batches\n"
+               "  --batches N,N    batch sizes: dcgan_step and overhead run any; the other suites keep those of their cases\n"
+               "                   that are in the list\n"
+               "  --skip TEXT      leave out the rows whose label contains TEXT (repeatable), e.g. 'graphs off'\n"
+               "  --out DIR        where the records go (default bench/results)\n"
+               "  --list           the suites, one a line\n"
+               "  --redraw RECORD  draw SUITE's chart again from a record it wrote (no GPU needed)\n"
+               "Under torchrun the strategy suite runs one process per GPU; rank 0 prints and writes the record.\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -67,7 +85,9 @@ int main(int argc, char** argv) {
   std::string redraw;  // --redraw: a record whose chart to draw again
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
-    if (arg == "--quick") {
+    if (arg == "--help" || arg == "-h") {
+      return help();
+    } else if (arg == "--quick") {
       options.quick = true;
     } else if (arg == "--batches") {
       if (++i == argc) return usage("--batches needs a list of batch sizes, e.g. 4096 or 64,1024");
