@@ -391,6 +391,33 @@ TEST(Recompute, OffloadedChainEqualsTheBlocksRunDirectlyOnCuda) {
   }
 }
 
+// PCIe is slower than the blocks: a pass of offloaded blocks holds at most two inputs on the device while their
+// copies to the host run (the block's and the one before it), not one per block. Eight offloaded blocks of 64 MB
+// inputs (each a scale, far faster than its copy out): the forward's peak stays under four inputs; queued at once,
+// the pass held eight.
+TEST(Recompute, OffloadedPassHoldsAtMostTwoInputsOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  constexpr int64_t numel = 16 << 20;
+  constexpr int64_t bytes = numel * 4;
+  const auto x = hierpar::testing::random_tensor({numel}, torch::kFloat).to(torch::kCUDA).requires_grad_(true);
+  torch::cuda::synchronize();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+  hierpar::nn::OffloadChain chain;
+  torch::Tensor y = x * 1.5;
+  for (int i = 0; i < 8; ++i) y = hierpar::nn::recompute([](const torch::Tensor& t) { return t * 1.5; }, y, {}, &chain);
+  torch::cuda::synchronize();
+  const int64_t peak = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
+  std::cout << "forward peak above the input: " << peak / bytes << "." << (peak % bytes) * 10 / bytes
+            << " inputs of 64 MB\n";
+  EXPECT_LT(peak, 4 * bytes) << "the offloaded inputs waited on the device for their copies";
+  // The pass still computes what it should, and its backward fetches every input back.
+  y.backward(torch::ones_like(y));
+  const double expected = std::pow(1.5, 9);
+  EXPECT_NEAR(x.grad().min().item<double>(), expected, 1e-3 * expected);
+  EXPECT_NEAR(x.grad().max().item<double>(), expected, 1e-3 * expected);
+}
+
 // An offloaded block refuses second derivatives with a message that says what to use instead.
 // As autograd's saved tensors: an offloaded input changed in place after the block's forward fails the backward,
 // rather than recomputing from other values (or, on a GPU, from whichever the copy to the host read).

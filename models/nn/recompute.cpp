@@ -44,7 +44,7 @@ struct OffloadedInput {
   uint32_t stored_version = 0;
 #ifdef HIERPAR_WITH_CUDA
   std::optional<c10::cuda::CUDAStream> stream;
-  at::cuda::CUDAEvent copied_back;
+  at::cuda::CUDAEvent copied_out, copied_back;
 #endif
 
   // Starts the copy of `input` to pinned host memory after the work queued on the current stream (which produces
@@ -69,12 +69,21 @@ struct OffloadedInput {
         const c10::cuda::CUDAStreamGuard on_copy_stream(*o->stream);
         o->host.copy_(input, /*non_blocking=*/true);
       }
+      o->copied_out.record(*o->stream);
       input.record_stream(*o->stream);
       return o;
     }
 #endif
     o->host = input;  // on the CPU (or a tensor with gaps) the input stays where it is
     return o;
+  }
+
+  // Blocks the calling thread until the input is in host memory. The caching allocator reuses the input's device
+  // memory only once it sees the copy done when it allocates, on the host: a wait queued on a stream would not do.
+  void wait_until_copied_out() {
+#ifdef HIERPAR_WITH_CUDA
+    if (stream) copied_out.synchronize();
+#endif
   }
 
   // Starts the copy back to the device (once), after the work queued so far on the current stream, whose memory
@@ -430,6 +439,16 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
   TORCH_CHECK(batch_norm_sync() == nullptr, "recompute: synchronized BatchNorm (a BatchNormSync installed) in a "
               "recomputed block is not supported: the backward's recomputation runs on autograd's thread, without the "
               "other replicas' statistics, so its gradients would be those of per-replica statistics");
+  std::shared_ptr<detail::OffloadedInput> offloaded;
+  std::weak_ptr<detail::OffloadedInput> previous;
+  if (offload != nullptr) {
+    // The copy out starts now, beside this block's forward, which is queued once the copy out of the block before it
+    // is done. PCIe is slower than the blocks: without that wait the host queued the whole pass at once and every
+    // offloaded input stayed on the device until its copy was done (the pass's peak held them all); with it, two.
+    offloaded = detail::OffloadedInput::store(input);
+    previous = offload->append(offloaded);
+    if (auto before = previous.lock()) before->wait_until_copied_out();
+  }
   at::Tensor out;
   {
     torch::NoGradGuard no_grad;
@@ -438,9 +457,9 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
   if (out.is_view()) out = out.clone();  // history goes on a tensor of its own, not on a view made without grad
   std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
   node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
-  if (offload != nullptr) {
-    node->offloaded = detail::OffloadedInput::store(input);
-    node->previous = offload->append(node->offloaded);
+  if (offloaded != nullptr) {
+    node->offloaded = std::move(offloaded);
+    node->previous = std::move(previous);
   } else {
     node->input = SavedVariable(input, /*is_output=*/false);
   }
