@@ -3,6 +3,9 @@
 // batch-size tuning and the quality metric have their own files (test_examples_*.cpp).
 #include "examples_testing.h"
 
+#include <algorithm>
+#include <iterator>
+
 namespace {
 
 using namespace hierpar::examples_testing;
@@ -392,6 +395,9 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
                     "--data-placement files: needs --data <folder of images>", "files without a folder");
   expect_flag_error(run_dcgan(base + "--beta1 1.5", dir), "--beta1: expected a number in [0, 1), got 1.5", "beta1");
   expect_flag_error(run_dcgan(base + "--keep-checkpoints 0", dir), "--keep-checkpoints: expected an integer >= 1, got 0", "kept checkpoints");
+  expect_flag_error(run_dcgan(base + "--data synthetic --memory-snapshot " + (dir / "m.pickle"), dir),
+                    "--memory-snapshot: records the CUDA caching allocator; this run has no CUDA device",
+                    "memory snapshot on the CPU");
   expect_flag_error(run_dcgan("generate --layers fast", dir), "--layers: expected stock or hierpar, got 'fast'", "generate's layer set");
   expect_flag_error(run_dcgan("tune --device cpu --data synthetic --limit 32 --objective max-memory --memory-resolution 1",
                               dir),
@@ -678,6 +684,32 @@ TEST(Examples, FusedChannelsLastRunResumesAndPlots) {
   ASSERT_NE(pixels, nullptr);
   stbi_image_free(pixels);
   EXPECT_EQ(w, 900);
+}
+
+// On a GPU: --memory-snapshot writes the allocator's history as a pickle after the first steps (and, for a shorter
+// run, at its end), says where, and the run trains on.
+TEST(Examples, MemorySnapshotIsWrittenOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  TempDir dir;
+  const std::string tiny = "train --device cuda --data synthetic --limit 64 --batch-size 16 --image-size 32 --width 0.25 ";
+  for (const int steps : {8, 2}) {
+    const std::string file = dir / ("steps" + std::to_string(steps) + ".pickle");
+    const auto run = run_dcgan(tiny + "--max-steps " + std::to_string(steps) + " --memory-snapshot " + file + " --out " +
+                                   (dir / ("out" + std::to_string(steps))), dir);
+    ASSERT_EQ(run.status, 0) << c10::Join("\n", run.stderr_lines);
+    const std::string said = steps > 5 ? "memory snapshot of steps 1-5: " + file : "memory snapshot of the run's steps: " + file;
+    EXPECT_TRUE(std::any_of(run.stderr_lines.begin(), run.stderr_lines.end(),
+                            [&](const std::string& line) { return line.rfind(said, 0) == 0; }))
+        << said << " not in:\n" << c10::Join("\n", run.stderr_lines);
+    std::ifstream in(file, std::ios::binary);
+    ASSERT_TRUE(in.good()) << file;
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_GT(bytes.size(), 1000u) << file;
+    EXPECT_EQ(static_cast<unsigned char>(bytes[0]), 0x80) << "a pickle starts with its protocol";
+    EXPECT_NE(bytes.find("device_traces"), std::string::npos) << "the allocations' history";
+    EXPECT_NE(bytes.find("segments"), std::string::npos);
+    EXPECT_FALSE(fs::exists(file + ".tmp"));
+  }
 }
 
 // On a GPU: the same seed and K steps with --graphs on and --graphs off end with the same networks and

@@ -56,6 +56,9 @@ struct DCGANTrainConfig {
   // throw | hang | kill | sigint | sigterm. It fires only in a run that did not resume, so that a restart
   // (torchrun --max-restarts with --resume auto) shows the recovery.
   std::string inject_fault;
+  // Non-empty: the CUDA caching allocator's history of the run's first steps, written there as the pickle that
+  // https://pytorch.org/memory_viz draws (common/memory_snapshot.h; rank 0's devices).
+  std::string memory_snapshot;
   // The training step (hierpar::strategy::AdversarialTrainer): CUDA graphs auto (on for CUDA) | on | off;
   // precision fp32 | tf32 (TF32 convolutions and matmuls) | bf16 (autocast to bf16, channels_last end to
   // end; CUDA only); channels_last for fp32/tf32 too; optimiser auto (FusedAdam on CUDA) | adam | fused;

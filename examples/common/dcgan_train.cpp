@@ -5,6 +5,7 @@
 #include "common/dcgan_app.h"
 #include "common/images.h"
 #include "common/loss_log.h"
+#include "common/memory_snapshot.h"
 #include "common/quality.h"
 #include "common/shared_flags.h"
 #include "hierpar/nn.h"
@@ -277,6 +278,8 @@ int train_dcgan(DCGANTrainConfig config) {
   guard_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.timeout * 1000));
   guard_options.startup_steps = trainer_options(config, step).startup_steps();
   hs::RunGuard guard(placement.launch, guard_options);
+  // --memory-snapshot: rank 0 records its devices' allocations from here (the data, the networks, the first steps).
+  MemorySnapshot snapshot(writer ? config.memory_snapshot : std::string(), data_device.is_cuda());
   std::unique_ptr<hs::AdversarialTrainer> trainer;
   try {
     // Every rank draws the same global batches (same seed) and keeps its own rows of each.
@@ -424,6 +427,7 @@ int train_dcgan(DCGANTrainConfig config) {
       quality_log.emplace(config.out, state.global_step);
     }
     bool stopped = false, interrupted = false;
+    int64_t steps_run = 0;  // by this process (a resumed run counts from its restart)
     std::set<std::string> said_plans;
     const int64_t steps_per_epoch = loader.batches_per_epoch();
     while (state.epoch < config.epochs && !stopped) {
@@ -442,6 +446,7 @@ int train_dcgan(DCGANTrainConfig config) {
         ++unread;
         ++state.epoch_step;
         ++state.global_step;
+        if (const std::string written = snapshot.after_step(++steps_run); !written.empty()) say(written);
         const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
         if (config.should_stop && config.should_stop()) guard.request_stop("an interrupt");
         interrupted = guard.end_step(state.global_step);  // the same answer on every rank
@@ -508,6 +513,7 @@ int train_dcgan(DCGANTrainConfig config) {
            << "); samples " << grid << (writer && ema ? " and " + ema_grid : "");
       say(line.str());
     }
+    if (const std::string written = snapshot.finish(); !written.empty()) say(written);
     // After rank 0's checkpoint: with an interrupt, the other ranks wait for it before they exit.
     guard.finish(interrupted);
     say("done: " + std::to_string(state.global_step) + " steps; loss curve " + config.out + "/loss.png, losses " +

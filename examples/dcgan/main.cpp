@@ -14,6 +14,7 @@
 #include "common/cli.h"
 #include "common/dcgan_app.h"
 #include "common/loss_log.h"
+#include "common/memory_snapshot.h"
 #include "common/quality.h"
 #include "common/shared_flags.h"
 #include "common/images.h"
@@ -160,6 +161,9 @@ int train(int argc, char** argv) {
       .add("inject-fault", &config.inject_fault, "a testing aid: KIND@STEP[:REPLICA], KIND throw, hang, kill, sigint "
            "or sigterm: that replica (default: the last; its D process where G and D have one each) fails so at the "
            "start of that step (not in a resumed run)")
+      .add("memory-snapshot", &config.memory_snapshot, "write the GPU memory's allocations and frees over the first " +
+           std::to_string(MemorySnapshot::kSteps) + " steps, with their C++ stacks, to this file (a pickle: open it at "
+           "https://pytorch.org/memory_viz; CUDA)")
       .add("log-every", &config.log_every, "steps between reading the losses back from the device", 1)
       .add("eval-every", &config.eval_every, "steps between scoring samples with the quality metric (Fashion-MNIST; "
            "0: never): <out>/quality.csv and quality.png, docs/quality.md", 0)
