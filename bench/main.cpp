@@ -44,17 +44,18 @@ void print_stack_and_reraise(int signal) {
   std::raise(signal);
 }
 
+constexpr char kUsage[] =
+    "usage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n"
+    "       hierpar-bench SUITE --redraw RECORD.json\n";
+
 int usage(const std::string& error) {
-  std::cerr << "hierpar-bench: " << error
-            << "\nusage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]"
-               "\n       hierpar-bench SUITE --redraw RECORD.json\n";
+  std::cerr << "hierpar-bench: " << error << "\n" << kUsage;
   return 2;
 }
 
 int help() {
-  std::cout << "usage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n"
-               "       hierpar-bench SUITE --redraw RECORD.json\n"
-               "Times hierpar's operators and training steps against stock LibTorch in the same process on the GPU;\n"
+  std::cout << kUsage
+            << "Times hierpar's operators and training steps against stock LibTorch in the same process on the GPU;\n"
                "prints a table per suite and writes <out>/<gpu>-<suite>.json (and a chart where the suite draws one).\n"
                "  SUITE            one or more of the suites (--list); all or none: every suite\n"
                "  --quick          fewer shapes and batches\n"

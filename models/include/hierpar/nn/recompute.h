@@ -94,9 +94,9 @@ class OffloadChain {
 // With `offload`, a CUDA input is copied to pinned host memory on a side stream (the device copy is freed once the
 // caller drops it) and copied back in the backward, prefetched during the backward of the block after it; a CPU
 // input stays where it is. The call first waits, on the host, until the chain's previous input is in host memory,
-// so that a pass holds at most two offloaded inputs on the device. Offloaded blocks have no second derivatives (create_graph needs the input's history on
-// the device): their backward says so. Not for CUDA graph capture (pinned host buffers come from the host
-// allocator at every step).
+// so that a pass holds at most two offloaded inputs on the device. Offloaded blocks have no second derivatives
+// (create_graph needs the input's history on the device): their backward says so. Not for CUDA graph capture
+// (pinned host buffers come from the host allocator at every step).
 torch::Tensor recompute(Block block, const torch::Tensor& input,
                         const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                         OffloadChain* offload = nullptr);
