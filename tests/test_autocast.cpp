@@ -6,6 +6,8 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <optional>
+
 namespace {
 
 using hierpar::testing::random_tensor;
@@ -64,3 +66,35 @@ TEST(Autocast, BatchNormActAndMaxPoolKeepTheInputDtype) {
 }
 
 }  // namespace
+
+// A backward run inside the autocast region (autocast is thread-local state that autograd carries to its threads)
+// gives the gradients of one run outside it: the autocast dispatch does not reach inside hierpar's backward kernels
+// (their GEMMs accumulate bf16 operands in float). Both convolutions, on the CPU and on CUDA.
+void check_backward_inside_autocast(const torch::Device& device) {
+  const auto options = torch::TensorOptions().device(device).dtype(torch::kFloat);
+  const auto input = random_tensor({3, 4, 7, 7}, options);
+  const auto weight = random_tensor({4, 5, 4, 4}, options);
+  for (const bool transposed : {false, true}) {
+    std::vector<torch::Tensor> grads[2];
+    for (const bool inside : {false, true}) {
+      const auto x = input.clone().requires_grad_(true), w = weight.clone().requires_grad_(true);
+      torch::Tensor y;
+      std::optional<AutocastScope> autocast(std::in_place, device.type(), torch::kBFloat16);
+      y = transposed ? hierpar::ops::conv_transpose2d(x, w, std::nullopt, {2, 2}, {1, 1})
+                     : hierpar::ops::conv2d(x, w.transpose(0, 1).contiguous(), std::nullopt, {2, 2}, {1, 1});
+      if (!inside) autocast.reset();
+      y.backward(torch::ones_like(y));
+      grads[inside] = {x.grad(), w.grad()};
+    }
+    const std::string op = transposed ? "conv_transpose2d" : "conv2d";
+    hierpar::testing::expect_close(grads[1][0], grads[0][0], {0, 0}, op + ": input gradient, backward inside autocast");
+    hierpar::testing::expect_close(grads[1][1], grads[0][1], {0, 0}, op + ": weight gradient, backward inside autocast");
+  }
+}
+
+TEST(Autocast, BackwardInsideAutocastEqualsBackwardOutsideOnCpu) { check_backward_inside_autocast(torch::kCPU); }
+
+TEST(Autocast, BackwardInsideAutocastEqualsBackwardOutsideOnCuda) {
+  HIERPAR_REQUIRE_CUDA();
+  check_backward_inside_autocast(torch::kCUDA);
+}

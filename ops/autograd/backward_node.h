@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -45,6 +46,9 @@ struct ConvBackwardNodeBase : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) final {
     if (!grads[0].defined()) return torch::autograd::variable_list(3);
     const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
+    // A backward run inside an autocast region (it is thread-local, and autograd carries it to its threads) would
+    // otherwise recast the GEMMs inside hierpar's kernels (their float accumulation of bf16 operands) and break them.
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor grad = from_output(grads[0]);
     auto [grad_input, grad_weight, grad_bias] = torch::autograd::GradMode::is_enabled()
                                                     ? differentiable_gradients(grad, mask)
