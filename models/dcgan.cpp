@@ -14,6 +14,11 @@ namespace {
 
 constexpr double kLeakySlope = 0.2;
 
+// The negative slope of the networks' activations: D's LeakyReLU's, or none.
+double activation_slope(nn::Activation activation) {
+  return activation == nn::Activation::leaky_relu ? kLeakySlope : 0.0;
+}
+
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
 // A convolution, then its BatchNorm + activation (`norm`, if any), then tanh (G's output layer).
@@ -27,24 +32,36 @@ torch::Tensor apply_block(const Layer& conv, const Layer* norm, bool tanh, const
 // network's forward; `own_input`: x was produced by this network (the noise and the images are kept by the caller
 // anyway, so they are never offloaded). Without recomputation the layers run directly: nothing is copied on that
 // path, which every default forward takes.
+// With `slices` > 1 the backward runs in slices of the batch (nn::recompute_sliced); `activation` is the norm's.
 torch::Tensor block(const Layer& conv, const Layer* norm, int64_t index, const torch::Tensor& x,
-                    nn::ActivationMemory memory, bool own_input, nn::OffloadChain& chain, bool tanh = false) {
+                    const DCGANOptions& options, bool own_input, nn::OffloadChain& chain, nn::Activation activation,
+                    bool tanh = false) {
+  const nn::ActivationMemory memory = options.memory;
   if (memory == nn::ActivationMemory::none ||
       (memory == nn::ActivationMemory::offload && chain.keeps_activations(index, x)))
     return apply_block(conv, norm, tanh, x);
-  // The backward recomputes after this call has returned: the node keeps its own copies of the layers.
-  std::vector<std::shared_ptr<torch::nn::Module>> modules{conv.module};
-  std::optional<Layer> kept_norm;
-  if (norm != nullptr) {
-    kept_norm = *norm;
-    modules.push_back(norm->module);
+  nn::OffloadChain* offload = memory == nn::ActivationMemory::offload && own_input ? &chain : nullptr;
+  torch::Tensor y;
+  if (options.memory_slices > 1) {
+    std::optional<nn::BatchNormActOf> sliced_norm;
+    if (norm != nullptr) sliced_norm = nn::BatchNormActOf::of(norm->module, activation, activation_slope(activation));
+    y = nn::recompute_sliced(
+        [conv, tanh](const torch::Tensor& in) { return apply_block(conv, nullptr, tanh, in); }, sliced_norm, x,
+        {conv.module}, options.memory_slices, offload);
+  } else {
+    // The backward recomputes after this call has returned: the node keeps its own copies of the layers.
+    std::vector<std::shared_ptr<torch::nn::Module>> modules{conv.module};
+    std::optional<Layer> kept_norm;
+    if (norm != nullptr) {
+      kept_norm = *norm;
+      modules.push_back(norm->module);
+    }
+    y = nn::recompute(
+        [conv, kept_norm, tanh](const torch::Tensor& in) {
+          return apply_block(conv, kept_norm ? &*kept_norm : nullptr, tanh, in);
+        },
+        x, modules, offload);
   }
-  const bool offload = memory == nn::ActivationMemory::offload && own_input;
-  torch::Tensor y = nn::recompute(
-      [conv, kept_norm, tanh](const torch::Tensor& in) {
-        return apply_block(conv, kept_norm ? &*kept_norm : nullptr, tanh, in);
-      },
-      x, modules, offload ? &chain : nullptr);
   if (memory == nn::ActivationMemory::offload) chain.observe(index, x, y);
   return y;
 }
@@ -69,6 +86,9 @@ void DCGANOptions::validate() const {
   TORCH_CHECK(nz >= 1, "nz: expected a positive noise dimension, got ", nz);
   TORCH_CHECK(offload_budget >= 0 && offload_budget <= 1, "offload_budget: expected a fraction in [0, 1], got ",
               offload_budget);
+  TORCH_CHECK(memory_slices >= 1, "memory_slices: expected at least 1 slice of the batch, got ", memory_slices);
+  TORCH_CHECK(memory_slices == 1 || memory != nn::ActivationMemory::none, "memory_slices: slices the backward of "
+              "recomputed blocks; expected memory recompute or offload with ", memory_slices, " slices, got memory none");
   TORCH_CHECK(std::isfinite(width) && std::lround(32 * width) >= 1,
               "width: expected a multiplier giving at least 1 channel (width >= 1/64), got ", width);
 }
@@ -138,10 +158,10 @@ torch::Tensor GeneratorImpl::forward(const torch::Tensor& z) {
               z.sizes());
   auto x = z.dim() == 2 ? z.view({z.size(0), z.size(1), 1, 1}) : z;
   for (size_t i = 0; i < norms_.size(); ++i) {
-    x = block(deconvs_[i], &norms_[i], static_cast<int64_t>(i), x, options.memory, i > 0, *offload_);
+    x = block(deconvs_[i], &norms_[i], static_cast<int64_t>(i), x, options, i > 0, *offload_, nn::Activation::relu);
   }
-  return block(deconvs_.back(), nullptr, static_cast<int64_t>(norms_.size()), x, options.memory, !norms_.empty(),
-               *offload_, /*tanh=*/true);
+  return block(deconvs_.back(), nullptr, static_cast<int64_t>(norms_.size()), x, options, !norms_.empty(), *offload_,
+               nn::Activation::identity, /*tanh=*/true);
 }
 
 DiscriminatorImpl::DiscriminatorImpl(DCGANOptions options_) : options(std::move(options_)) { reset(); }
@@ -180,9 +200,11 @@ torch::Tensor DiscriminatorImpl::forward(const torch::Tensor& images) {
   TORCH_CHECK(images.dim() == 4 && images.size(1) == options.channels && images.size(2) == s && images.size(3) == s,
               "Discriminator: expected images of shape [N, ", options.channels, ", ", s, ", ", s, "], got ",
               images.sizes());
-  auto x = block(convs_[0], nullptr, 0, images, options.memory, false, *offload_);  // conv1 and its LeakyReLU
+  // conv1 and its LeakyReLU
+  auto x = block(convs_[0], nullptr, 0, images, options, false, *offload_, nn::Activation::identity);
   for (size_t i = 0; i < norms_.size(); ++i) {
-    x = block(convs_[i + 1], &norms_[i], static_cast<int64_t>(i + 1), x, options.memory, true, *offload_);
+    x = block(convs_[i + 1], &norms_[i], static_cast<int64_t>(i + 1), x, options, true, *offload_,
+              nn::Activation::leaky_relu);
   }
   return convs_.back().forward(x).flatten();
 }

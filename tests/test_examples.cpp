@@ -384,6 +384,10 @@ TEST(Examples, ProgramReportsBadInputInOneLine) {
                     "memory mode");
   expect_flag_error(run_dcgan(base + "--memory offload --offload-budget 2", dir),
                     "--offload-budget: expected a fraction of the GPU's memory in [0, 1], got 2", "offload budget");
+  expect_flag_error(run_dcgan(base + "--memory-slices 4", dir),
+                    "--memory-slices: slices the backward of recomputed blocks; expected --memory recompute or offload "
+                    "with 4 slices, got --memory none", "memory slices without recompute");
+  expect_flag_error(run_dcgan(base + "--memory recompute --memory-slices 0", dir), "--memory-slices", "zero slices");
   expect_flag_error(run_dcgan(base + "--memory offload --r1 1", dir),
                     "--memory offload: the R1 and gradient penalties differentiate through every block's input",
                     "offload with a penalty");
@@ -568,6 +572,27 @@ TEST(Examples, SyncBatchNormDataRunMatchesSingle) {
   hierpar::testing::expect_close(synced, single, {1e-4, 1e-5}, "sync-bn data losses vs single");
   EXPECT_GT((per_replica - single).abs().max().item<double>(), 1e-3)
       << "per-replica BatchNorm should give other losses than the whole batch";
+}
+
+// --memory recompute and offload with each block's backward in slices train as keeping the activations: the
+// losses of every step within a few float roundings (the slices sum BatchNorm's terms and the weight gradients in
+// another order), and the run says how it keeps its activations.
+TEST(Examples, MemorySlicesTrainAsKeepingTheActivations) {
+  TempDir dir;
+  const std::string common = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --channels 1 "
+                             "--batch-size 16 --samples 4 --seed 11 --epochs 2 --max-steps 4 ";
+  auto run = [&](const std::string& args, const std::string& out) {
+    auto r = run_dcgan(common + args + " --out " + (dir / out), dir);
+    EXPECT_EQ(r.status, 0) << args << ":\n" << c10::Join("\n", r.stderr_lines);
+    return std::make_pair(read_checkpoint_state(dir / (out + "/checkpoint.pt")).history, c10::Join("\n", r.stderr_lines));
+  };
+  const auto kept = run("--memory none", "none");
+  for (const char* memory : {"recompute", "offload"}) {
+    const auto [losses, said] = run(std::string("--memory ") + memory + " --memory-slices 3", memory);
+    EXPECT_NE(said.find("each block's backward in 3 slices of the batch"), std::string::npos) << said;
+    ASSERT_EQ(losses.size(0), 4);
+    hierpar::testing::expect_close(losses, kept.first, {1e-4, 1e-5}, std::string(memory) + " in 3 slices: losses");
+  }
 }
 
 }  // namespace

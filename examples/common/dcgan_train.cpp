@@ -387,6 +387,9 @@ int train_dcgan(DCGANTrainConfig config) {
                           " of the GPU's memory requires (planned from the third step)"
                     : ", every block's activations recomputed in the backward from inputs kept in host memory")
              : "") +
+        (config.model.memory_slices > 1
+             ? ", each block's backward in " + std::to_string(config.model.memory_slices) + " slices of the batch"
+             : "") +
         "; generator " +
         std::to_string(count_parameters(*generator)) + " parameters, discriminator " +
         std::to_string(count_parameters(*discriminator)) + "; data " +

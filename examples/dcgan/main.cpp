@@ -83,6 +83,9 @@ void add_run_flags(Flags& flags, DCGANTrainConfig& config, RunFlags& run) {
       .add("offload-budget", &config.model.offload_budget, "with --memory offload: the fraction of the GPU's memory a "
            "step may use; from the third step on, blocks keep their activations (full speed) as far as the measured "
            "peak allows (0: offload every block)", -1.0)
+      .add("memory-slices", &config.model.memory_slices, "with --memory recompute or offload: each block's backward "
+           "in this many slices of the batch, BatchNorm exact (its inner activations for one slice at a time: larger "
+           "batches fit; one more forward of each convolution)", 1)
       .add("lr", &config.lr, "Adam learning rate", 0.0)
       .add("beta1", &config.beta1, "Adam beta1", -1.0)
       .add("seed", &config.seed, "seed of weights, noise and data order", 0)
@@ -126,6 +129,9 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   } catch (const c10::Error& e) {
     throw FlagError(e.what_without_backtrace());
   }
+  if (config.model.memory_slices > 1 && config.model.memory == hierpar::nn::ActivationMemory::none)
+    throw FlagError("--memory-slices: slices the backward of recomputed blocks; expected --memory recompute or offload "
+                    "with " + std::to_string(config.model.memory_slices) + " slices, got --memory none");
   if (run.image_size != 32 && run.image_size != 64 && run.image_size != 128)
     throw FlagError("--image-size: expected 32, 64 or 128, got " + std::to_string(run.image_size));
   if (run.channels != 0 && run.channels != 1 && run.channels != 3)

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/autograd.h>
+#include <torch/nn/modules/batchnorm.h>
 
 #ifdef HIERPAR_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -367,6 +368,8 @@ struct RecomputeBackward final : torch::autograd::Node {
     // create_graph when the caller differentiates this backward again (grad mode is on inside it then): the
     // recomputation then starts from the input with its history, so that the gradients it returns depend on it.
     const bool create_graph = torch::autograd::GradMode::is_enabled();
+    TORCH_CHECK(!create_graph || slices == 0, "recompute: a block whose backward runs in batch slices "
+                "(memory_slices > 1) has no second derivatives; use memory_slices 1");
     at::Tensor saved_input;
     if (offloaded) {
       TORCH_CHECK(!create_graph, "recompute: a block whose input is offloaded to host memory has no second "
@@ -376,6 +379,10 @@ struct RecomputeBackward final : torch::autograd::Node {
       saved_input = offloaded->take();
     } else {
       saved_input = input.unpack();
+    }
+    if (slices > 0) {
+      sliced_backward(saved_input.detach(), grads[0], result);
+      return result;
     }
     at::Tensor x = create_graph ? saved_input : saved_input.detach();
     if (!create_graph && should_compute_output(0)) x.requires_grad_(true);
@@ -412,6 +419,113 @@ struct RecomputeBackward final : torch::autograd::Node {
     input.reset_data();
     offloaded.reset();
     block = nullptr;
+    norm.reset();
+    mean.reset();
+    invstd.reset();
+  }
+
+  // recompute_sliced's backward (its header comment says how); `result` as apply()'s.
+  void sliced_backward(const at::Tensor& x, const at::Tensor& grad_out, variable_list& result) {
+    const int64_t batch = x.size(0);
+    const int64_t step = (batch + slices - 1) / slices;
+    const bool want_input = should_compute_output(0);
+    at::Tensor grad_input = want_input ? at::empty_like(x) : at::Tensor();
+    // The slice's forward under the forward's autocast state, the rest (BatchNorm's terms, the backward) without.
+    auto recomputed = [this](const at::Tensor& slice) {
+      const AutocastAs autocast(autocast_state);
+      return block(slice);
+    };
+    // BatchNorm's per-channel sums over the whole batch: of the gradient at its output g (before the activation's
+    // derivative is applied: after it) and of g times the normalised input.
+    at::Tensor sum_g, sum_g_xhat;
+    if (norm) {
+      torch::NoGradGuard no_grad;
+      for (int64_t start = 0; start < batch; start += step) {
+        const int64_t n = std::min(step, batch - start);
+        const at::Tensor y = recomputed(x.narrow(0, start, n));
+        const auto [g, xhat] = norm_gradient(y, grad_out.narrow(0, start, n));
+        const at::Tensor s = g.sum({0, 2, 3}), sx = (g * xhat).sum({0, 2, 3});
+        sum_g = sum_g.defined() ? sum_g.add_(s) : s;
+        sum_g_xhat = sum_g_xhat.defined() ? sum_g_xhat.add_(sx) : sx;
+      }
+      // BatchNorm's own parameters: the weight's gradient is sum(g * xhat), the bias's sum(g).
+      if (weight_slot > 0 && should_compute_output(weight_slot)) result[weight_slot] = sum_g_xhat.to(norm->weight.dtype());
+      if (bias_slot > 0 && should_compute_output(bias_slot)) result[bias_slot] = sum_g.to(norm->bias.dtype());
+    }
+    for (int64_t start = 0; start < batch; start += step) {
+      const int64_t n = std::min(step, batch - start);
+      at::Tensor xs = x.narrow(0, start, n).detach();
+      if (want_input) xs.requires_grad_(true);
+      at::Tensor y, grad_y;
+      {
+        torch::AutoGradMode grad_mode(true);
+        y = recomputed(xs);
+      }
+      if (norm) {
+        torch::NoGradGuard no_grad;
+        const auto [g, xhat] = norm_gradient(y.detach(), grad_out.narrow(0, start, n));
+        // d/dy of BatchNorm: gamma / std * (g - mean(g) - xhat * mean(g * xhat)) per channel with batch statistics,
+        // gamma / std * g with running ones (eval mode).
+        const at::Tensor scale = per_channel(norm->weight.defined() ? norm->weight.to(invstd.dtype()) * invstd : invstd);
+        if (norm->training || !norm->running_mean.defined()) {
+          const double inv_count = 1.0 / static_cast<double>(count);
+          grad_y = ((g - per_channel(sum_g * inv_count)) - xhat * per_channel(sum_g_xhat * inv_count)) * scale;
+        } else {
+          grad_y = g * scale;
+        }
+        grad_y = grad_y.to(y.scalar_type());
+      } else {
+        grad_y = grad_out.narrow(0, start, n);
+      }
+      std::vector<at::Tensor> wrt;
+      std::vector<size_t> slots;
+      if (want_input) {
+        wrt.push_back(xs);
+        slots.push_back(0);
+      }
+      for (size_t i = 0; i < per_sample_parameters; ++i) {
+        if (should_compute_output(1 + i)) {
+          wrt.push_back(parameters[i]);
+          slots.push_back(1 + i);
+        }
+      }
+      if (wrt.empty()) continue;
+      const variable_list computed = torch::autograd::grad({y}, wrt, {grad_y}, /*retain_graph=*/false,
+                                                           /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t k = 0; k < slots.size(); ++k) {
+        if (!computed[k].defined()) continue;
+        if (slots[k] == 0) {
+          grad_input.narrow(0, start, n).copy_(computed[k]);
+        } else {
+          at::Tensor& sum = result[slots[k]];
+          sum = sum.defined() ? sum.add_(computed[k]) : computed[k];
+        }
+      }
+    }
+    if (want_input) result[0] = grad_input;
+  }
+
+  // [C] -> [1, C, 1, 1]
+  static at::Tensor per_channel(const at::Tensor& t) { return t.view({1, -1, 1, 1}); }
+
+  // For one slice: the convolution's output y and the gradient at the block's output, the gradient g at
+  // BatchNorm's output (the activation's derivative applied) and the normalised input xhat, in the statistics' dtype.
+  std::pair<at::Tensor, at::Tensor> norm_gradient(const at::Tensor& y, const at::Tensor& grad_out) const {
+    const at::Tensor xhat = (y.to(mean.scalar_type()) - per_channel(mean)) * per_channel(invstd);
+    at::Tensor g = grad_out.to(mean.scalar_type());
+    if (norm->activation != Activation::identity) {
+      // The activations' derivatives as ATen's: 1 where the BatchNorm output is > 0, else 0 or the slope.
+      const at::Tensor positive = batch_norm_output(xhat) > 0;
+      g = norm->activation == Activation::relu ? g * positive : at::where(positive, g, g * norm->negative_slope);
+    }
+    return {g, xhat};
+  }
+
+  at::Tensor batch_norm_output(const at::Tensor& xhat) const {
+    at::Tensor out = xhat;
+    if (norm->weight.defined()) out = out * per_channel(norm->weight.to(out.dtype()));
+    if (norm->bias.defined()) out = out + per_channel(norm->bias.to(out.dtype()));
+    return out;
   }
 
   SavedVariable input;                                   // kept on the device (no offload)
@@ -420,6 +534,15 @@ struct RecomputeBackward final : torch::autograd::Node {
   Block block;
   std::vector<at::Tensor> parameters, buffers;
   AutocastState autocast_state;
+  // recompute_sliced: the number of slices (0: recompute()), the BatchNorm after `block` with the whole batch's
+  // statistics from the forward, `count` values per channel; parameters[0, per_sample_parameters) are `block`'s, and
+  // the norm's weight and bias, where they need gradients, have edges weight_slot and bias_slot (0: none).
+  int64_t slices = 0;
+  std::optional<BatchNormActOf> norm;
+  at::Tensor mean, invstd;
+  int64_t count = 0;
+  size_t per_sample_parameters = 0;
+  size_t weight_slot = 0, bias_slot = 0;
 };
 
 }  // namespace
@@ -467,6 +590,190 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
   node->parameters = std::move(parameters);
   node->buffers = std::move(buffers);
   node->autocast_state = AutocastState::of(input.device().type());
+  torch::autograd::set_history(out, node);
+  return out;
+}
+
+BatchNormActOf BatchNormActOf::of(const std::shared_ptr<torch::nn::Module>& module, Activation activation,
+                                  double negative_slope) {
+  TORCH_CHECK(module != nullptr, "BatchNormActOf: module must not be null");
+  BatchNormActOf norm;
+  norm.activation = activation;
+  norm.negative_slope = negative_slope;
+  norm.training = module->is_training();
+  auto read = [&norm](const auto& m) {
+    norm.weight = m.weight;
+    norm.bias = m.bias;
+    norm.running_mean = m.running_mean;
+    norm.running_var = m.running_var;
+    norm.num_batches_tracked = m.num_batches_tracked;
+    norm.eps = m.options.eps();
+    norm.momentum = m.options.momentum();
+  };
+  auto check_activation = [&](Activation own, double own_slope) {
+    TORCH_CHECK(own == activation && (own != Activation::leaky_relu || own_slope == negative_slope),
+                "BatchNormActOf: activation: ", module->name(), " applies ", to_string(own), ", not the ",
+                to_string(activation), " given");
+  };
+  if (const auto* fused = dynamic_cast<const BatchNormAct2dImpl*>(module.get())) {
+    check_activation(fused->activation, fused->negative_slope);
+    read(*fused);
+  } else if (const auto* plain = dynamic_cast<const BatchNorm2dImpl*>(module.get())) {
+    check_activation(Activation::identity, 0.0);
+    read(*plain);
+  } else if (const auto* stock = dynamic_cast<const torch::nn::BatchNorm2dImpl*>(module.get())) {
+    read(*stock);
+  } else {
+    TORCH_CHECK(false, "BatchNormActOf: module: expected hierpar::nn::BatchNormAct2d, hierpar::nn::BatchNorm2d or "
+                "torch::nn::BatchNorm2d, got ", module->name());
+  }
+  return norm;
+}
+
+namespace {
+
+// The statistics recompute_sliced's BatchNorm normalises with: the batch's (training; the running statistics
+// updated as BatchNorm2d updates them) or the running ones; per channel, in float (double for double inputs).
+struct NormStatistics {
+  at::Tensor mean, invstd;
+  int64_t count = 0;  // values per channel
+};
+
+NormStatistics norm_statistics(const at::Tensor& y, const BatchNormActOf& norm, int64_t step) {
+  const c10::ScalarType acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  NormStatistics stats;
+  stats.count = y.numel() / y.size(1);
+  if (!norm.training && norm.running_mean.defined()) {
+    stats.mean = norm.running_mean.to(acc);
+    stats.invstd = (norm.running_var.to(acc) + norm.eps).rsqrt();
+    return stats;
+  }
+  TORCH_CHECK(stats.count > 1, "recompute_sliced: BatchNorm in training mode needs more than 1 value per channel, "
+              "got input of size ", y.sizes());
+  // Each slice's mean and sum of squared deviations, combined in double (Chan et al.'s pairwise update), so the
+  // whole batch's variance does not come from a difference of large sums.
+  at::Tensor mean, m2;
+  int64_t seen = 0;
+  for (int64_t start = 0; start < y.size(0); start += step) {
+    const int64_t n = std::min(step, y.size(0) - start);
+    const at::Tensor ys = y.narrow(0, start, n).to(acc);
+    const auto [var_s, mean_s] = at::var_mean(ys, {0, 2, 3}, /*correction=*/0, /*keepdim=*/false);
+    const int64_t n_s = ys.numel() / ys.size(1);
+    const at::Tensor m = mean_s.to(at::kDouble), sq = var_s.to(at::kDouble) * static_cast<double>(n_s);
+    if (!mean.defined()) {
+      mean = m;
+      m2 = sq;
+    } else {
+      const double total = static_cast<double>(seen + n_s);
+      const at::Tensor delta = m - mean;
+      mean = mean + delta * (static_cast<double>(n_s) / total);
+      m2 = m2 + sq + delta.square() * (static_cast<double>(seen) * static_cast<double>(n_s) / total);
+    }
+    seen += n_s;
+  }
+  const at::Tensor var = m2 / static_cast<double>(stats.count);
+  stats.mean = mean.to(acc);
+  stats.invstd = (var + norm.eps).rsqrt().to(acc);
+  if (norm.running_mean.defined()) {
+    double momentum = norm.momentum.value_or(0.0);
+    if (norm.num_batches_tracked.defined()) {
+      norm.num_batches_tracked.add_(1);
+      if (!norm.momentum.has_value()) momentum = 1.0 / norm.num_batches_tracked.item<double>();
+    }
+    const at::Tensor unbiased = m2 / static_cast<double>(stats.count - 1);
+    norm.running_mean.mul_(1 - momentum).add_(mean.to(norm.running_mean.dtype()), momentum);
+    norm.running_var.mul_(1 - momentum).add_(unbiased.to(norm.running_var.dtype()), momentum);
+  }
+  return stats;
+}
+
+// y <- activation(BatchNorm(y)) with `stats`, slice by slice (a slice's temporaries in the statistics' dtype).
+void normalise_in_place(at::Tensor& y, const BatchNormActOf& norm, const NormStatistics& stats, int64_t step) {
+  const c10::ScalarType acc = stats.mean.scalar_type();
+  const at::Tensor scale =
+      (norm.weight.defined() ? norm.weight.to(acc) * stats.invstd : stats.invstd).view({1, -1, 1, 1});
+  const at::Tensor shift = (norm.bias.defined() ? norm.bias.to(acc) - stats.mean * scale.view(-1)
+                                                : -stats.mean * scale.view(-1))
+                               .view({1, -1, 1, 1});
+  for (int64_t start = 0; start < y.size(0); start += step) {
+    const int64_t n = std::min(step, y.size(0) - start);
+    at::Tensor ys = y.narrow(0, start, n);
+    at::Tensor z = ys.to(acc) * scale + shift;
+    if (norm.activation == Activation::relu) z.relu_();
+    if (norm.activation == Activation::leaky_relu) z = at::leaky_relu_(z, norm.negative_slope);
+    ys.copy_(z);
+  }
+}
+
+}  // namespace
+
+torch::Tensor recompute_sliced(Block per_sample, const std::optional<BatchNormActOf>& norm, const torch::Tensor& input,
+                               const std::vector<std::shared_ptr<torch::nn::Module>>& modules, int64_t slices,
+                               OffloadChain* offload) {
+  TORCH_CHECK(slices >= 1, "recompute_sliced: slices: expected at least 1, got ", slices);
+  TORCH_CHECK(input.dim() >= 1 && input.size(0) >= 1, "recompute_sliced: input: expected a batch of at least one "
+              "sample, got size ", input.sizes());
+  TORCH_CHECK(!norm || input.dim() == 4, "recompute_sliced: input: expected [N, C, H, W] before a BatchNorm, got ",
+              input.sizes());
+  std::vector<at::Tensor> parameters;
+  for (const auto& module : modules) {
+    TORCH_CHECK(module != nullptr, "recompute_sliced: modules must not be null");
+    for (const at::Tensor& p : module->parameters()) parameters.push_back(p);
+  }
+  const size_t per_sample_parameters = parameters.size();
+  size_t weight_slot = 0, bias_slot = 0;
+  if (norm && norm->weight.defined()) {
+    parameters.push_back(norm->weight);
+    weight_slot = parameters.size();
+  }
+  if (norm && norm->bias.defined()) {
+    parameters.push_back(norm->bias);
+    bias_slot = parameters.size();
+  }
+  const int64_t step = (input.size(0) + slices - 1) / slices;
+  const bool track = torch::autograd::GradMode::is_enabled() &&
+                     torch::autograd::compute_requires_grad(input, at::TensorList(parameters));
+  TORCH_CHECK(!track || batch_norm_sync() == nullptr, "recompute_sliced: synchronized BatchNorm (a BatchNormSync "
+              "installed) is not supported: the block's statistics are those of this replica's batch");
+  std::shared_ptr<detail::OffloadedInput> offloaded;
+  std::weak_ptr<detail::OffloadedInput> previous;
+  if (track && offload != nullptr) {
+    offloaded = detail::OffloadedInput::store(input);
+    previous = offload->append(offloaded);
+    if (auto before = previous.lock()) before->wait_until_copied_out();  // as recompute()'s
+  }
+  at::Tensor out;
+  NormStatistics stats;
+  {
+    torch::NoGradGuard no_grad;
+    out = per_sample(input);
+    if (norm) {
+      if (out.is_view()) out = out.clone();  // normalised in place below
+      stats = norm_statistics(out, *norm, (out.size(0) + slices - 1) / slices);
+      normalise_in_place(out, *norm, stats, step);
+    }
+  }
+  if (!track) return out;
+  if (out.is_view()) out = out.clone();
+  std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
+  if (offloaded != nullptr) {
+    node->offloaded = std::move(offloaded);
+    node->previous = std::move(previous);
+  } else {
+    node->input = SavedVariable(input, /*is_output=*/false);
+  }
+  node->block = std::move(per_sample);
+  node->parameters = std::move(parameters);
+  node->autocast_state = AutocastState::of(input.device().type());
+  node->slices = slices;
+  node->norm = norm;
+  node->mean = stats.mean;
+  node->invstd = stats.invstd;
+  node->count = stats.count;
+  node->per_sample_parameters = per_sample_parameters;
+  node->weight_slot = weight_slot;
+  node->bias_slot = bias_slot;
   torch::autograd::set_history(out, node);
   return out;
 }

@@ -42,6 +42,10 @@ struct DCGANOptions {
   // AdversarialTrainer drives); 0 offloads every block (least memory). On the CPU every block offloads.
   nn::ActivationMemory memory = nn::ActivationMemory::none;
   double offload_budget = 0.9;
+  // With recompute or offload: each recomputed block's backward runs in this many slices of the batch
+  // (hierpar::nn::recompute_sliced), so the block's inner activations exist for one slice at a time, BatchNorm's
+  // statistics still those of the whole batch; costs one more forward of each convolution. 1: whole batch.
+  int64_t memory_slices = 1;
 
   // Throws c10::Error naming the option and the accepted values.
   void validate() const;

@@ -12,6 +12,8 @@
 // memory between the forward and the backward.
 #pragma once
 
+#include "hierpar/nn/batch_norm.h"
+
 #include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -20,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -100,5 +103,37 @@ class OffloadChain {
 torch::Tensor recompute(Block block, const torch::Tensor& input,
                         const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                         OffloadChain* offload = nullptr);
+
+// The BatchNorm (training mode) + activation that follows a block's convolution, for recompute_sliced(): the
+// module's parameters and buffers and its settings, read from hierpar::nn::BatchNormAct2d / BatchNorm2d or
+// torch::nn::BatchNorm2d. `activation` is the one applied after it: hierpar's modules fuse theirs, which must be it.
+struct BatchNormActOf {
+  torch::Tensor weight, bias;                                    // undefined without affine
+  torch::Tensor running_mean, running_var, num_batches_tracked;  // undefined without running statistics
+  double eps = 1e-5;
+  std::optional<double> momentum = 0.1;  // none: a cumulative average
+  Activation activation = Activation::identity;
+  double negative_slope = 0.0;
+  bool training = true;  // batch statistics; false: the running ones (the module in eval mode)
+
+  // Throws c10::Error naming the module when it is none of the three.
+  static BatchNormActOf of(const std::shared_ptr<torch::nn::Module>& module, Activation activation,
+                           double negative_slope);
+};
+
+// recompute() of `per_sample` (a convolution, its fused activation, tanh: every sample computed from its own input)
+// followed by `norm`'s BatchNorm + activation, with the backward in `slices` slices of the batch, one at a time: its
+// recomputation and backpropagation hold one slice's inner activations, not the whole batch's (what a block needs
+// on top of its input, the gradient it receives and the one it returns). BatchNorm stays exact, with the whole
+// batch's statistics: the forward keeps its per-channel mean and 1/std, and the backward makes two passes over the
+// slices, the first summing the per-channel terms of BatchNorm's gradient (as synchronized BatchNorm sums them
+// over replicas), the second recomputing each slice's convolution and backpropagating its share. That is one more
+// forward of the convolution than recompute(); the forward normalises the convolution's output in place. The
+// numbers equal recompute()'s up to the order of the sums (statistics, weight gradients). `modules` are the layers
+// that `per_sample` runs (the norm's module is not among them). No second derivatives (create_graph: use
+// slices 1). slices 1 is recompute(per_sample then norm), exactly.
+torch::Tensor recompute_sliced(Block per_sample, const std::optional<BatchNormActOf>& norm, const torch::Tensor& input,
+                               const std::vector<std::shared_ptr<torch::nn::Module>>& modules, int64_t slices,
+                               OffloadChain* offload = nullptr);
 
 }  // namespace hierpar::nn
