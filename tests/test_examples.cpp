@@ -551,6 +551,16 @@ TEST(Examples, DataParallelCpuRunResumesUnderDataAndSingle) {
   EXPECT_EQ(moved, static_cast<int>(p3.size())) << "every generator parameter should move in the 2 single steps";
 }
 
+// 4 steps of a small DCGAN on the CPU with `args`, into <dir>/<out>: the losses of every step (the checkpoint's
+// history) and what the run said on stderr.
+std::pair<torch::Tensor, std::string> four_cpu_steps(const TempDir& dir, const std::string& args, const std::string& out) {
+  const std::string common = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --channels 1 "
+                             "--batch-size 16 --samples 4 --seed 11 --epochs 2 --max-steps 4 ";
+  auto r = run_dcgan(common + args + " --out " + (dir / out), dir);
+  EXPECT_EQ(r.status, 0) << args << ":\n" << c10::Join("\n", r.stderr_lines);
+  return {read_checkpoint_state(dir / (out + "/checkpoint.pt")).history, c10::Join("\n", r.stderr_lines)};
+}
+
 // --sync-bn reaches the trainer: 2 data-parallel replicas with BatchNorm statistics over both halves train like
 // one device on the whole batch (without it they differ: each half normalises by itself). Compared through the
 // losses of every step (each evaluates the networks the previous updates left): Adam divides each gradient
@@ -558,13 +568,7 @@ TEST(Examples, DataParallelCpuRunResumesUnderDataAndSingle) {
 // summation order alone, while the losses stay within a few float roundings.
 TEST(Examples, SyncBatchNormDataRunMatchesSingle) {
   TempDir dir;
-  const std::string common = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --channels 1 "
-                             "--batch-size 16 --samples 4 --seed 11 --epochs 2 --max-steps 4 ";
-  auto run = [&](const std::string& args, const std::string& out) {
-    auto r = run_dcgan(common + args + " --out " + (dir / out), dir);
-    EXPECT_EQ(r.status, 0) << args << ":\n" << c10::Join("\n", r.stderr_lines);
-    return read_checkpoint_state(dir / (out + "/checkpoint.pt")).history;
-  };
+  auto run = [&](const std::string& args, const std::string& out) { return four_cpu_steps(dir, args, out).first; };
   const auto single = run("--strategy single", "single");
   const auto synced = run("--strategy data --gpus 2 --reduce host --sync-bn", "synced");
   const auto per_replica = run("--strategy data --gpus 2 --reduce host", "per_replica");
@@ -579,16 +583,9 @@ TEST(Examples, SyncBatchNormDataRunMatchesSingle) {
 // another order), and the run says how it keeps its activations.
 TEST(Examples, MemorySlicesTrainAsKeepingTheActivations) {
   TempDir dir;
-  const std::string common = "train --device cpu --data synthetic --limit 32 --image-size 32 --width 0.25 --channels 1 "
-                             "--batch-size 16 --samples 4 --seed 11 --epochs 2 --max-steps 4 ";
-  auto run = [&](const std::string& args, const std::string& out) {
-    auto r = run_dcgan(common + args + " --out " + (dir / out), dir);
-    EXPECT_EQ(r.status, 0) << args << ":\n" << c10::Join("\n", r.stderr_lines);
-    return std::make_pair(read_checkpoint_state(dir / (out + "/checkpoint.pt")).history, c10::Join("\n", r.stderr_lines));
-  };
-  const auto kept = run("--memory none", "none");
+  const auto kept = four_cpu_steps(dir, "--memory none", "none");
   for (const char* memory : {"recompute", "offload"}) {
-    const auto [losses, said] = run(std::string("--memory ") + memory + " --memory-slices 3", memory);
+    const auto [losses, said] = four_cpu_steps(dir, std::string("--memory ") + memory + " --memory-slices 3", memory);
     EXPECT_NE(said.find("each block's backward in 3 slices of the batch"), std::string::npos) << said;
     ASSERT_EQ(losses.size(0), 4);
     hierpar::testing::expect_close(losses, kept.first, {1e-4, 1e-5}, std::string(memory) + " in 3 slices: losses");

@@ -282,27 +282,10 @@ TEST(Recompute, LowersPeakMemoryOnCuda) {
     model.layers = LayerSet::hierpar;
     model.memory = memory;
     model.offload_budget = offload_budget;
-    torch::manual_seed(0);
-    hierpar::models::Generator g(model);
-    hierpar::models::Discriminator d(model);
-    g->to(torch::kCUDA);
-    d->to(torch::kCUDA);
-    const auto z = torch::randn({1024, model.nz, 1, 1}, torch::kCUDA);
-    auto pass = [&] { d->forward(g->forward(z)).square().mean().backward(); };
-    if (offload_budget > 0) {  // marked steps, as AdversarialTrainer's: the first makes the device's plan (its
-      // blocks offload), the second measures, the third's mark plans
-      for (int step = 0; step < 2; ++step) {
-        hierpar::nn::begin_offload_step(torch::Device(torch::kCUDA, 0));
-        pass();
-      }
-      hierpar::nn::begin_offload_step(torch::Device(torch::kCUDA, 0));
-    }
-    torch::cuda::synchronize();
-    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-    const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
-    pass();
-    torch::cuda::synchronize();
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
+    // With a budget, marked steps as AdversarialTrainer's: the first makes the device's plan (its blocks offload), the
+    // second measures, the third's mark plans.
+    const bool planned = offload_budget > 0;
+    return hierpar::testing::dcgan_pass_peak_bytes(model, 1024, planned ? 2 : 0, planned);
   };
   peak(ActivationMemory::none);  // the first pass's one-time allocations (cuDNN, cuBLAS) are not the activations'
   const int64_t keeping = peak(ActivationMemory::none), recomputing = peak(ActivationMemory::recompute),

@@ -12,7 +12,6 @@
 #include "hierpar/strategy/placement.h"
 
 #include <ATen/autocast_mode.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -227,20 +226,7 @@ TEST(RecomputeSliced, LowersThePeakOfTheBackwardOnCuda) {
     model.memory = hierpar::nn::ActivationMemory::offload;
     model.offload_budget = 0;
     model.memory_slices = slices;
-    torch::manual_seed(0);
-    hierpar::models::Generator g(model);
-    hierpar::models::Discriminator d(model);
-    g->to(torch::kCUDA);
-    d->to(torch::kCUDA);
-    const auto z = torch::randn({1024, model.nz, 1, 1}, torch::kCUDA);
-    auto pass = [&] { d->forward(g->forward(z)).square().mean().backward(); };
-    pass();  // the one-time allocations (cuDNN, cuBLAS) and the gradients' buffers
-    torch::cuda::synchronize();
-    c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-    const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
-    pass();
-    torch::cuda::synchronize();
-    return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
+    return hierpar::testing::dcgan_pass_peak_bytes(model, 1024, /*warmup=*/1, /*mark_steps=*/false);
   };
   const int64_t whole = peak(1), sliced = peak(8);
   std::cout << "peak bytes above the start, every block offloaded: whole batch " << whole << ", 8 slices " << sliced

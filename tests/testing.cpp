@@ -3,6 +3,7 @@
 #include "hierpar/enum_names.h"
 
 #include <ATen/record_function.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <cstdlib>
 #include <functional>
@@ -147,6 +148,30 @@ hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz, 
   model.channels = channels;
   model.layers = layers;
   return model;
+}
+
+int64_t dcgan_pass_peak_bytes(const hierpar::models::DCGANOptions& model, int64_t batch, int warmup, bool mark_steps) {
+  torch::manual_seed(0);
+  hierpar::models::Generator g(model);
+  hierpar::models::Discriminator d(model);
+  g->to(torch::kCUDA);
+  d->to(torch::kCUDA);
+  const auto z = torch::randn({batch, model.nz, 1, 1}, torch::kCUDA);
+  auto mark = [&] {
+    if (mark_steps) hierpar::nn::begin_offload_step(torch::Device(torch::kCUDA, 0));
+  };
+  auto pass = [&] { d->forward(g->forward(z)).square().mean().backward(); };
+  for (int i = 0; i < warmup; ++i) {
+    mark();
+    pass();
+  }
+  mark();  // before the peak statistics restart: a plan made now reads the last pass's peak
+  torch::cuda::synchronize();
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  const int64_t before = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].current;
+  pass();
+  torch::cuda::synchronize();
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak - before;
 }
 
 }  // namespace hierpar::testing

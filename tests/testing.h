@@ -70,6 +70,11 @@ std::vector<std::string> dispatched_operators(const std::function<void()>& f);
 // The seed's DCGAN at its smallest (32x32, a quarter of the width): milliseconds a training step on the CPU.
 hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz = 8, int64_t channels = 3);
 
+// The most CUDA memory allocated at once, above what was allocated before, by one G and D forward and backward of
+// the DCGAN `model` on cuda:0 at `batch`, after `warmup` untimed passes (one-time allocations, an offload plan);
+// with `mark_steps` each pass, the measured one too, starts with begin_offload_step as the trainer's steps do.
+int64_t dcgan_pass_peak_bytes(const hierpar::models::DCGANOptions& model, int64_t batch, int warmup, bool mark_steps);
+
 }  // namespace hierpar::testing
 
 // Skips a CUDA test on a machine without a GPU, saying why; a skip is reported as a skip, not a pass.
