@@ -545,6 +545,42 @@ struct RecomputeBackward final : torch::autograd::Node {
   size_t weight_slot = 0, bias_slot = 0;
 };
 
+// An offloaded block's input on its way to host memory, and the block of the chain offloaded before it.
+struct Offloading {
+  std::shared_ptr<detail::OffloadedInput> input;
+  std::weak_ptr<detail::OffloadedInput> previous;
+};
+
+// With a chain (else nothing): the copy out starts now, beside the block's forward, which is queued once the copy out
+// of the block before it is done. PCIe is slower than the blocks: without that wait the host queued the whole pass
+// at once and every offloaded input stayed on the device until its copy was done (the pass's peak held them all);
+// with it, two.
+Offloading start_offload(const at::Tensor& input, OffloadChain* chain) {
+  Offloading offloading;
+  if (chain == nullptr) return offloading;
+  offloading.input = detail::OffloadedInput::store(input);
+  offloading.previous = chain->append(offloading.input);
+  if (auto before = offloading.previous.lock()) before->wait_until_copied_out();
+  return offloading;
+}
+
+// The backward node of a recomputed block: edges to the input and `parameters`, the input kept (or offloaded).
+std::shared_ptr<RecomputeBackward> new_node(const at::Tensor& input, std::vector<at::Tensor> parameters, Block block,
+                                            const Offloading& offloading) {
+  std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
+  if (offloading.input != nullptr) {
+    node->offloaded = offloading.input;
+    node->previous = offloading.previous;
+  } else {
+    node->input = SavedVariable(input, /*is_output=*/false);
+  }
+  node->block = std::move(block);
+  node->parameters = std::move(parameters);
+  node->autocast_state = AutocastState::of(input.device().type());
+  return node;
+}
+
 }  // namespace
 
 torch::Tensor recompute(Block block, const torch::Tensor& input,
@@ -562,34 +598,15 @@ torch::Tensor recompute(Block block, const torch::Tensor& input,
   TORCH_CHECK(batch_norm_sync() == nullptr, "recompute: synchronized BatchNorm (a BatchNormSync installed) in a "
               "recomputed block is not supported: the backward's recomputation runs on autograd's thread, without the "
               "other replicas' statistics, so its gradients would be those of per-replica statistics");
-  std::shared_ptr<detail::OffloadedInput> offloaded;
-  std::weak_ptr<detail::OffloadedInput> previous;
-  if (offload != nullptr) {
-    // The copy out starts now, beside this block's forward, which is queued once the copy out of the block before it
-    // is done. PCIe is slower than the blocks: without that wait the host queued the whole pass at once and every
-    // offloaded input stayed on the device until its copy was done (the pass's peak held them all); with it, two.
-    offloaded = detail::OffloadedInput::store(input);
-    previous = offload->append(offloaded);
-    if (auto before = previous.lock()) before->wait_until_copied_out();
-  }
+  const Offloading offloading = start_offload(input, offload);
   at::Tensor out;
   {
     torch::NoGradGuard no_grad;
     out = block(input);
   }
   if (out.is_view()) out = out.clone();  // history goes on a tensor of its own, not on a view made without grad
-  std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
-  if (offloaded != nullptr) {
-    node->offloaded = std::move(offloaded);
-    node->previous = std::move(previous);
-  } else {
-    node->input = SavedVariable(input, /*is_output=*/false);
-  }
-  node->block = std::move(block);
-  node->parameters = std::move(parameters);
+  const std::shared_ptr<RecomputeBackward> node = new_node(input, std::move(parameters), std::move(block), offloading);
   node->buffers = std::move(buffers);
-  node->autocast_state = AutocastState::of(input.device().type());
   torch::autograd::set_history(out, node);
   return out;
 }
@@ -735,13 +752,7 @@ torch::Tensor recompute_sliced(Block per_sample, const std::optional<BatchNormAc
                      torch::autograd::compute_requires_grad(input, at::TensorList(parameters));
   TORCH_CHECK(!track || batch_norm_sync() == nullptr, "recompute_sliced: synchronized BatchNorm (a BatchNormSync "
               "installed) is not supported: the block's statistics are those of this replica's batch");
-  std::shared_ptr<detail::OffloadedInput> offloaded;
-  std::weak_ptr<detail::OffloadedInput> previous;
-  if (track && offload != nullptr) {
-    offloaded = detail::OffloadedInput::store(input);
-    previous = offload->append(offloaded);
-    if (auto before = previous.lock()) before->wait_until_copied_out();  // as recompute()'s
-  }
+  const Offloading offloading = start_offload(input, track ? offload : nullptr);
   at::Tensor out;
   NormStatistics stats;
   {
@@ -749,23 +760,14 @@ torch::Tensor recompute_sliced(Block per_sample, const std::optional<BatchNormAc
     out = per_sample(input);
     if (norm) {
       if (out.is_view()) out = out.clone();  // normalised in place below
-      stats = norm_statistics(out, *norm, (out.size(0) + slices - 1) / slices);
+      stats = norm_statistics(out, *norm, step);
       normalise_in_place(out, *norm, stats, step);
     }
   }
   if (!track) return out;
   if (out.is_view()) out = out.clone();
-  std::shared_ptr<RecomputeBackward> node(new RecomputeBackward(), torch::autograd::deleteNode);
-  node->set_next_edges(torch::autograd::collect_next_edges(input, at::TensorList(parameters)));
-  if (offloaded != nullptr) {
-    node->offloaded = std::move(offloaded);
-    node->previous = std::move(previous);
-  } else {
-    node->input = SavedVariable(input, /*is_output=*/false);
-  }
-  node->block = std::move(per_sample);
-  node->parameters = std::move(parameters);
-  node->autocast_state = AutocastState::of(input.device().type());
+  const std::shared_ptr<RecomputeBackward> node =
+      new_node(input, std::move(parameters), std::move(per_sample), offloading);
   node->slices = slices;
   node->norm = norm;
   node->mean = stats.mean;
