@@ -435,8 +435,8 @@ struct RecomputeBackward final : torch::autograd::Node {
       const AutocastAs autocast(autocast_state);
       return block(slice);
     };
-    // BatchNorm's per-channel sums over the whole batch: of the gradient at its output g (before the activation's
-    // derivative is applied: after it) and of g times the normalised input.
+    // BatchNorm's per-channel sums over the whole batch: of g, the gradient at BatchNorm's output (the activation's
+    // derivative applied), and of g times the normalised input.
     at::Tensor sum_g, sum_g_xhat;
     if (norm) {
       torch::NoGradGuard no_grad;
@@ -508,8 +508,8 @@ struct RecomputeBackward final : torch::autograd::Node {
   // [C] -> [1, C, 1, 1]
   static at::Tensor per_channel(const at::Tensor& t) { return t.view({1, -1, 1, 1}); }
 
-  // For one slice: the convolution's output y and the gradient at the block's output, the gradient g at
-  // BatchNorm's output (the activation's derivative applied) and the normalised input xhat, in the statistics' dtype.
+  // From one slice's convolution output y and the gradient at the block's output: g, the gradient at BatchNorm's
+  // output (the activation's derivative applied), and the normalised input xhat, both in the statistics' dtype.
   std::pair<at::Tensor, at::Tensor> norm_gradient(const at::Tensor& y, const at::Tensor& grad_out) const {
     const at::Tensor xhat = (y.to(mean.scalar_type()) - per_channel(mean)) * per_channel(invstd);
     at::Tensor g = grad_out.to(mean.scalar_type());
@@ -750,7 +750,7 @@ torch::Tensor recompute_sliced(Block per_sample, const std::optional<BatchNormAc
   const int64_t step = (input.size(0) + slices - 1) / slices;
   const bool track = torch::autograd::GradMode::is_enabled() &&
                      torch::autograd::compute_requires_grad(input, at::TensorList(parameters));
-  TORCH_CHECK(!track || batch_norm_sync() == nullptr, "recompute_sliced: synchronized BatchNorm (a BatchNormSync "
+  TORCH_CHECK(!norm || batch_norm_sync() == nullptr, "recompute_sliced: synchronized BatchNorm (a BatchNormSync "
               "installed) is not supported: the block's statistics are those of this replica's batch");
   const Offloading offloading = start_offload(input, track ? offload : nullptr);
   at::Tensor out;
