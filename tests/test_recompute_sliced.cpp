@@ -234,7 +234,8 @@ TEST(RecomputeSliced, LowersThePeakOfTheBackwardOnCuda) {
   EXPECT_LT(sliced, whole * 9 / 10) << "8 slices should lower the peak by at least a tenth";
 }
 
-// Bad arguments are one-line errors naming them; a second derivative through a sliced block is refused.
+// Bad arguments are one-line errors naming them; a second derivative through a sliced block, and synchronized
+// BatchNorm, are refused.
 TEST(RecomputeSliced, BadArgumentsAndSecondDerivativesAreClearErrors) {
   const Block block(LayerSet::hierpar, false, 2, 3, Activation::leaky_relu, false, torch::kFloat);
   const auto x = hierpar::testing::random_tensor({4, 2, 6, 6}, torch::kFloat).requires_grad_(true);
@@ -246,6 +247,18 @@ TEST(RecomputeSliced, BadArgumentsAndSecondDerivativesAreClearErrors) {
   HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({block.sliced(x, 2).square().sum()}, {x}, {}, /*retain_graph=*/true,
                                                   /*create_graph=*/true),
                            "no second derivatives; use memory_slices 1");
+  struct LocalStatistics final : hierpar::nn::BatchNormSync {
+    torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
+                          const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
+                          double eps) override {
+      return torch::batch_norm(input, weight, bias, running_mean, running_var, true, momentum, eps, false);
+    }
+  } sync;
+  {
+    const hierpar::nn::BatchNormSyncGuard installed(&sync);
+    HIERPAR_EXPECT_THROW_MSG(block.sliced(x, 2), "recompute_sliced: synchronized BatchNorm (a BatchNormSync "
+                                                 "installed) is not supported");
+  }
   auto options = hierpar::testing::small_dcgan(LayerSet::hierpar);
   options.memory_slices = 0;
   options.memory = hierpar::nn::ActivationMemory::recompute;
