@@ -74,6 +74,17 @@ TEST(Examples, TuneChoosesABatchAndDrawsIt) {
   for (const char* batch : {"\n       6   yes", "\n      10   yes", "\n      18   yes", "\n      22   yes"})
     EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
 
+  // task (G and D apart) and hierarchical (two such replicas) on CPU devices: each trial trains on the placement, and
+  // hierarchical's batches split over its two replicas (6, 10, 18, 22 as data's).
+  out = dcgan_stdout(common + " --strategy task --gpus 2 --batch-size 6 --objective epoch-time --max-batch 9");
+  EXPECT_NE(out.find("on task: replica 0: G cpu, D cpu;"), std::string::npos) << out;
+  for (const char* batch : {"\n       6   yes", "\n       9   yes"})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+  out = dcgan_stdout(common + " --strategy hierarchical --gpus 4 --batch-size 6 --objective epoch-time --max-batch 22");
+  EXPECT_NE(out.find("on hierarchical: replica 0: G cpu, D cpu | replica 1: G cpu, D cpu"), std::string::npos) << out;
+  for (const char* batch : {"\n       6   yes", "\n      10   yes", "\n      18   yes", "\n      22   yes"})
+    EXPECT_NE(out.find(batch), std::string::npos) << batch << " missing from\n" << out;
+
   expect_flag_error(run_dcgan(common + " --objective fastest", dir),
                     "--objective: expected max-memory, epoch-time or gpu-usage, got 'fastest'", "unknown objective");
   expect_flag_error(run_dcgan(common + " --strategy data --gpus 2 --batch-size 9", dir),
