@@ -421,13 +421,7 @@ TEST(Recompute, OffloadedInputChangedInPlaceFailsTheBackward) {
 // Synchronized BatchNorm normalises on the forward's thread with every replica's statistics; the backward's
 // recomputation runs on autograd's thread without them, so a recomputed block refuses it.
 TEST(Recompute, RefusesSynchronizedBatchNorm) {
-  struct LocalStatistics final : hierpar::nn::BatchNormSync {
-    torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
-                          const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
-                          double eps) override {
-      return torch::batch_norm(input, weight, bias, running_mean, running_var, true, momentum, eps, false);
-    }
-  } sync;
+  hierpar::testing::LocalBatchNormSync sync;
   ConvBlock block(LayerSet::hierpar, 2, 3);
   const auto x = hierpar::testing::random_tensor({2, 2, 6, 6}, torch::kFloat).requires_grad_(true);
   const hierpar::nn::BatchNormSyncGuard installed(&sync);

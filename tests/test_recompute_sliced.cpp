@@ -247,13 +247,7 @@ TEST(RecomputeSliced, BadArgumentsAndSecondDerivativesAreClearErrors) {
   HIERPAR_EXPECT_THROW_MSG(torch::autograd::grad({block.sliced(x, 2).square().sum()}, {x}, {}, /*retain_graph=*/true,
                                                   /*create_graph=*/true),
                            "no second derivatives; use memory_slices 1");
-  struct LocalStatistics final : hierpar::nn::BatchNormSync {
-    torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
-                          const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
-                          double eps) override {
-      return torch::batch_norm(input, weight, bias, running_mean, running_var, true, momentum, eps, false);
-    }
-  } sync;
+  hierpar::testing::LocalBatchNormSync sync;
   {
     const hierpar::nn::BatchNormSyncGuard installed(&sync);
     HIERPAR_EXPECT_THROW_MSG(block.sliced(x, 2), "recompute_sliced: synchronized BatchNorm (a BatchNormSync "

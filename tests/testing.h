@@ -70,6 +70,16 @@ std::vector<std::string> dispatched_operators(const std::function<void()>& f);
 // The seed's DCGAN at its smallest (32x32, a quarter of the width): milliseconds a training step on the CPU.
 hierpar::models::DCGANOptions small_dcgan(hierpar::LayerSet layers, int64_t nz = 8, int64_t channels = 3);
 
+// A BatchNormSync that normalises with this replica's own statistics: installed, it makes a layer take the
+// synchronized path (for tests of what refuses it).
+struct LocalBatchNormSync final : hierpar::nn::BatchNormSync {
+  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& weight, const torch::Tensor& bias,
+                        const torch::Tensor& running_mean, const torch::Tensor& running_var, double momentum,
+                        double eps) override {
+    return torch::batch_norm(input, weight, bias, running_mean, running_var, true, momentum, eps, false);
+  }
+};
+
 // The most CUDA memory allocated at once, above what was allocated before, by one G and D forward and backward of
 // the DCGAN `model` on cuda:0 at `batch`, after `warmup` untimed passes (one-time allocations, an offload plan);
 // with `mark_steps` each pass, the measured one too, starts with begin_offload_step as the trainer's steps do.
