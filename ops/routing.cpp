@@ -26,22 +26,45 @@ int64_t at_or_first(at::IntArrayRef values, size_t i, int64_t otherwise) {
   return values.size() > i ? values[i] : values[0];
 }
 
+// A size or stride as a plain value. Under torch.compile with dynamic shapes it is symbolic: reading it
+// specialises the compiled graph on it, as the ops' Meta kernels do (docs/python.md).
+int64_t concrete(const c10::SymInt& value) { return value.guard_int(__FILE__, __LINE__); }
+
+bool channels_last_4d(const at::Tensor& input) {
+  if (input.dim() != 4) return false;
+  if (!input.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    return input.is_contiguous(at::MemoryFormat::ChannelsLast);
+  }
+  int64_t sizes[4], strides[4];
+  for (int64_t d = 0; d < 4; ++d) {
+    sizes[d] = concrete(input.sym_size(d));
+    strides[d] = concrete(input.sym_stride(d));
+  }
+  // Dense NHWC, with dimensions of size 1 free to have any stride (as is_contiguous(ChannelsLast) judges them).
+  int64_t expected = 1;
+  for (int64_t d : {1, 3, 2, 0}) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
 ConvCall call_of(const at::Tensor& input, int64_t in_channels, int64_t out_channels, const at::Tensor& weight,
                  at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
   ConvCall c;
   c.cuda = input.is_cuda();
   c.dtype = input.scalar_type();
   c.autocast = at::autocast::is_autocast_enabled(at::kCUDA);
-  c.channels_last = input.dim() == 4 && input.is_contiguous(at::MemoryFormat::ChannelsLast);
+  c.channels_last = channels_last_4d(input);
   c.tf32 = at::globalContext().allowTF32CuDNN(at::Float32Op::CONV);
-  c.batch = input.dim() == 4 ? input.size(0) : 1;
+  c.batch = input.dim() == 4 ? concrete(input.sym_size(0)) : 1;
   c.in_channels = in_channels;
   c.out_channels = out_channels;
   c.groups = groups;
-  c.input_h = input.size(-2);
-  c.input_w = input.size(-1);
-  c.kernel_h = weight.size(2);
-  c.kernel_w = weight.size(3);
+  c.input_h = concrete(input.sym_size(-2));
+  c.input_w = concrete(input.sym_size(-1));
+  c.kernel_h = concrete(weight.sym_size(2));
+  c.kernel_w = concrete(weight.sym_size(3));
   c.stride_h = at_or_first(stride, 0, 1);
   c.stride_w = at_or_first(stride, 1, 1);
   c.padding_h = at_or_first(padding, 0, 0);
@@ -95,7 +118,8 @@ bool conv_transpose2d_on_hierpar(const at::Tensor& input, const at::Tensor& weig
                                  at::IntArrayRef dilation) {
   if (!input.is_cuda() || !switch_on(Switch::layer_routing)) return true;
   if (input.dim() < 3 || weight.dim() != 4) return true;  // the op's checks name what is wrong
-  ConvCall c = call_of(input, weight.size(0), weight.size(1) * groups, weight, stride, padding, dilation, groups);
+  ConvCall c = call_of(input, concrete(weight.sym_size(0)), concrete(weight.sym_size(1)) * groups, weight, stride,
+                       padding, dilation, groups);
   c.output_padding_h = at_or_first(output_padding, 0, 0);
   c.output_padding_w = at_or_first(output_padding, 1, 0);
 #ifdef HIERPAR_WITH_CUDA
@@ -110,7 +134,8 @@ bool conv2d_on_hierpar(const at::Tensor& input, const at::Tensor& weight, at::In
   if (!input.is_cuda() || !switch_on(Switch::layer_routing)) return true;
   if (input.dim() < 3 || weight.dim() != 4) return true;
   return hierpar_wins_conv2d(
-      call_of(input, weight.size(1) * groups, weight.size(0), weight, stride, padding, dilation, groups));
+      call_of(input, concrete(weight.sym_size(1)) * groups, concrete(weight.sym_size(0)), weight, stride, padding,
+              dilation, groups));
 }
 
 }  // namespace hierpar::ops

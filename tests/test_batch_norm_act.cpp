@@ -129,7 +129,7 @@ TEST(BatchNormActCpu, DoubleBackwardIsAClearError) {
 
 // Second derivatives (what an R1 or WGAN-GP penalty takes): the gradient of a function of the input gradient,
 // against the stock composition (ATen's batch_norm and activation) in double, every activation, training and eval,
-// with and without weight; identity and leaky_relu inside a DoubleBackwardScope (relu keeps its input anyway).
+// with and without weight; leaky_relu inside a DoubleBackwardScope (identity and relu keep their input anyway).
 TEST(BatchNormActCpu, SecondDerivativesMatchAten) {
   for (const char* activation : {"identity", "relu", "leaky_relu"}) {
     for (const bool training : {true, false}) {

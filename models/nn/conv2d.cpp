@@ -5,7 +5,6 @@
 #include "conv_module.h"
 
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/leaky_relu.h>
 #include <ATen/ops/pad.h>
 
 #include <array>
@@ -70,14 +69,8 @@ torch::Tensor Conv2dImpl::convolve(const torch::Tensor& input, std::optional<dou
   const auto pad = padding_of(options);
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
   auto conv = [&](const torch::Tensor& x, at::IntArrayRef padding) {
-    // cuDNN where hierpar's kernels measured slower for this call (hierpar/routing.h).
-    if (!ops::conv2d_on_hierpar(x, weight, *options.stride(), padding, *options.dilation(), options.groups())) {
-      const torch::Tensor y = detail::aten_convolution(x, weight, b, *options.stride(), padding, *options.dilation(),
-                                                       /*transposed=*/false, {}, options.groups());
-      return leaky_relu_slope ? at::leaky_relu(y, *leaky_relu_slope) : y;
-    }
-    return ops::conv2d(x, weight, b, *options.stride(), padding, *options.dilation(), options.groups(),
-                       leaky_relu_slope);
+    return ops::conv2d_layer(x, weight, b, *options.stride(), padding, *options.dilation(), options.groups(),
+                             leaky_relu_slope);
   };
   if (!std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode())) {
     // reflect / replicate / circular: pad the input, then convolve without padding (torch::nn's order).

@@ -3,9 +3,6 @@
 // and the repr's start. Private to the layers.
 #pragma once
 
-#include <ATen/ops/conv2d.h>
-#include <ATen/ops/conv_transpose2d.h>
-#include <ATen/ops/convolution.h>
 #include <torch/nn/init.h>
 #include <torch/nn/module.h>
 
@@ -51,22 +48,6 @@ void init_conv_parameters(torch::nn::Module& module, const Options& options, int
     bias = module.register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
   }
   reset_conv_parameters(weight, bias);
-}
-
-// The cuDNN route of a routed call: for a batched real input, at::convolution, which at::conv2d and
-// at::conv_transpose2d call after their unbatched-input and complex checks (the same kernels and autograd node, one
-// dispatch fewer, so the layer's host cost stays under stock's); anything else through those functions.
-inline at::Tensor aten_convolution(const at::Tensor& input, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                   at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
-                                   at::IntArrayRef output_padding, int64_t groups) {
-  if (input.dim() == 4 && !input.is_complex()) {
-    const int64_t no_output_padding[2] = {0, 0};
-    return at::convolution(input, weight, bias, stride, padding, dilation, transposed,
-                           transposed ? output_padding : at::IntArrayRef(no_output_padding), groups);
-  }
-  return transposed ? at::conv_transpose2d(input, weight, bias, stride, padding, output_padding, groups, dilation)
-                    : at::conv2d(input, weight, bias, stride, padding, dilation, groups);
 }
 
 // Whether both values of a pair are v (the repr leaves such defaults out, as torch's does).

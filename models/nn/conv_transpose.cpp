@@ -69,14 +69,8 @@ torch::Tensor ConvTranspose2dImpl::forward(const torch::Tensor& input,
                                            const std::optional<at::IntArrayRef>& output_size) {
   const auto output_padding = output_padding_for(input, output_size);
   const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
-  // cuDNN where hierpar's kernels measured slower for this call (hierpar/routing.h).
-  if (!ops::conv_transpose2d_on_hierpar(input, weight, *options.stride(), *options.padding(), output_padding,
-                                        options.groups(), *options.dilation())) {
-    return detail::aten_convolution(input, weight, b, *options.stride(), *options.padding(), *options.dilation(),
-                                    /*transposed=*/true, output_padding, options.groups());
-  }
-  return ops::conv_transpose2d(input, weight, b, *options.stride(), *options.padding(), output_padding,
-                               options.groups(), *options.dilation());
+  return ops::conv_transpose2d_layer(input, weight, b, *options.stride(), *options.padding(), output_padding,
+                                     options.groups(), *options.dilation());
 }
 
 }  // namespace hierpar::nn

@@ -1,15 +1,16 @@
 // Autograd kernels of hierpar::batch_norm_act (a backward node, backward_node.h, that calls the registered
 // hierpar::batch_norm_act_backward op) and of the backward op itself.
 //
-// What is saved: the OUTPUT (plus weight, bias and the fp32 statistics) for identity and leaky_relu, whose
-// backward recovers the pre-activation by inverting the activation; for relu the INPUT as well, because
-// the negative half of the pre-activation is lost and grad_input needs xhat at every element (see
-// docs/batch_norm_act.md). The running statistics and num_batches_tracked are updated in place and are not
-// differentiable.
+// What is saved (plus weight, bias and the fp32 statistics): for identity the INPUT, as ATen's batch norm keeps it,
+// so that an in-place op on the output (a ReLU(inplace=True) after BatchNorm2d) leaves the backward intact; for
+// leaky_relu the OUTPUT, whose backward recovers the pre-activation by inverting the activation (an in-place op on it
+// is then refused by autograd's version check, as after a stock LeakyReLU); for relu both, because the negative half
+// of the pre-activation is lost and grad_input needs xhat at every element (see docs/batch_norm_act.md). The running
+// statistics and num_batches_tracked are updated in place and are not differentiable.
 //
-// Second derivatives (create_graph: R1 and gradient penalties) need the input, which identity and leaky_relu keep
-// only inside a DoubleBackwardScope; the node then differentiates through ATen's differentiable ops
-// (native_batch_norm_backward, whose own derivative ATen has, and the activations' backward).
+// Second derivatives (create_graph: R1 and gradient penalties) need the input, which leaky_relu keeps only inside a
+// DoubleBackwardScope; the node then differentiates through ATen's differentiable ops (native_batch_norm_backward,
+// whose own derivative ATen has, and the activations' backward).
 #include "autograd/backward_node.h"
 #include "hierpar/ops.h"
 
@@ -60,9 +61,13 @@ struct BatchNormActBackwardNode final : torch::autograd::Node {
     const std::array<bool, 3> mask{should_compute_output(0), should_compute_output(1), should_compute_output(2)};
     if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], mask);
     auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt; };
+    const at::Tensor x = input.unpack();
+    // Identity keeps only the input: the op reads the output's values for the activation alone, so the input
+    // stands in for it (same shape and layout).
+    const at::Tensor out = activation == "identity" ? x : output.unpack(shared_from_this());
     auto [grad_input, grad_weight, grad_bias] = hierpar::ops::batch_norm_act_backward(
-        grads[0], output.unpack(shared_from_this()), opt(input.unpack()), opt(weight.unpack()), opt(bias.unpack()),
-        save_mean.unpack(), save_invstd.unpack(), training, eps, activation, slope, mask);
+        grads[0], out, opt(x), opt(weight.unpack()), opt(bias.unpack()), save_mean.unpack(), save_invstd.unpack(),
+        training, eps, activation, slope, mask);
     return {grad_input, grad_weight, grad_bias};
   }
   void release_variables() override {
@@ -75,12 +80,11 @@ struct BatchNormActBackwardNode final : torch::autograd::Node {
     TORCH_CHECK(x.defined(), "hierpar::batch_norm_act: a second derivative (create_graph) needs the layer's input, which ",
                 activation, " does not keep: run the forward inside a hierpar::ops::DoubleBackwardScope (the "
                 "trainer's R1 penalty does)");
-    const at::Tensor out = output.unpack(shared_from_this());
     at::Tensor g = grad;
     if (activation == "relu") {
-      g = at::threshold_backward(grad, out, 0);
+      g = at::threshold_backward(grad, output.unpack(shared_from_this()), 0);
     } else if (activation == "leaky_relu") {
-      g = at::leaky_relu_backward(grad, out, slope, /*self_is_result=*/true);
+      g = at::leaky_relu_backward(grad, output.unpack(shared_from_this()), slope, /*self_is_result=*/true);
     }
     const at::Tensor w = weight.unpack();
     const at::Tensor mean = save_mean.unpack(), invstd = save_invstd.unpack();
@@ -126,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
   // Nothing to differentiate (inference, or frozen inputs and parameters): no node, no saved tensors.
   if (!torch::autograd::compute_requires_grad(input, weight, bias)) return {output, save_mean, save_invstd};
   auto node = new_backward_node<BatchNormActBackwardNode>(input, weight, bias);
-  if (activation == "relu" || hierpar::ops::DoubleBackwardScope::active()) {
+  const bool identity = activation == "identity";
+  if (identity || activation == "relu" || hierpar::ops::DoubleBackwardScope::active()) {
     node->input = SavedVariable(input, /*is_output=*/false);
   }
   if (present(weight)) node->weight = SavedVariable(*weight, /*is_output=*/false);
@@ -138,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_autograd(
   node->slope = slope;
   node->activation = std::string(activation.data(), activation.size());
   torch::autograd::set_history(output, node);
-  node->output = SavedVariable(output, /*is_output=*/true);
+  if (!identity) node->output = SavedVariable(output, /*is_output=*/true);
   return {output, save_mean, save_invstd};
 }
 

@@ -1,8 +1,8 @@
 #pragma once
 // Which kernels a convolution layer's call should run on: hierpar's or ATen's (cuDNN). hierpar::nn's Conv2d and
-// ConvTranspose2d ask before each call and take at::conv2d / at::conv_transpose2d where hierpar's kernels measured
-// slower, so swapping in a hierpar layer never trades a faster kernel for a slower one. The operators themselves
-// (hierpar::ops::conv2d, conv_transpose2d) always run hierpar's kernels. On the CPU the answer is always hierpar's op,
+// ConvTranspose2d call conv2d_layer / conv_transpose2d_layer below, which ask before each call and take ATen's
+// convolution where hierpar's kernels measured slower, so swapping in a hierpar layer never trades a faster kernel for
+// a slower one. The operators hierpar::ops::conv2d and conv_transpose2d themselves always run hierpar's kernels. On the CPU the answer is always hierpar's op,
 // which chooses between ATen and its reference kernels itself (docs/cpu.md). Switch::layer_routing off: always yes.
 //
 // The table (docs/architectures.md, "Which layer runs where"), measured on H100/H200 in the DCGAN's step:
@@ -19,6 +19,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace hierpar::ops {
 
@@ -47,5 +48,16 @@ bool conv_transpose2d_on_hierpar(const at::Tensor& input, const at::Tensor& weig
                                  at::IntArrayRef dilation);
 bool conv2d_on_hierpar(const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
+
+// What a layer runs (operators hierpar::conv2d_layer / conv_transpose2d_layer, CompositeImplicitAutograd): the call
+// on hierpar's op where the table says so, else on ATen's convolution (cuDNN), with conv2d's optional LeakyReLU
+// applied after it. Arguments as hierpar::ops::conv2d's and conv_transpose2d's.
+at::Tensor conv2d_layer(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                        std::optional<double> leaky_relu_slope);
+at::Tensor conv_transpose2d_layer(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                                  at::IntArrayRef padding, at::IntArrayRef output_padding, int64_t groups,
+                                  at::IntArrayRef dilation);
 
 }  // namespace hierpar::ops
