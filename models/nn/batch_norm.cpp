@@ -10,6 +10,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <type_traits>
+
 namespace hierpar::nn {
 
 namespace {
@@ -28,16 +30,60 @@ BatchNormSyncGuard::~BatchNormSyncGuard() { current_sync = previous_; }
 
 namespace detail {
 
-template <typename Derived>
-BatchNormActImplBase<Derived>::BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options_,
-                                                    Activation activation_, double negative_slope_)
-    : options(options_), activation(activation_), negative_slope(negative_slope_) {
+namespace {
+void check_slope(Activation activation, double negative_slope) {
   TORCH_CHECK(activation != Activation::leaky_relu || negative_slope > 0,
               "hierpar::nn::BatchNormAct2d: negative_slope: expected a positive slope for leaky_relu (the backward "
               "inverts the activation), got ",
               negative_slope);
+}
+
+// One tensor given to the constructor around existing tensors: present exactly when the options keep it
+// (`kept_because` names the option), with `numel` elements.
+void check_given(const char* layer, const char* name, const torch::Tensor& t, bool kept, const char* kept_because,
+                 int64_t numel) {
+  if (!kept) {
+    TORCH_CHECK(!t.defined(), layer, ": ", name, ": expected none (", kept_because, " is false), got a tensor");
+    return;
+  }
+  TORCH_CHECK(t.defined(), layer, ": ", name, ": expected a tensor (", kept_because, " is true), got none");
+  TORCH_CHECK(t.numel() == numel && t.dim() <= 1, layer, ": ", name, ": expected ", numel,
+              numel == 1 ? " element" : " elements (num_features)", ", got ", t.sizes());
+}
+}  // namespace
+
+template <typename Derived>
+BatchNormActImplBase<Derived>::BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options_,
+                                                    Activation activation_, double negative_slope_)
+    : options(options_), activation(activation_), negative_slope(negative_slope_) {
+  check_slope(activation, negative_slope);
   // Cloneable::clone() calls reset() on the copy; the constructor does the same as torch::nn's.
   reset();
+}
+
+template <typename Derived>
+BatchNormActImplBase<Derived>::BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options_,
+                                                    Activation activation_, double negative_slope_,
+                                                    const BatchNormTensors& given)
+    : options(options_), activation(activation_), negative_slope(negative_slope_) {
+  check_slope(activation, negative_slope);
+  // name() is virtual: not callable from here.
+  const char* layer =
+      std::is_same_v<Derived, BatchNormAct2dImpl> ? "hierpar::nn::BatchNormAct2d" : "hierpar::nn::BatchNorm2d";
+  const int64_t C = options.num_features();
+  const bool affine = options.affine(), track = options.track_running_stats();
+  check_given(layer, "weight", given.weight, affine, "affine", C);
+  check_given(layer, "bias", given.bias, affine, "affine", C);
+  check_given(layer, "running_mean", given.running_mean, track, "track_running_stats", C);
+  check_given(layer, "running_var", given.running_var, track, "track_running_stats", C);
+  check_given(layer, "num_batches_tracked", given.num_batches_tracked, track, "track_running_stats", 1);
+  // The names and order of reset(), so that state dicts and named_parameters() list the same keys.
+  auto grad = [](const torch::Tensor& t) { return t.defined() && t.requires_grad(); };
+  weight = this->register_parameter("weight", given.weight, grad(given.weight));
+  bias = this->register_parameter("bias", given.bias, grad(given.bias));
+  running_mean = this->register_buffer("running_mean", given.running_mean);
+  running_var = this->register_buffer("running_var", given.running_var);
+  num_batches_tracked = this->register_buffer("num_batches_tracked", given.num_batches_tracked);
 }
 
 template <typename Derived>

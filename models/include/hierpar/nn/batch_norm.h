@@ -42,12 +42,25 @@ class BatchNormSyncGuard {
   BatchNormSync* previous_;
 };
 
+// A batch norm's tensors by torch::nn::BatchNorm2d's names, for the layers' constructors around existing tensors
+// below; undefined where the options keep none (weight and bias without affine, the rest without
+// track_running_stats).
+struct BatchNormTensors {
+  torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+};
+
 namespace detail {
 // The shared implementation; `Derived` is the concrete Impl so that clone() returns the right type.
 template <typename Derived>
 class BatchNormActImplBase : public torch::nn::Cloneable<Derived> {
  public:
   BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options, Activation activation, double negative_slope);
+  // Around existing tensors instead of new ones (hierpar::nn::converted builds on it, from a torch::nn::BatchNorm2d's):
+  // registered as they are, neither copied nor initialised, requires_grad kept, so that every holder of them (an
+  // optimizer, another module) sees this layer's updates and this layer theirs. clone() still gives a copy with
+  // tensors of its own.
+  BatchNormActImplBase(const torch::nn::BatchNorm2dOptions& options, Activation activation, double negative_slope,
+                       const BatchNormTensors& tensors);
 
   void reset() override;
   void reset_running_stats();
@@ -76,6 +89,10 @@ class BatchNormAct2dImpl : public detail::BatchNormActImplBase<BatchNormAct2dImp
   explicit BatchNormAct2dImpl(int64_t num_features, Activation activation = Activation::relu,
                               double negative_slope = 0.01)
       : BatchNormAct2dImpl(torch::nn::BatchNorm2dOptions(num_features), activation, negative_slope) {}
+  // Around existing tensors (see BatchNormActImplBase).
+  BatchNormAct2dImpl(const torch::nn::BatchNorm2dOptions& options, Activation activation, double negative_slope,
+                     const BatchNormTensors& tensors)
+      : BatchNormActImplBase(options, activation, negative_slope, tensors) {}
 
  protected:
   const char* name() const override { return "hierpar::nn::BatchNormAct2d"; }
@@ -88,6 +105,9 @@ class BatchNorm2dImpl : public detail::BatchNormActImplBase<BatchNorm2dImpl> {
   explicit BatchNorm2dImpl(const torch::nn::BatchNorm2dOptions& options)
       : BatchNormActImplBase(options, Activation::identity, 0.01) {}
   explicit BatchNorm2dImpl(int64_t num_features) : BatchNorm2dImpl(torch::nn::BatchNorm2dOptions(num_features)) {}
+  // Around existing tensors (see BatchNormActImplBase).
+  BatchNorm2dImpl(const torch::nn::BatchNorm2dOptions& options, const BatchNormTensors& tensors)
+      : BatchNormActImplBase(options, Activation::identity, 0.01, tensors) {}
 
  protected:
   const char* name() const override { return "hierpar::nn::BatchNorm2d"; }

@@ -17,6 +17,11 @@ class Conv2dImpl : public torch::nn::Cloneable<Conv2dImpl> {
   explicit Conv2dImpl(const torch::nn::Conv2dOptions& options);
   Conv2dImpl(int64_t in_channels, int64_t out_channels, torch::ExpandingArray<2> kernel_size)
       : Conv2dImpl(torch::nn::Conv2dOptions(in_channels, out_channels, kernel_size)) {}
+  // Around existing tensors instead of new ones (hierpar::nn::converted builds on it, from a torch::nn::Conv2d's):
+  // `weight` [out, in/groups, kH, kW] and `bias` [out] (undefined when !options.bias()) are registered as they are,
+  // neither copied nor initialised, requires_grad kept, so that every holder of them (an optimizer, another module)
+  // sees this layer's updates and this layer theirs. clone() still gives a copy with tensors of its own.
+  Conv2dImpl(const torch::nn::Conv2dOptions& options, torch::Tensor weight, torch::Tensor bias);
 
   void reset() override;
   void reset_parameters();

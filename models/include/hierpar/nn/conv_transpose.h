@@ -19,6 +19,12 @@ class ConvTranspose2dImpl : public torch::nn::Cloneable<ConvTranspose2dImpl> {
   explicit ConvTranspose2dImpl(const torch::nn::ConvTranspose2dOptions& options);
   ConvTranspose2dImpl(int64_t in_channels, int64_t out_channels, torch::ExpandingArray<2> kernel_size)
       : ConvTranspose2dImpl(torch::nn::ConvTranspose2dOptions(in_channels, out_channels, kernel_size)) {}
+  // Around existing tensors instead of new ones (hierpar::nn::converted builds on it, from a
+  // torch::nn::ConvTranspose2d's): `weight` [in, out/groups, kH, kW] and `bias` [out] (undefined when !options.bias())
+  // are registered as they are, neither copied nor initialised, requires_grad kept, so that every holder of them (an
+  // optimizer, another module) sees this layer's updates and this layer theirs. clone() still gives a copy with
+  // tensors of its own.
+  ConvTranspose2dImpl(const torch::nn::ConvTranspose2dOptions& options, torch::Tensor weight, torch::Tensor bias);
 
   void reset() override;
   void reset_parameters();
