@@ -122,6 +122,9 @@ SAMPLES = {
     hp.conv_transpose2d_backward.default: conv_transpose2d_backward_samples,
     hp.conv2d.default: conv2d_samples,
     hp.conv2d_backward.default: conv2d_backward_samples,
+    # The layers' routed calls (CompositeImplicitAutograd) take their ops' arguments.
+    hp.conv_transpose2d_layer.default: conv_transpose2d_samples,
+    hp.conv2d_layer.default: conv2d_samples,
     hp.fused_adam_.default: fused_adam_samples,
     hp.fused_adam_.tensor_lr: fused_adam_tensor_lr_samples,
 }
