@@ -1,6 +1,7 @@
 """scripts/skip_reasons.py, which scripts/test runs after ctest: from CTest's JUnit report of a small CTest
 project with a GoogleTest-style skip, a SKIP_RETURN_CODE skip, a pass and a failure, it prints each skip's reason
-and test name, grouped by reason, and nothing for the others."""
+and test name, grouped by reason, and nothing for the others, then one line counting passes, failures and skips
+(a skip never counted as a pass)."""
 import os
 import shutil
 import subprocess
@@ -42,4 +43,5 @@ def test_skip_reasons_are_printed_by_reason(tmp_path):
         "       (Gpu.One, Gpu.Two)",
         "    1  pytest is not installed",
         "       (python.none)",
+        "1 passed, 1 failed, 3 skipped",
     ], printed
