@@ -220,7 +220,7 @@ bool register_redraw(const std::string& suite, Redraw redraw) {
   return true;
 }
 
-bool redraw_chart(const std::string& suite, const std::string& path) {
+bool redraw_chart(const std::string& suite, const std::string& path, const std::string& png) {
   const auto it = redraws().find(suite);
   if (it == redraws().end()) return false;
   std::ifstream in(path);
@@ -228,8 +228,7 @@ bool redraw_chart(const std::string& suite, const std::string& path) {
   const nlohmann::json record = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (record.is_discarded() || !record.is_object() || !record.contains("records") || !record["records"].is_array())
     throw std::runtime_error(path + ": not a hierpar-bench record (a JSON object with a \"records\" list)");
-  const bool json = path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0;
-  it->second(record["records"], (json ? path.substr(0, path.size() - 5) : path) + ".png");
+  it->second(record["records"], png);
   return true;
 }
 

@@ -159,9 +159,10 @@ void write_chart_file(const std::string& path, const std::function<void(const st
 // anything (no GPU needed). A suite that draws a chart registers how: from the record's "records" list to `png`.
 using Redraw = std::function<void(const nlohmann::json& records, const std::string& png)>;
 bool register_redraw(const std::string& suite, Redraw redraw);
-// Draws `suite`'s chart from the record at `path` to `path` with .png for .json; false when the suite draws none.
-// Throws std::runtime_error naming the file when it cannot be read as a record.
-bool redraw_chart(const std::string& suite, const std::string& path);
+// Draws `suite`'s chart from the record at `path` to `png` (hierpar-bench names it after the record, in the output
+// folder); false when the suite draws none. Throws std::runtime_error naming the file when it cannot be read as a
+// record.
+bool redraw_chart(const std::string& suite, const std::string& path, const std::string& png);
 
 using Suite = std::function<void(Report&, const Options&)>;
 // needs_cuda false: the suite also runs on a machine without a GPU (its records then say gpu "none").

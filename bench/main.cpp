@@ -1,7 +1,9 @@
 // hierpar-bench: runs benchmark suites on the GPU, prints a table per suite and writes
-// <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md).
+// <out>/<gpu>-<suite>.json (shared/BENCH_FORMAT.md). <out> is --out DIR, else $HIERPAR_BENCH_OUT, else
+// ~/.cache/hierpar/bench: outside the repository (committing a record to bench/results is a deliberate copy).
 //   hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]
-//   hierpar-bench SUITE --redraw RECORD.json    (the suite's chart again from its record: RECORD.png; no GPU needed)
+//   hierpar-bench SUITE --redraw RECORD.json [--out DIR]   (the suite's chart again from its record: <out>/RECORD.png;
+//                                                          no GPU needed)
 //   hierpar-bench --help
 #include "bench.h"
 
@@ -46,7 +48,16 @@ void print_stack_and_reraise(int signal) {
 
 constexpr char kUsage[] =
     "usage: hierpar-bench [all | SUITE...] [--quick] [--batches N,N...] [--skip TEXT] [--out DIR] [--list]\n"
-    "       hierpar-bench SUITE --redraw RECORD.json\n";
+    "       hierpar-bench SUITE --redraw RECORD.json [--out DIR]\n";
+
+// Where the records and charts go without --out: $HIERPAR_BENCH_OUT, else ~/.cache/hierpar/bench (outside the
+// repository: a run never rewrites the committed records in bench/results unless --out names that folder). Empty when
+// neither HIERPAR_BENCH_OUT nor HOME is set.
+std::string default_out_dir() {
+  if (const char* env = std::getenv("HIERPAR_BENCH_OUT"); env && *env) return env;
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/hierpar/bench";
+  return {};
+}
 
 int usage(const std::string& error) {
   std::cerr << "hierpar-bench: " << error << "\n" << kUsage;
@@ -62,9 +73,13 @@ int help() {
                "  --batches N,N    batch sizes: dcgan_step and overhead run any; the other suites keep those of their cases\n"
                "                   that are in the list\n"
                "  --skip TEXT      leave out the rows whose label contains TEXT (repeatable), e.g. 'graphs off'\n"
-               "  --out DIR        where the records go (default bench/results)\n"
+               "  --out DIR        where the records (and charts) go; default $HIERPAR_BENCH_OUT if set, else\n"
+               "                   ~/.cache/hierpar/bench (outside the repository: to keep a record in bench/results,\n"
+               "                   copy it there, or pass --out bench/results); the run says where they went\n"
                "  --list           the suites, one a line\n"
-               "  --redraw RECORD  draw SUITE's chart again from a record it wrote (no GPU needed)\n"
+               "  --redraw RECORD  draw SUITE's chart again from a record it wrote (no GPU needed): the chart is\n"
+               "                   written to <out>/RECORD.png (RECORD's name, .png for .json) in --out DIR or the\n"
+               "                   default folder above, never beside RECORD unless --out names its folder\n"
                "Under torchrun the strategy suite runs one process per GPU; rank 0 prints and writes the record.\n";
   return 0;
 }
@@ -81,7 +96,7 @@ int main(int argc, char** argv) {
   // for it, the rows that launch the most kernels the most. TEARDOWN_CUPTI=0 in the environment keeps it attached.
   setenv("TEARDOWN_CUPTI", "1", /*overwrite=*/0);
   Options options;
-  std::string out_dir = "bench/results";
+  std::string out_dir;  // --out; empty: default_out_dir()
   std::vector<std::string> wanted;
   std::string redraw;  // --redraw: a record whose chart to draw again
   for (int i = 1; i < argc; ++i) {
@@ -119,12 +134,32 @@ int main(int argc, char** argv) {
       wanted.push_back(arg);
     }
   }
+  const bool out_given = !out_dir.empty();
+  if (!out_given) {
+    out_dir = default_out_dir();
+    if (out_dir.empty()) return usage("neither --out, HIERPAR_BENCH_OUT nor HOME is set: name a folder with --out DIR");
+  }
+  // One line saying where the records (or the chart) go, and why there.
+  const auto say_out = [&] {
+    std::cout << "hierpar-bench: writing to " << out_dir
+              << (out_given                        ? " (--out)"
+                  : std::getenv("HIERPAR_BENCH_OUT") && *std::getenv("HIERPAR_BENCH_OUT")
+                      ? " ($HIERPAR_BENCH_OUT; --out DIR to change)"
+                      : " (the default; --out DIR or $HIERPAR_BENCH_OUT to change)")
+              << std::endl;
+  };
   if (!redraw.empty()) {
     if (wanted.size() != 1) return usage("--redraw: name the one suite that wrote the record, e.g. strategy");
     if (std::none_of(suites().begin(), suites().end(), [&](const auto& s) { return s.first == wanted[0]; }))
       return usage("no suite named '" + wanted[0] + "' (--list shows them)");
     try {
-      if (!redraw_chart(wanted[0], redraw)) return usage("--redraw: suite '" + wanted[0] + "' draws no chart");
+      // The chart is named after the record (.png for .json) and goes into the output folder, not beside the record.
+      std::filesystem::path name = std::filesystem::path(redraw).filename();
+      if (name.extension() == ".json") name.replace_extension();
+      const std::string png = (std::filesystem::path(out_dir) / name).string() + ".png";
+      say_out();
+      std::filesystem::create_directories(out_dir);
+      if (!redraw_chart(wanted[0], redraw, png)) return usage("--redraw: suite '" + wanted[0] + "' draws no chart");
     } catch (const std::exception& e) {
       std::cerr << "hierpar-bench: --redraw: " << e.what() << "\n";
       return 1;
@@ -155,6 +190,7 @@ int main(int argc, char** argv) {
   // Several processes write one record, named after their count; rank 0 writes it.
   const std::string processes = launch.multi_process() ? "-" + std::to_string(launch.world_size) + "procs" : "";
   const bool reports = launch.rank == 0;
+  if (reports) say_out();
   int failed = 0;
   for (const auto& [name, suite] : suites()) {
     if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;

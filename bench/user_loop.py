@@ -414,9 +414,10 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=counted(0), default=10, help="untimed steps per impl first (default 10)")
     parser.add_argument("--steps", type=counted(1), default=50, help="timed steps per impl (default 50)")
     parser.add_argument("--seed", type=counted(0), default=0, help="weights, data and noise (default 0)")
-    parser.add_argument("--out", default=os.path.join(os.path.expanduser("~"), ".cache", "hierpar", "bench"),
-                        help="folder for the JSON record (default ~/.cache/hierpar/bench; copy a record worth keeping "
-                             "into bench/results)")
+    parser.add_argument("--out", default=os.environ.get("HIERPAR_BENCH_OUT") or
+                        os.path.join(os.path.expanduser("~"), ".cache", "hierpar", "bench"),
+                        help="folder for the JSON record (default $HIERPAR_BENCH_OUT, else ~/.cache/hierpar/bench, as "
+                             "hierpar-bench; copy a record worth keeping into bench/results)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="after timing, profile 5 more steps of each impl into DIR (host and GPU time tables)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
