@@ -22,6 +22,9 @@
 #include <cstring>
 #include <ftw.h>
 #include <sys/wait.h>
+#include <algorithm>
+#include <csignal>
+#include <vector>
 #include <unistd.h>
 #include <chrono>
 #include <filesystem>
@@ -125,19 +128,60 @@ inline hierpar::models::Generator trained_generator(const std::string& checkpoin
 
 // ---- running hierpar-dcgan ------------------------------------------------------------------------------------
 
+// hierpar-dcgan's commands, in the order its usage and its unknown-command line list them.
+inline const std::vector<std::string>& dcgan_commands() {
+  static const std::vector<std::string> commands{"train", "generate", "evaluate", "export", "plot", "tune", "data-speed"};
+  return commands;
+}
+
 struct ProgramResult {
   int status;
   std::vector<std::string> stderr_lines;
+  std::string command;  // the first word of the arguments
 };
+
+inline std::vector<std::string> lines_of_file(const std::string& path) {
+  std::vector<std::string> lines;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
 
 inline ProgramResult run_dcgan(const std::string& args, const TempDir& dir) {
   const std::string err = dir / "stderr.txt";
   const std::string command = std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " > /dev/null 2> " + err;
   const int raw = std::system(command.c_str());
-  ProgramResult r{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, {}};
-  std::ifstream in(err);
-  for (std::string line; std::getline(in, line);) r.stderr_lines.push_back(line);
+  ProgramResult r{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, lines_of_file(err), args.substr(0, args.find(' '))};
   return r;
+}
+
+// `hierpar-dcgan <args>` started in the background, its stderr to `err` (for sending it signals): its pid.
+inline pid_t start_dcgan(const std::string& args, const std::string& err) {
+  const std::string command = "exec " + std::string(HIERPAR_DCGAN_PROGRAM) + " " + args + " > /dev/null 2> " + err;
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Whether `path` gets a line starting with `prefix` within `limit`.
+inline bool wait_for_line(const std::string& path, const std::string& prefix, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    for (const auto& line : lines_of_file(path))
+      if (line.rfind(prefix, 0) == 0) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// The exit status of a process start_dcgan started (-1 if a signal ended it).
+inline int wait_for_exit(pid_t pid) {
+  int raw = 0;
+  if (::waitpid(pid, &raw, 0) != pid) return -1;
+  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
 }
 
 // What `hierpar-dcgan <args>` prints on stdout.
@@ -161,12 +205,15 @@ inline void expect_one_line_error(const ProgramResult& r, const std::string& sub
   EXPECT_NE(r.stderr_lines[0].find(substring), std::string::npos) << what << ": " << r.stderr_lines[0];
 }
 
-// A bad flag or combination of flags: one line pointing at --help, and exit status 2.
+// A bad flag or combination of flags: one line pointing at the command's --help (the program's for an unknown
+// command), and exit status 2.
 inline void expect_flag_error(const ProgramResult& r, const std::string& substring, const std::string& what) {
   expect_one_line_error(r, substring, what, 2);
   if (r.stderr_lines.size() == 1) {
     const std::string& line = r.stderr_lines[0];
-    const std::string tail = "(see hierpar-dcgan --help)";
+    const auto& commands = dcgan_commands();
+    const bool known = std::find(commands.begin(), commands.end(), r.command) != commands.end();
+    const std::string tail = "(see hierpar-dcgan " + (known ? r.command + " " : std::string()) + "--help)";
     EXPECT_TRUE(line.size() >= tail.size() && line.compare(line.size() - tail.size(), tail.size(), tail) == 0) << line;
   }
 }

@@ -271,7 +271,149 @@ TEST(Examples, UnusableOutFolderIsRefusedBeforeTraining) {
   expect_one_line_error(run_dcgan(tiny + "--out /proc/hierpar-test-no-such-folder", dir),
                         "--out /proc/hierpar-test-no-such-folder: cannot create this folder", "--out under /proc");
   std::ofstream(dir / "a-file") << "x";
-  expect_one_line_error(run_dcgan(tiny + "--out " + (dir / "a-file"), dir), "cannot create this folder", "--out is a file");
+  const auto file = run_dcgan(tiny + "--out " + (dir / "a-file"), dir);
+  expect_one_line_error(file, "", "--out is a file");
+  ASSERT_EQ(file.stderr_lines.size(), 1u);
+  EXPECT_EQ(file.stderr_lines[0], "hierpar-dcgan: error: --out " + (dir / "a-file") +
+                                      ": is a file, not a folder (give a folder for the output)");
+}
+
+namespace {
+
+// The commands that the usage lists (its lines "  <command>  <what it does>").
+std::vector<std::string> usage_commands() {
+  std::vector<std::string> names;
+  std::istringstream usage(dcgan_stdout("--help"));
+  for (std::string line; std::getline(usage, line);) {
+    if (line.rfind("  ", 0) != 0 || line.size() < 3 || line[2] == ' ') continue;
+    names.push_back(line.substr(2, line.find(' ', 2) - 2));
+  }
+  return names;
+}
+
+}  // namespace
+
+// An unknown flag of a command points to that command's own --help, for every command.
+TEST(Examples, UnknownFlagPointsToTheCommandsHelp) {
+  TempDir dir;
+  ASSERT_EQ(usage_commands(), dcgan_commands());
+  for (const std::string& command : dcgan_commands()) {
+    const auto r = run_dcgan(command + " --nope", dir);
+    EXPECT_EQ(r.status, 2) << command;
+    ASSERT_EQ(r.stderr_lines.size(), 1u) << command << ": " << c10::Join("\n", r.stderr_lines);
+    EXPECT_EQ(r.stderr_lines[0], "hierpar-dcgan: error: unknown flag --nope for 'hierpar-dcgan " + command +
+                                     "' (see hierpar-dcgan " + command + " --help)");
+  }
+}
+
+// The unknown-command line lists every command of the usage, data-speed included.
+TEST(Examples, UnknownCommandListsEveryCommand) {
+  TempDir dir;
+  const auto r = run_dcgan("frobnicate", dir);
+  EXPECT_EQ(r.status, 2);
+  ASSERT_EQ(r.stderr_lines.size(), 1u) << c10::Join("\n", r.stderr_lines);
+  EXPECT_EQ(r.stderr_lines[0], "hierpar-dcgan: error: unknown command 'frobnicate' (train, generate, evaluate, export, "
+                               "plot, tune or data-speed) (see hierpar-dcgan --help)");
+  const std::string& line = r.stderr_lines[0];
+  const size_t open = line.find("' (") + 3;
+  const std::string listed = " " + line.substr(open, line.find(") (see") - open);  // " train, generate, ... data-speed"
+
+  const auto commands = usage_commands();
+  ASSERT_FALSE(commands.empty());
+  for (const std::string& command : commands)
+    EXPECT_NE(listed.find(" " + command), std::string::npos) << command << " is missing from: " << listed;
+  const auto missing = run_dcgan("", dir);
+  EXPECT_EQ(missing.status, 2);
+  ASSERT_EQ(missing.stderr_lines.size(), 1u);
+  EXPECT_EQ(missing.stderr_lines[0], "hierpar-dcgan: error: missing command (train, generate, evaluate, export, plot, "
+                                     "tune or data-speed) (see hierpar-dcgan --help)");
+}
+
+// A run that fails before writing anything removes the --out folders it created, and only those.
+TEST(Examples, FailedRunLeavesNoNewOutFolder) {
+  TempDir dir;
+  const std::string tiny = "train --device cpu --limit 32 --batch-size 16 --image-size 32 --width 0.25 ";
+  fs::create_directories(dir.path / "empty");
+  expect_one_line_error(run_dcgan(tiny + "--data " + (dir / "empty") + " --out " + (dir / "new/a/b"), dir),
+                        "no .png, .jpg or .jpeg images", "bad data");
+  EXPECT_FALSE(fs::exists(dir / "new")) << "bad data left the --out folders behind";
+  expect_one_line_error(run_dcgan(tiny + "--data synthetic --resume --out " + (dir / "new"), dir),
+                        "--resume: no checkpoint at " + (dir / "new/checkpoint.pt"), "nothing to resume");
+  EXPECT_FALSE(fs::exists(dir / "new")) << "--resume without a checkpoint left the --out folder behind";
+  expect_flag_error(run_dcgan(tiny + "--data synthetic --image-size 48 --out " + (dir / "new"), dir),
+                    "--image-size: expected 32, 64 or 128, got 48", "bad flag");
+  EXPECT_FALSE(fs::exists(dir / "new")) << "a bad flag left the --out folder behind";
+  fs::create_directories(dir.path / "existing");
+  expect_one_line_error(run_dcgan(tiny + "--data " + (dir / "empty") + " --out " + (dir / "existing/run"), dir),
+                        "no .png, .jpg or .jpeg images", "bad data into an existing parent");
+  EXPECT_TRUE(fs::is_directory(dir / "existing")) << "a folder that existed before the run was removed";
+  EXPECT_FALSE(fs::exists(dir / "existing/run"));
+  expect_one_line_error(run_dcgan(tiny + "--data " + (dir / "empty") + " --out " + (dir / "existing"), dir),
+                        "no .png, .jpg or .jpeg images", "bad data into an existing --out");
+  EXPECT_TRUE(fs::is_directory(dir / "existing")) << "an --out folder that existed before the run was removed";
+}
+
+namespace {
+
+// A single-process CPU run long enough to be stopped by a signal (epochs of many steps, no checkpoints in them).
+std::string signalled_training(const std::string& out, const std::string& shape) {
+  return "train --device cpu --data synthetic --limit 4096 --batch-size 16 --samples 4 --epochs 100 "
+         "--checkpoint-every 0 " + shape + " --out " + out;
+}
+
+// Starts `args`, sends `signo` once its steps begin, and checks the exit status and the stop line of one process.
+void expect_single_process_stop(int signo, int status, const TempDir& dir) {
+  const std::string out = dir / "run", err = dir / "run.err";
+  const pid_t pid = start_dcgan(signalled_training(out, "--image-size 32 --width 0.25"), err);
+  ASSERT_GT(pid, 0);
+  const bool started = wait_for_line(err, "output: ", std::chrono::seconds(120));
+  ::kill(pid, signo);
+  EXPECT_EQ(wait_for_exit(pid), status) << c10::Join("\n", lines_of_file(err));
+  ASSERT_TRUE(started) << c10::Join("\n", lines_of_file(err));
+  const auto lines = lines_of_file(err);
+  ASSERT_FALSE(lines.empty());
+  const std::string head = "hierpar-dcgan: interrupted: stopped after step ";
+  const std::string tail = "; saved checkpoint " + out + "/checkpoint.pt (--resume continues)";
+  const std::string& last = lines.back();
+  ASSERT_EQ(last.rfind(head, 0), 0u) << last;
+  ASSERT_GT(last.size(), head.size() + tail.size()) << last;
+  const std::string step = last.substr(head.size(), last.size() - head.size() - tail.size());
+  EXPECT_EQ(step.find_first_not_of("0123456789"), std::string::npos) << last;
+  EXPECT_EQ(last.substr(last.size() - tail.size()), tail) << last;
+  for (const auto& line : lines) EXPECT_EQ(line.find("rank"), std::string::npos) << "one process has no ranks: " << line;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint.pt"));
+}
+
+}  // namespace
+
+// A stopped single-process run names its step and checkpoint, no ranks; SIGTERM exits 128 + 15, SIGINT 128 + 2.
+TEST(Examples, SignalStopsASingleProcessRunWithTheShellsStatus) {
+  {
+    TempDir dir;
+    expect_single_process_stop(SIGTERM, 143, dir);
+  }
+  TempDir dir;
+  expect_single_process_stop(SIGINT, 130, dir);
+}
+
+// A second Ctrl-C before any checkpoint was written (--checkpoint-every 0, mid-epoch) says that nothing resumes.
+TEST(Examples, SecondInterruptWithoutACheckpointSaysSo) {
+  TempDir dir;
+  const std::string out = dir / "run", err = dir / "run.err";
+  // Steps of about a second on the CPU: the second signal comes before the first stop's checkpoint.
+  const pid_t pid = start_dcgan(signalled_training(out, "--image-size 64 --width 1"), err);
+  ASSERT_GT(pid, 0);
+  const bool started = wait_for_line(err, "output: ", std::chrono::seconds(120));
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_for_exit(pid), 130) << c10::Join("\n", lines_of_file(err));
+  ASSERT_TRUE(started) << c10::Join("\n", lines_of_file(err));
+  const auto lines = lines_of_file(err);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines.back(), "hierpar-dcgan: second interrupt: exiting at once (no checkpoint was written: this run "
+                          "cannot be resumed)");
+  EXPECT_FALSE(fs::exists(out + "/checkpoint.pt"));
 }
 
 // --resume of a finished run says so and how to go on, trains nothing and exits 0; more --epochs go on.

@@ -22,7 +22,8 @@ std::string format_number(double v) {
   return os.str();
 }
 
-int run_reporting_errors(const std::string& program, const std::function<int()>& body) {
+int run_reporting_errors(const std::string& program, const std::function<int()>& body,
+                         const std::string& help_command) {
   auto first_line = [](std::string s) {
     const auto nl = s.find('\n');
     return nl == std::string::npos ? s : s.substr(0, nl);
@@ -30,7 +31,8 @@ int run_reporting_errors(const std::string& program, const std::function<int()>&
   try {
     return body();
   } catch (const FlagError& e) {
-    std::cerr << program << ": error: " << e.what() << " (see " << program << " --help)\n";
+    std::cerr << program << ": error: " << e.what() << " (see " << (help_command.empty() ? program : help_command)
+              << " --help)\n";
     return 2;
   } catch (const c10::Error& e) {
     std::cerr << program << ": error: " << first_line(e.what_without_backtrace()) << "\n";
@@ -42,6 +44,9 @@ int run_reporting_errors(const std::string& program, const std::function<int()>&
 
 void require_writable_folder(const std::string& flag, const std::string& folder) {
   std::error_code ec;
+  // create_directories would only say "File exists" for a file in the folder's place.
+  if (std::filesystem::exists(folder, ec) && !std::filesystem::is_directory(folder, ec))
+    throw Error(flag + " " + folder + ": is a file, not a folder (give a folder for the output)");
   std::filesystem::create_directories(folder, ec);
   if (ec) throw Error(flag + " " + folder + ": cannot create this folder (" + ec.message() + ")");
   const std::string probe = folder + "/.write-test-" + std::to_string(::getpid());

@@ -19,8 +19,10 @@ struct Error : std::runtime_error {
 };
 
 // Runs body() and turns any exception into one line on stderr: returns body()'s status, 2 for an Error
-// thrown by flag parsing (FlagError), 1 for any other failure.
-int run_reporting_errors(const std::string& program, const std::function<int()>& body);
+// thrown by flag parsing (FlagError), 1 for any other failure. A FlagError's line points to
+// `<help_command> --help` (default: the program's own help; a subcommand passes "<program> <command>").
+int run_reporting_errors(const std::string& program, const std::function<int()>& body,
+                         const std::string& help_command = "");
 
 struct FlagError : Error {
   using Error::Error;

@@ -98,7 +98,7 @@ struct DCGANTrainConfig {
 Config checkpoint_config(const DCGANTrainConfig& config);
 
 // Trains; returns 0, or 130 when should_stop() or a stop signal (RunGuard::install_signal_handlers) ended it
-// early, after the checkpoint. Throws Error for bad input and for a failure, with one line naming the first
+// early, after the checkpoint (143, 128 + SIGTERM, when SIGTERM stopped a single-process run). Throws Error for bad input and for a failure, with one line naming the first
 // failed rank and its cause.
 // Under a launcher (torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) every process calls
 // it with the same flags: each reads its share of the same global batches, and only rank 0 prints and

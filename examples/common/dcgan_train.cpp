@@ -33,6 +33,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include <signal.h>
 #include <unistd.h>
@@ -206,6 +207,30 @@ void write_launcher_error(const std::string& line) {
                       << "}\n";
 }
 
+// The folders of `folder` that do not exist yet (it and its missing parents, innermost first); when the run ends
+// with them still empty (it failed before writing anything), they are removed: a folder that existed stays.
+class NewFolders {
+ public:
+  explicit NewFolders(const std::string& folder) {
+    if (folder.empty()) return;
+    std::error_code ec;
+    for (fs::path p = fs::absolute(folder, ec); !ec && !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+      created_.push_back(p);
+      if (p == p.parent_path()) break;
+    }
+  }
+  NewFolders(const NewFolders&) = delete;
+  NewFolders& operator=(const NewFolders&) = delete;
+  ~NewFolders() {
+    // rmdir removes only empty folders (and std::filesystem::remove_all may be libtorch's broken copy).
+    for (const fs::path& p : created_)
+      if (::rmdir(p.c_str()) != 0) break;
+  }
+
+ private:
+  std::vector<fs::path> created_;
+};
+
 }  // namespace
 
 int train_dcgan(DCGANTrainConfig config) {
@@ -247,6 +272,7 @@ int train_dcgan(DCGANTrainConfig config) {
   state.config = checkpoint_config(config);
   state.history = torch::empty({0, 3});
   // Checked before the (slow) data loading and training, so that a wrong flag or folder costs no work.
+  const NewFolders new_folders(writer ? config.out : std::string());
   if (writer) require_writable_folder("--out", config.out);
   const bool resume = config.resume || (config.resume_auto && fs::exists(checkpoint));
   if (resume) {
@@ -278,6 +304,15 @@ int train_dcgan(DCGANTrainConfig config) {
   guard_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.timeout * 1000));
   guard_options.startup_steps = trainer_options(config, step).startup_steps();
   hs::RunGuard guard(placement.launch, guard_options);
+  // Why the run stopped early; one process has no ranks to name (RunGuard says "SIGINT on rank 0").
+  auto stop_reason = [&] {
+    std::string reason = guard.stop_reason();
+    const std::string rank_0 = " on rank 0";
+    if (!placement.launch.multi_process() && reason.size() > rank_0.size() &&
+        reason.compare(reason.size() - rank_0.size(), rank_0.size(), rank_0) == 0)
+      reason.resize(reason.size() - rank_0.size());
+    return reason;
+  };
   // --memory-snapshot: rank 0 records its devices' allocations from here (the data, the networks, the first steps).
   MemorySnapshot snapshot(writer ? config.memory_snapshot : std::string(), data_device.is_cuda());
   std::unique_ptr<hs::AdversarialTrainer> trainer;
@@ -453,7 +488,7 @@ int train_dcgan(DCGANTrainConfig config) {
         const bool budget_spent = config.max_steps > 0 && state.global_step >= config.max_steps;
         if (config.should_stop && config.should_stop()) guard.request_stop("an interrupt");
         interrupted = guard.end_step(state.global_step);  // the same answer on every rank
-        if (interrupted) say("stopping after step " + std::to_string(state.global_step) + ": " + guard.stop_reason());
+        if (interrupted) say("stopping after step " + std::to_string(state.global_step) + ": " + stop_reason());
         stopped = budget_spent || interrupted;
         if (unread >= config.log_every || stopped || state.epoch_step == steps_per_epoch) {
           flush_losses();
@@ -522,9 +557,17 @@ int train_dcgan(DCGANTrainConfig config) {
     say("done: " + std::to_string(state.global_step) + " steps; loss curve " + config.out + "/loss.png, losses " +
         config.out + "/losses.csv, checkpoint " + checkpoint);
     if (!interrupted) return 0;
-    write_launcher_error("interrupted (" + guard.stop_reason() + "): every rank stopped after step " +
-                         std::to_string(state.global_step) + ", and rank 0 saved " + checkpoint);
-    return 130;
+    const bool multi = placement.launch.multi_process();
+    const std::string reason = stop_reason();
+    const std::string stopped_line = multi ? "every rank stopped after step " + std::to_string(state.global_step) +
+                                                 ", and rank 0 saved the checkpoint " + checkpoint
+                                           : "stopped after step " + std::to_string(state.global_step) +
+                                                 "; saved checkpoint " + checkpoint;
+    write_launcher_error("interrupted (" + reason + "): " + stopped_line);
+    if (!config.quiet) std::cerr << "hierpar-dcgan: interrupted: " << stopped_line << " (--resume continues)\n";
+    // 128 + the signal, as a shell reports one; multi-rank runs keep 130 for every rank (what their launchers and
+    // tests expect whichever rank got the signal).
+    return !multi && reason.rfind("SIGTERM", 0) == 0 ? 128 + SIGTERM : 130;
   } catch (const std::exception& e) {
     const std::string line = guard.fail(e);
     // Its process groups may wait on dead peers (ProcessGroupNCCL's destructor joins its watchdog, Gloo's its

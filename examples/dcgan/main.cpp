@@ -25,13 +25,22 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <signal.h>
+#include <unistd.h>
 
 namespace {
 
@@ -147,6 +156,43 @@ bool resolve_run_flags(DCGANTrainConfig& config, const RunFlags& run, bool allow
   return false;
 }
 
+// A second stop signal exits at once: RunGuard's own line promises a checkpoint, which a run may not have written
+// yet (--checkpoint-every 0), so this handler, in front of RunGuard's, says which it is.
+char g_checkpoint[4096] = "";
+bool g_single_process = true;
+std::atomic<int> g_stop_signals{0};
+struct sigaction g_guard_action {};
+
+extern "C" void on_train_stop_signal(int signo) {
+  if (g_stop_signals.fetch_add(1) == 0) {
+    g_guard_action.sa_handler(signo);  // the first: RunGuard stops every rank after one agreed step
+    return;
+  }
+  static const char kHead[] = "hierpar-dcgan: second interrupt: exiting at once ";
+  static const char kSaved[] = "(the last checkpoint written resumes)\n";
+  static const char kNone[] = "(no checkpoint was written: this run cannot be resumed)\n";
+  const bool saved = ::access(g_checkpoint, F_OK) == 0;  // async-signal-safe; checkpoints appear by rename
+  const ssize_t a = ::write(STDERR_FILENO, kHead, sizeof kHead - 1);
+  const ssize_t b = saved ? ::write(STDERR_FILENO, kSaved, sizeof kSaved - 1)
+                          : ::write(STDERR_FILENO, kNone, sizeof kNone - 1);
+  (void)a;
+  (void)b;
+  // 128 + the signal, the shell's convention; multi-rank runs keep RunGuard's 130 (their launchers' tests expect it).
+  ::_exit(g_single_process ? 128 + signo : 130);
+}
+
+void install_stop_signal_handlers(const std::string& out) {
+  hierpar::strategy::RunGuard::install_signal_handlers("hierpar-dcgan");
+  std::snprintf(g_checkpoint, sizeof g_checkpoint, "%s/checkpoint.pt", out.c_str());
+  g_single_process = !hierpar::strategy::Launch::from_env().multi_process();
+  struct sigaction action {};
+  action.sa_handler = on_train_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGINT, &action, &g_guard_action);
+  ::sigaction(SIGTERM, &action, nullptr);
+}
+
 int train(int argc, char** argv) {
   DCGANTrainConfig config;
   RunFlags run;
@@ -206,18 +252,13 @@ int train(int argc, char** argv) {
     std::cout << "train: --batch-size auto chose " << config.batch_size << " (the least epoch time measured)\n";
   }
   // The first SIGINT/SIGTERM stops every rank after one agreed step, with a checkpoint; a second exits at once.
-  hierpar::strategy::RunGuard::install_signal_handlers("hierpar-dcgan");
+  install_stop_signal_handlers(config.out);
   // c10d warns, with a backtrace, about every store connection that a stopping or dead peer closes; the run says
   // what failed in its own line. TORCH_CPP_LOG_LEVEL still chooses.
   if (std::getenv("TORCH_CPP_LOG_LEVEL") == nullptr && hierpar::strategy::Launch::from_env().multi_process()) {
     FLAGS_caffe2_log_level = std::max(FLAGS_caffe2_log_level, 2);  // errors only
   }
-  const int status = train_dcgan(config);
-  if (status == 130) {
-    std::cerr << "hierpar-dcgan: interrupted: every rank stopped after the same step, and rank 0 saved the checkpoint "
-                 "(--resume continues)\n";
-  }
-  return status;
+  return train_dcgan(config);
 }
 
 int tune(int argc, char** argv) {
@@ -385,22 +426,25 @@ int export_generator(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every command: dispatch, the unknown-command line and the help a flag error points to all come from here.
+  const std::vector<std::pair<std::string, int (*)(int, char**)>> commands{
+      {"train", train},     {"generate", generate}, {"evaluate", evaluate},     {"export", export_generator},
+      {"plot", plot},       {"tune", tune},         {"data-speed", data_speed}};
+  const std::string command = argc > 1 ? argv[1] : "";
+  const auto found = std::find_if(commands.begin(), commands.end(), [&](const auto& c) { return c.first == command; });
+  const std::string help = found != commands.end() ? "hierpar-dcgan " + command : "hierpar-dcgan";
   const int status = run_reporting_errors("hierpar-dcgan", [&]() -> int {
-    const std::string command = argc > 1 ? argv[1] : "";
-    if (command == "train") return train(argc, argv);
-    if (command == "generate") return generate(argc, argv);
-    if (command == "export") return export_generator(argc, argv);
-    if (command == "plot") return plot(argc, argv);
-    if (command == "tune") return tune(argc, argv);
-    if (command == "evaluate") return evaluate(argc, argv);
-    if (command == "data-speed") return data_speed(argc, argv);
+    if (found != commands.end()) return found->second(argc, argv);
     if (command == "--help" || command == "-h") {
       std::cout << kUsage;
       return 0;
     }
-    throw FlagError(command.empty() ? "missing command (train, tune, evaluate, generate, export or plot)"
-                                    : "unknown command '" + command + "' (train, tune, evaluate, generate, export or plot)");
-  });
+    std::string names;
+    for (size_t i = 0; i < commands.size(); ++i)
+      names += (i == 0 ? "" : i + 1 == commands.size() ? " or " : ", ") + commands[i].first;
+    throw FlagError(command.empty() ? "missing command (" + names + ")"
+                                    : "unknown command '" + command + "' (" + names + ")");
+  }, help);
   // After a failure, threads may still wait on peers that are gone (a failed run leaves its process groups and
   // any hung replica behind): the line is printed, so the process ends now instead of in their destructors.
   hierpar::strategy::RunGuard::exiting();
