@@ -15,6 +15,8 @@
 #include <iomanip>
 #include <sstream>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 namespace hierpar::examples {
@@ -63,6 +65,23 @@ models::SeedCNN train_classifier(const std::string& dir, std::ostream& log) {
   return model;
 }
 
+// Holds an exclusive lock on `path` (created if missing) while it lives, so that programs started together (a test
+// suite's processes, two runs) train the classifier once: the others wait, then load what the first saved.
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path) : fd_(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)) {
+    if (fd_ >= 0) ::flock(fd_, LOCK_EX);  // without a lock file (read-only folder) each program trains its own
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing releases the lock
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  int fd_;
+};
+
 }  // namespace
 
 std::string default_classifier_cache() {
@@ -75,6 +94,9 @@ std::string default_classifier_cache() {
 models::SeedCNN fashion_mnist_classifier(const std::string& fashion_mnist_dir, const std::string& cache,
                                          std::ostream& log) {
   models::SeedCNN model(LayerSet::stock);
+  std::error_code ignored;
+  fs::create_directories(fs::path(cache).parent_path(), ignored);
+  const FileLock lock(cache + ".lock");
   if (fs::exists(cache)) {
     try {
       torch::load(model, cache);
