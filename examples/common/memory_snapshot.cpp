@@ -27,7 +27,8 @@ MemorySnapshot::MemorySnapshot(std::string path, bool cuda) : path_(std::move(pa
   setenv("TORCH_SYMBOLIZE_MODE", "dladdr", /*overwrite=*/0);
   // The allocator's per-device state exists once CUDA has started: recording set before would reach no device.
   at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
-  torch::cuda::_record_memory_history(std::optional<std::string>("all"), std::optional<std::string>("all"), "cpp");
+  // stacks "all": torch's recorder takes "python" or "all"; in a program without Python, "all" gathers the C++ frames.
+  torch::cuda::_record_memory_history(std::optional<std::string>("all"), std::optional<std::string>("all"), "all");
   recording_ = true;
 #else
   throw FlagError("--memory-snapshot: this build of hierpar has no CUDA");
