@@ -21,8 +21,10 @@ TEST(Examples, ImageGridAndLossPlotArePngs) {
   ASSERT_NE(pixels, nullptr);
   stbi_image_free(pixels);
   const int columns = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(n))));
-  EXPECT_EQ(w, columns * 18 + 2);
-  EXPECT_EQ(h, static_cast<int>((n + columns - 1) / columns) * 18 + 2);
+  const int grid_w = columns * 18 + 2, scale = (512 + grid_w - 1) / grid_w;  // enlarged to 512 px or more
+  EXPECT_EQ(w, scale * grid_w);
+  EXPECT_EQ(h, scale * (static_cast<int>((n + columns - 1) / columns) * 18 + 2));
+  EXPECT_GE(w, 512);
   EXPECT_EQ(c, 3);
   write_line_plot({{"loss", {3, 2, 1.5, 1.2}, {255, 0, 0}}}, "step", dir / "plot.png", 300, 200);
   pixels = stbi_load((dir / "plot.png").c_str(), &w, &h, &c, 0);
@@ -32,6 +34,28 @@ TEST(Examples, ImageGridAndLossPlotArePngs) {
   for (int i = 0; i < w * h; ++i) red += pixels[i * 3] == 255 && pixels[i * 3 + 1] == 0;
   stbi_image_free(pixels);
   EXPECT_GT(red, 100u) << "the curve was drawn";
+}
+
+// Axis ticks are round (multiples of 1, 2 or 5 x 10^k), cover the data and start at 0 or above for data that does.
+TEST(Examples, PlotTicksAreRoundAndCoverTheData) {
+  for (int trial = 0; trial < 200; ++trial) {
+    const double scale = std::pow(10.0, rand_int(-4, 4));
+    const double lo = (trial % 2 ? 0.0 : -1.0) * rand_int(0, 50) * scale / 10 + rand_int(0, 30) * scale / 10;
+    const double hi = lo + rand_int(1, 100) * scale / 10;
+    const auto ticks = round_ticks(lo, hi);
+    ASSERT_GE(ticks.size(), 2u);
+    EXPECT_LE(ticks.size(), 7u) << lo << " .. " << hi;
+    EXPECT_LE(ticks.front(), lo + 1e-9 * scale);
+    EXPECT_GE(ticks.back(), hi - 1e-9 * scale);
+    if (lo >= 0) EXPECT_GE(ticks.front(), -1e-12) << lo << " .. " << hi;
+    const double step = ticks[1] - ticks[0];
+    const double mantissa = step / std::pow(10.0, std::floor(std::log10(step) + 1e-9));
+    EXPECT_TRUE(std::abs(mantissa - 1) < 1e-6 || std::abs(mantissa - 2) < 1e-6 || std::abs(mantissa - 5) < 1e-6)
+        << "step " << step;
+    for (size_t i = 1; i < ticks.size(); ++i) EXPECT_NEAR(ticks[i] - ticks[i - 1], step, 1e-9 * step);
+  }
+  // The loss plot's case: losses between 0.3 and 5.86 get 0, 2, 4, 6, never an axis below 0.
+  EXPECT_EQ(round_ticks(0.3, 5.86), (std::vector<double>{0, 2, 4, 6}));
 }
 
 TEST(Examples, FlagsGiveOneLineErrors) {

@@ -67,16 +67,16 @@ struct Canvas {
 
 std::string format_tick(double v) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, std::abs(v) >= 1000 ? "%.0f" : "%.3g", v);
+  if (std::abs(v) < 1e-12) v = 0;  // a multiple of the step that rounding left a hair away from 0
+  std::snprintf(buf, sizeof buf, std::abs(v) >= 1000 ? "%.0f" : "%.4g", v);
   return buf;
 }
 
-// Horizontal grid lines at fifths of [lo, hi] (to_y: a value's pixel row), each labelled left of the y axis.
+// Horizontal grid lines at `ticks` (to_y: a value's pixel row), each labelled left of the y axis.
 template <typename ToY>
-void draw_y_grid(Canvas& canvas, int left, int plot_w, double lo, double hi, ToY to_y) {
+void draw_y_grid(Canvas& canvas, int left, int plot_w, const std::vector<double>& ticks, ToY to_y) {
   const std::array<uint8_t, 3> black{0, 0, 0}, grey{225, 225, 225};
-  for (int t = 0; t <= 4; ++t) {
-    const double v = lo + (hi - lo) * t / 4;
+  for (double v : ticks) {
     const int y = static_cast<int>(std::lround(to_y(v)));
     canvas.rect(left, y, left + plot_w, y + 1, grey);
     const auto label = format_tick(v);
@@ -98,6 +98,21 @@ void draw_legend(Canvas& canvas, const std::vector<PlotSeries>& series, int righ
 
 }  // namespace
 
+std::vector<double> round_ticks(double lo, double hi, int max_ticks) {
+  if (!(hi > lo)) hi = lo + 1;
+  max_ticks = std::max(max_ticks, 2);
+  const double raw = (hi - lo) / (max_ticks - 1);
+  const double decade = std::pow(10.0, std::floor(std::log10(raw)));
+  double step = decade;
+  for (double m : {1.0, 2.0, 5.0, 10.0}) {
+    step = m * decade;
+    if (std::ceil(hi / step - 1e-9) - std::floor(lo / step + 1e-9) + 1 <= max_ticks) break;
+  }
+  std::vector<double> ticks;
+  for (double k = std::floor(lo / step + 1e-9); k <= std::ceil(hi / step - 1e-9); ++k) ticks.push_back(k * step);
+  return ticks;
+}
+
 void write_image_grid(const torch::Tensor& images, const std::string& path, int64_t columns) {
   TORCH_CHECK(images.dim() == 4 && (images.size(1) == 1 || images.size(1) == 3) && images.size(0) > 0,
               "write_image_grid: expected images [N, 1 or 3, H, W], got ", images.sizes());
@@ -112,6 +127,10 @@ void write_image_grid(const torch::Tensor& images, const std::string& path, int6
         .slice(1, pad + col * (w + pad), pad + col * (w + pad) + w)
         .copy_(pixels[i].permute({1, 2, 0}));
   }
+  // Small images (a 64-image grid of 32x32 samples is 274 px) are enlarged by a whole factor, each pixel a square,
+  // to at least kMinGridWidth px across, so that a viewer shows them without its own blurring.
+  const int64_t scale = std::max<int64_t>(1, (kMinGridWidth + grid.size(1) - 1) / grid.size(1));
+  if (scale > 1) grid = grid.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
   write_png(path, static_cast<int>(grid.size(1)), static_cast<int>(grid.size(0)), static_cast<int>(c),
             grid.contiguous().data_ptr<uint8_t>());
 }
@@ -149,18 +168,18 @@ void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x
   }
   if (!std::isfinite(lo)) lo = 0, hi = 1;
   if (hi - lo < 1e-9) lo -= 0.5, hi += 0.5;
-  const double margin = 0.05 * (hi - lo);
-  lo -= margin;
-  hi += margin;
+  const std::vector<double> y_ticks = round_ticks(lo, hi);
+  lo = y_ticks.front();
+  hi = y_ticks.back();
   const std::array<uint8_t, 3> black{0, 0, 0};
   auto to_x = [&](double i) { return left + (count > 1 ? (i - 1) / (count - 1) : 0.5) * plot_w; };
   auto to_y = [&](double v) { return top + (hi - v) / (hi - lo) * plot_h; };
-  draw_y_grid(canvas, left, plot_w, lo, hi, to_y);
-  for (int t = 0; t <= 4 && count > 0; ++t) {  // x ticks
-    const double i = 1 + (static_cast<double>(count) - 1) * t / 4;
+  draw_y_grid(canvas, left, plot_w, y_ticks, to_y);
+  for (double i : round_ticks(1, static_cast<double>(std::max<size_t>(count, 2)), 8)) {  // x ticks inside 1..count
+    if (count == 0 || i < 1 || i > static_cast<double>(count)) continue;
     const int x = static_cast<int>(std::lround(to_x(i)));
     canvas.rect(x, top + plot_h, x + 1, top + plot_h + 4, black);
-    const auto label = format_tick(std::round(i));
+    const auto label = format_tick(i);
     canvas.text(x - Canvas::text_width(label) / 2, top + plot_h + 7, label, black);
   }
   canvas.rect(left, top, left + 1, top + plot_h + 1, black);
@@ -209,10 +228,11 @@ void write_bar_chart(const std::vector<BarGroup>& groups, const std::vector<Plot
     for (double v : g.values)
       if (std::isfinite(v)) hi = std::max(hi, v);
   if (hi <= 0) hi = 1;
-  hi *= 1.12;  // room for the value labels
+  const std::vector<double> y_ticks = round_ticks(0.0, hi * 1.12);  // room for the value labels
+  hi = y_ticks.back();
   const std::array<uint8_t, 3> black{0, 0, 0};
   auto to_y = [&](double v) { return static_cast<int>(std::lround(top + (hi - v) / hi * plot_h)); };
-  draw_y_grid(canvas, left, plot_w, 0.0, hi, to_y);
+  draw_y_grid(canvas, left, plot_w, y_ticks, to_y);
   const double group_w = static_cast<double>(plot_w) / groups.size();
   const double bar_w = group_w * 0.8 / series.size();
   for (size_t g = 0; g < groups.size(); ++g) {

@@ -13,6 +13,8 @@ namespace hierpar::examples {
 
 // Writes float images [N, C, H, W] (C = 1 or 3) with values in [-1, 1] as one PNG: a grid of `columns`
 // (0: ceil(sqrt(N))) with a 2-pixel border. Creates missing parent folders. Throws Error on failure.
+// Grids narrower than kMinGridWidth pixels are enlarged by the smallest whole factor that reaches it.
+constexpr int64_t kMinGridWidth = 512;
 void write_image_grid(const torch::Tensor& images, const std::string& path, int64_t columns = 0);
 
 struct PlotSeries {
@@ -32,7 +34,13 @@ std::vector<std::string> plot_runs(const std::vector<std::pair<std::string, std:
                                    const RunSeriesReader& add, const std::string& x_label, const std::string& y_label,
                                    const std::string& output);
 
-// A line plot of the series against their index, with axes, tick labels, axis labels and a legend, as a PNG.
+// Round tick values for an axis covering [lo, hi]: the multiples of one step of 1, 2 or 5 x 10^k, at most
+// `max_ticks` of them, from the last multiple at or below lo to the first at or above hi (so an axis drawn from the
+// first tick to the last holds the data and starts at 0 for data that does).
+std::vector<double> round_ticks(double lo, double hi, int max_ticks = 6);
+
+// A line plot of the series against their index, with axes on round ticks from the data's own range, tick labels,
+// axis labels and a legend, as a PNG.
 // Series longer than the plot is wide are averaged per pixel column.
 void write_line_plot(const std::vector<PlotSeries>& series, const std::string& x_label, const std::string& path,
                      int width = 720, int height = 420, const std::string& y_label = "");
