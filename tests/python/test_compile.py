@@ -144,17 +144,12 @@ def compiled_steps(model, inputs, upstreams):
     torch._dynamo.reset()
     counters.clear()
     backend = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=backend)
-    results = []
-    for x, upstream in zip(inputs, upstreams):
-        x = x.clone().requires_grad_()
-        out = compiled(x)
-        out.backward(upstream)
-        results.append((out.detach(), x.grad))
+    results = eager_steps(torch.compile(model, backend=backend), inputs, upstreams)
     return backend.frame_count, sum(counters["graph_break"].values()), backend.graphs, results
 
 
 def eager_steps(model, inputs, upstreams):
+    """One forward and backward of `model` per input: [(output, grad_input)]."""
     results = []
     for x, upstream in zip(inputs, upstreams):
         x = x.clone().requires_grad_()
